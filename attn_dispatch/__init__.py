@@ -1,0 +1,23 @@
+"""attn-dispatch: pick the attention engine for each call, and say why."""
+from __future__ import annotations
+
+from .decision import Decision, NoBackendAvailableError, Reason, Verdict
+from .env import EnvFlags
+from .params import AttentionParams
+from .platform import Platform
+from .selection import clear_cache, explain, preference_order, select
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionParams", "Decision", "DotProductAttention", "EnvFlags", "NoBackendAvailableError", "Platform",
+    "Reason", "Verdict", "clear_cache", "explain", "preference_order", "select", "__version__",
+]
+
+
+def __getattr__(name: str):  # the module imports torch; keep `import attn_dispatch` light for the CLI
+    if name == "DotProductAttention":
+        from .module import DotProductAttention
+
+        return DotProductAttention
+    raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")

@@ -1,0 +1,111 @@
+"""The engine interface every backend implements, and the autograd glue shared by all of them.
+
+Conventions (all engines):
+- q, k, v arrive in the call's qkv_format with a separate heads dim: bshd [b, s, h, d], sbhd [s, b, h, d],
+  thd [t, h, d]. The output has the same format with head dim d_v (the module flattens heads).
+- lse is the natural-log log-sum-exp of the scaled (and biased) scores over the keys a row attends to,
+  float32: [b, h, sq] for bshd/sbhd, [h, t_q] for thd. With softmax_type 'off-by-one'/'learnable' the sink
+  term is included. A fully masked row has lse = -inf and output 0 (never NaN).
+- Engines expose a functional forward/backward pair so that context parallelism can call them per block,
+  and backward accepts a global (merged) out/lse, as FlashAttention's backward does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Static description of a call; hashable, so engines may key compiled graphs/kernels on it."""
+
+    qkv_format: str = "bshd"
+    attn_mask_type: str = "no_mask"
+    window_size: tuple[int, int] = (-1, -1)  # already normalised (causal => right == 0)
+    softmax_scale: float = 1.0
+    dropout_p: float = 0.0
+    bias_type: str = "no_bias"       # no_bias | pre_scale_bias | post_scale_bias | alibi
+    softmax_type: str = "vanilla"    # vanilla | off-by-one | learnable
+    deterministic: bool = False
+    return_max_logit: bool = False
+
+
+@dataclass
+class AttnAux:
+    """Per-call tensors and sizes besides q, k, v."""
+
+    cu_seqlens_q: torch.Tensor | None = None         # int32 [b+1], real tokens (thd / padding masks)
+    cu_seqlens_kv: torch.Tensor | None = None
+    cu_seqlens_q_padded: torch.Tensor | None = None  # int32 [b+1], where each sequence starts in a thd tensor
+    cu_seqlens_kv_padded: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_kv: int = 0
+    attention_mask: torch.Tensor | None = None  # bool, True = masked out (Transformer Engine's convention)
+    bias: torch.Tensor | None = None            # [1|b, 1|h, sq, skv]
+    alibi_slopes: torch.Tensor | None = None     # fp32 [h] or [b, h]
+    softmax_offset: torch.Tensor | None = None   # fp32 [h]: the learnable sink logit
+    dropout_generator: torch.Generator | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class FwdResult(NamedTuple):
+    out: torch.Tensor
+    lse: torch.Tensor
+    state: Any = None  # what the engine keeps for backward (e.g. a dropout seed/offset)
+    max_logit: torch.Tensor | None = None  # [h] when cfg.return_max_logit
+
+
+class BwdResult(NamedTuple):
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: torch.Tensor | None = None
+    dsoftmax_offset: torch.Tensor | None = None
+
+
+class Engine:
+    """Base class. Subclasses set family/provider and implement forward/backward."""
+
+    family: str = ""
+    provider: str = ""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        raise NotImplementedError
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        raise NotImplementedError
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                 cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Differentiable attention: (out, lse, max_logit). Gradients flow to q, k, v, bias and the sink."""
+        out, lse, max_logit = _EngineFunction.apply(self, aux, cfg, q, k, v, aux.bias, aux.softmax_offset)
+        return out, lse, max_logit
+
+
+class _EngineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine: Engine, aux: AttnAux, cfg: AttnConfig, q, k, v, bias, softmax_offset):  # noqa: D401
+        result = engine.forward(q, k, v, aux, cfg)
+        ctx.engine, ctx.aux, ctx.cfg, ctx.state = engine, aux, cfg, result.state
+        ctx.save_for_backward(q, k, v, result.out, result.lse)
+        ctx.mark_non_differentiable(result.lse)
+        if result.max_logit is not None:
+            ctx.mark_non_differentiable(result.max_logit)
+        return result.out, result.lse, result.max_logit
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dmax_logit):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = ctx.engine.backward(dout.contiguous() if not dout.is_contiguous() else dout,
+                                    q, k, v, out, lse, ctx.state, ctx.aux, ctx.cfg)
+        aux = ctx.aux
+        dbias = grads.dbias if aux.bias is not None and aux.bias.requires_grad else None
+        dsink = grads.dsoftmax_offset if aux.softmax_offset is not None and aux.softmax_offset.requires_grad else None
+        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, dsink
+
+
+class EngineUnavailableError(RuntimeError):
+    """An engine's package failed to load at run time (the platform probe saw it, but the import broke)."""

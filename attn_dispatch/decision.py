@@ -1,0 +1,103 @@
+"""Decision, Verdict, Reason: what selection concluded and why. Also what explain() returns."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Reason(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    code: str
+    message: str
+    fix: str | None = None
+    source: str = ""
+
+
+class Verdict(BaseModel):
+    backend: str   # family, e.g. 'flash_attn_2'
+    provider: str  # e.g. 'torch' (the FA2 kernels vendored in torch)
+    eligible: bool
+    reasons: list[Reason] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    detail: dict[str, Any] = Field(default_factory=dict)  # e.g. cuDNN's sub-backend
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}:{self.provider}"
+
+    def has(self, code: str) -> bool:
+        return any(r.code == code for r in self.reasons)
+
+
+class Decision(BaseModel):
+    chosen: str | None = None           # provider id 'family:provider', None when nothing qualifies
+    policy: str = "order"
+    forced: str | None = None           # what the user forced, and through what
+    forced_by: str | None = None
+    order: list[str] = Field(default_factory=list)  # families in preference order for this platform
+    order_reason: str = ""
+    verdicts: list[Verdict] = Field(default_factory=list)
+    params: dict[str, Any] = Field(default_factory=dict)
+    platform: dict[str, Any] = Field(default_factory=dict)
+    params_text: str = ""
+    platform_text: str = ""
+
+    @property
+    def backend(self) -> str | None:
+        """The chosen family ('cudnn_fused'), or None."""
+        return self.chosen.partition(":")[0] if self.chosen else None
+
+    @property
+    def provider(self) -> str | None:
+        return self.chosen.partition(":")[2] if self.chosen else None
+
+    @property
+    def ok(self) -> bool:
+        return self.chosen is not None
+
+    def verdict(self, backend: str, provider: str | None = None) -> Verdict:
+        """The verdict of a family (its first eligible provider, else its first) or of one provider."""
+        matches = [v for v in self.verdicts if v.backend == backend and (provider is None or v.provider == provider)]
+        if not matches:
+            raise KeyError(f"no verdict for backend {backend!r}{f' provider {provider!r}' if provider else ''}; "
+                           f"known: {', '.join(v.id for v in self.verdicts)}")
+        return next((v for v in matches if v.eligible), matches[0])
+
+    def reasons(self, backend: str) -> list[Reason]:
+        """Every reason across the family's providers."""
+        return [r for v in self.verdicts if v.backend == backend for r in v.reasons]
+
+    def summary(self, *, width: int = 100) -> str:
+        from .report import render_decision
+
+        return render_decision(self, width=width)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class NoBackendAvailableError(RuntimeError):
+    """Nothing qualifies (or the forced backend does not). Carries the Decision; the message has every reason."""
+
+    def __init__(self, decision: Decision):
+        self.decision = decision
+        super().__init__(_error_message(decision))
+
+
+def _error_message(decision: Decision) -> str:
+    if decision.forced:
+        head = (f"The backend forced by {decision.forced_by} ({decision.forced}) cannot run this attention call; "
+                "nothing falls back silently.")
+    else:
+        head = "No attention backend can run this attention call."
+    lines = [head, f"  call: {decision.params_text}", f"  platform: {decision.platform_text}"]
+    for v in decision.verdicts:
+        if v.eligible:
+            lines.append(f"  {v.id}: eligible (not forced)")
+            continue
+        lines.append(f"  {v.id}:")
+        for r in v.reasons:
+            lines.append(f"    - [{r.code}] {r.message}" + (f" Fix: {r.fix}" if r.fix else ""))
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""AttentionParams: everything a constraint may look at, for one attention call.
+
+Frozen and hashable with a precomputed hash, so that it can key the decision cache cheaply.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+QKV_FORMATS = ("bshd", "sbhd", "thd")
+MASK_TYPES = (
+    "no_mask",
+    "padding",
+    "causal",
+    "causal_bottom_right",
+    "padding_causal",
+    "padding_causal_bottom_right",
+    "arbitrary",
+)
+BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss")
+ALIBI_SLOPE_SHAPES = ("h", "bh")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+DEVICE_TYPES = ("cuda", "cpu")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "fp8")
+DTYPE_ALIASES = {
+    "fp16": "float16", "half": "float16", "float16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp32": "float32", "float": "float32", "float32": "float32",
+    "fp64": "float64", "double": "float64", "float64": "float64",
+    "fp8": "fp8", "float8": "fp8",
+}
+UNBOUNDED = -1
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """'bf16', 'bfloat16' or torch.bfloat16 -> 'bfloat16'."""
+    name = str(dtype).removeprefix("torch.")
+    if name.startswith("float8"):
+        return "fp8"
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {', '.join(DTYPE_ALIASES)}")
+    return DTYPE_ALIASES[name]
+
+
+def is_causal(mask_type: str) -> bool:
+    return "causal" in mask_type
+
+
+def is_bottom_right(mask_type: str) -> bool:
+    return mask_type.endswith("bottom_right")
+
+
+def has_padding(mask_type: str) -> bool:
+    return mask_type.startswith("padding")
+
+
+def normalize_window(window_size: tuple[int, int] | None, mask_type: str) -> tuple[int, int]:
+    """Transformer Engine's convention: (left, right), -1 unbounded; causal forces right = 0."""
+    if window_size is None:
+        window = (UNBOUNDED, UNBOUNDED)
+    else:
+        if len(window_size) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+            raise ValueError(f"window_size={window_size!r} must be a pair of ints (left, right), -1 meaning unbounded")
+        window = (int(window_size[0]), int(window_size[1]))
+        for side, w in zip(("left", "right"), window):
+            if w < UNBOUNDED:
+                raise ValueError(f"window_size={window_size!r}: {side}={w} must be >= 0, or -1 for unbounded")
+    if is_causal(mask_type):
+        if window[1] not in (0, UNBOUNDED):
+            raise ValueError(
+                f"window_size={window_size!r} with attn_mask_type={mask_type!r}: a causal mask needs right=0 or -1"
+            )
+        window = (window[0], 0)
+    return window
+
+
+@dataclass(frozen=True, eq=True)
+class AttentionParams:
+    """One attention call, described. Build it with keywords; unknown values raise ValueError."""
+
+    dtype: str = "bfloat16"
+    qkv_format: str = "bshd"
+    batch_size: int = 1
+    num_heads: int = 16
+    num_gqa_groups: int | None = None  # kv heads; None means num_heads (MHA)
+    head_dim_qk: int = 128
+    head_dim_v: int | None = None  # None means head_dim_qk
+    max_seqlen_q: int = 1024
+    max_seqlen_kv: int | None = None  # None means max_seqlen_q
+    attn_mask_type: str = "no_mask"
+    window_size: tuple[int, int] | None = None
+    bias_type: str = "no_bias"
+    bias_shape: str | None = None  # for pre/post_scale_bias
+    bias_requires_grad: bool = False
+    alibi_slopes_shape: str | None = None  # 'h' or 'bh' when bias_type == 'alibi'
+    dropout: float = 0.0
+    softmax_type: str = "vanilla"
+    return_max_logit: bool = False
+    is_training: bool = True
+    deterministic: bool = False
+    fp8: bool = False
+    cp_size: int = 1
+    cp_comm_type: str = "p2p"
+    pad_between_seqs: bool = False
+    inference_kv_cache: bool = False
+    device_type: str = "cuda"
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "dtype", canonical_dtype(self.dtype))
+        if self.num_gqa_groups is None:
+            set_(self, "num_gqa_groups", self.num_heads)
+        if self.head_dim_v is None:
+            set_(self, "head_dim_v", self.head_dim_qk)
+        if self.max_seqlen_kv is None:
+            set_(self, "max_seqlen_kv", self.max_seqlen_q)
+        if self.window_size is not None and not isinstance(self.window_size, tuple):
+            set_(self, "window_size", tuple(self.window_size))
+        self._validate()
+        set_(self, "window_size", normalize_window(self.window_size, self.attn_mask_type))
+        if self.bias_type == "alibi" and self.alibi_slopes_shape is None:
+            set_(self, "alibi_slopes_shape", "h")
+        set_(self, "_hash", hash(dataclasses.astuple(self)[:-1]))
+
+    def _validate(self) -> None:
+        _choice("qkv_format", self.qkv_format, QKV_FORMATS)
+        _choice("attn_mask_type", self.attn_mask_type, MASK_TYPES)
+        _choice("core_attention_bias_type", self.bias_type, BIAS_TYPES)
+        _choice("softmax_type", self.softmax_type, SOFTMAX_TYPES)
+        _choice("cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
+        _choice("device_type", self.device_type, DEVICE_TYPES)
+        for name in ("batch_size", "num_heads", "num_gqa_groups", "head_dim_qk", "head_dim_v",
+                     "max_seqlen_q", "max_seqlen_kv", "cp_size"):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_gqa_groups:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_gqa_groups}; "
+                "each kv head must serve a whole number of query heads"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if self.bias_type in ("pre_scale_bias", "post_scale_bias"):
+            _choice("bias_shape", self.bias_shape, BIAS_SHAPES)
+        elif self.bias_shape is not None:
+            raise ValueError(f"bias_shape={self.bias_shape!r} given with core_attention_bias_type={self.bias_type!r}")
+        if self.bias_type == "alibi" and self.alibi_slopes_shape is not None:
+            _choice("alibi_slopes_shape", self.alibi_slopes_shape, ALIBI_SLOPE_SHAPES)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    # Derived facts the constraint tables ask for, named once here.
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_gqa_groups
+
+    @property
+    def is_causal(self) -> bool:
+        return is_causal(self.attn_mask_type)
+
+    @property
+    def is_bottom_right(self) -> bool:
+        return is_bottom_right(self.attn_mask_type)
+
+    @property
+    def has_padding(self) -> bool:
+        return has_padding(self.attn_mask_type) or self.qkv_format == "thd"
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """A window narrower than the mask type alone gives ((-1, 0) is plain causal)."""
+        plain = (UNBOUNDED, 0) if self.is_causal else (UNBOUNDED, UNBOUNDED)
+        return self.window_size != plain
+
+    @property
+    def has_bias_tensor(self) -> bool:
+        return self.bias_type in ("pre_scale_bias", "post_scale_bias")
+
+    def replace(self, **changes: Any) -> "AttentionParams":
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values.update(changes)
+        return AttentionParams(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def describe(self) -> str:
+        """One line for logs and error messages."""
+        shape = f"b={self.batch_size} sq={self.max_seqlen_q} skv={self.max_seqlen_kv} h={self.num_heads}"
+        if self.num_gqa_groups != self.num_heads:
+            shape += f" hkv={self.num_gqa_groups}"
+        dims = f"d={self.head_dim_qk}" if self.head_dim_v == self.head_dim_qk else \
+            f"d_qk={self.head_dim_qk} d_v={self.head_dim_v}"
+        extras = [self.attn_mask_type]
+        if self.window_size != (UNBOUNDED, UNBOUNDED) and self.window_size != (UNBOUNDED, 0):
+            extras.append(f"window={self.window_size}")
+        if self.bias_type != "no_bias":
+            extras.append(self.bias_type + (f"[{self.bias_shape}]" if self.bias_shape else ""))
+        if self.dropout:
+            extras.append(f"dropout={self.dropout}")
+        if self.softmax_type != "vanilla":
+            extras.append(f"softmax={self.softmax_type}")
+        if self.cp_size > 1:
+            extras.append(f"cp={self.cp_size}x{self.cp_comm_type}")
+        if self.fp8:
+            extras.append("fp8")
+        extras.append("training" if self.is_training else "inference")
+        return f"{self.dtype} {self.qkv_format} {shape} {dims} {self.device_type} " + " ".join(extras)

@@ -1,0 +1,27 @@
+"""Shared test setup: GPU tests skip cleanly without CUDA; decisions start from a clean cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: see benchmarks/README.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_decision_cache(monkeypatch):
+    from attn_dispatch import selection
+
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FUSED_ATTN_BACKEND",
+                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "ATTN_DISPATCH_BACKEND",
+                 "ATTN_DISPATCH_POLICY", "ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS"):
+        monkeypatch.delenv(name, raising=False)
+    selection.clear_cache()
+    yield
+    selection.clear_cache()
