@@ -1,0 +1,1 @@
+"""CLI subcommands, one module each (see attn_dispatch.cli.COMMANDS)."""

@@ -1,0 +1,26 @@
+"""Which backend would run this call, and why each other backend would not.
+
+Exit status: 0 when a backend qualifies, 1 when none does (or not the forced one), 2 on bad arguments."""
+from __future__ import annotations
+
+import argparse
+
+from ..env import EnvFlags
+from ..selection import explain
+from .common import add_call_arguments, add_platform_argument, params_from, platform_from
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_call_arguments(parser)
+    add_platform_argument(parser)
+    parser.add_argument("--force", default=None, metavar="BACKEND",
+                        help="force a backend ('cudnn_fused' or 'flash_attn_2:torch'), as ATTN_DISPATCH_BACKEND does")
+    parser.add_argument("--json", action="store_true", help="print the Decision as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    platform = platform_from(args)
+    params = params_from(args, platform)
+    decision = explain(params, platform, EnvFlags.from_environ(), force=args.force)
+    print(decision.model_dump_json(indent=2) if args.json else decision.summary())
+    return 0 if decision.ok else 1
