@@ -1,0 +1,36 @@
+import json
+import subprocess
+import sys
+
+from attn_dispatch.cli import main
+
+TE_ARGS = ["explain", "--dtype", "bf16", "--batch", "48", "--seqlen", "16534", "--heads", "18", "--head-dim", "128",
+           "--mask", "causal", "--cp-size", "2", "--cp-comm", "p2p"]
+
+
+def test_explain_what_if_a100_cudnn8(capsys, monkeypatch):
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    code = main(TE_ARGS + ["--platform", "sm80,cudnn=8.9.7,flash-attn=2.4.2"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "16534" in out and "16576" in out and "NONE" in out
+
+
+def test_explain_on_hopper_picks_and_json_is_a_decision(capsys):
+    assert main(TE_ARGS + ["--platform", "h100-cudnn9", "--json"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert decision["chosen"] and decision["params"]["max_seqlen_q"] == 16534
+    assert {v["backend"] for v in decision["verdicts"]} >= {"cudnn_fused", "unfused"}
+
+
+def test_bad_arguments_exit_2_with_a_message(capsys):
+    assert main(["explain", "--heads", "12", "--kv-heads", "5", "--platform", "cpu"]) == 2
+    assert "num_gqa_groups=5" in capsys.readouterr().err
+    assert main(["explain", "--platform", "sm80,cudnn=new"]) == 2
+
+
+def test_platform_command_and_module_entry_point():
+    result = subprocess.run([sys.executable, "-m", "attn_dispatch", "platform", "--platform", "h100-cudnn9"],
+                            capture_output=True, text=True, check=True)
+    assert "sm90" in result.stdout and "cudnn-frontend" in result.stdout and "flash_attn_4:cute" in result.stdout

@@ -1,0 +1,37 @@
+import pytest
+
+from attn_dispatch.env import EnvFlags
+
+
+def test_defaults_allow_everything():
+    f = EnvFlags.from_environ({})
+    assert f.flash_attn and f.fused_attn and f.unfused_attn and f.allow_nondeterministic
+    assert f.forced_backend is None and f.policy == "order" and f.debug_level == 0
+
+
+def test_transformer_engine_meanings():
+    f = EnvFlags.from_environ({"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN_BACKEND": "1",
+                               "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"})
+    assert not f.flash_attn and f.fused_attn
+    assert f.fused_sub_backend_name == "F16_arbitrary_seqlen"
+    assert not f.allow_nondeterministic and f.debug and f.debug_level == 2
+
+
+def test_forced_backend_family_and_provider():
+    f = EnvFlags.from_environ({"ATTN_DISPATCH_BACKEND": "flash_attn_2:torch"})
+    assert (f.forced_family, f.forced_provider) == ("flash_attn_2", "torch")
+    assert EnvFlags.from_environ({"ATTN_DISPATCH_BACKEND": "auto"}).forced_backend is None
+
+
+@pytest.mark.parametrize("name, value, accepted", [
+    ("NVTE_FLASH_ATTN", "yes", "0 or 1"),
+    ("NVTE_FUSED_ATTN_BACKEND", "3", "F16_arbitrary_seqlen"),
+    ("NVTE_DEBUG_LEVEL", "5", "0, 1 or 2"),
+    ("ATTN_DISPATCH_BACKEND", "flash", "cudnn_fused"),
+    ("ATTN_DISPATCH_POLICY", "fastest", "measured"),
+])
+def test_bad_values_name_variable_value_and_accepted(name, value, accepted):
+    with pytest.raises(ValueError) as info:
+        EnvFlags.from_environ({name: value})
+    message = str(info.value)
+    assert name in message and repr(value) in message and accepted in message
