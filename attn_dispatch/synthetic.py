@@ -1,0 +1,104 @@
+"""Random engine inputs built from an AttentionParams: for the probe, the tuner and the benchmarks."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .backends.base import AttnAux, AttnConfig
+from .params import AttentionParams
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}
+
+
+@dataclass
+class SyntheticCall:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    aux: AttnAux
+    cfg: AttnConfig
+    seqlens_q: list[int]   # real tokens per sequence
+    seqlens_kv: list[int]
+
+
+def config_for(params: AttentionParams, softmax_scale: float | None = None) -> AttnConfig:
+    return AttnConfig(
+        qkv_format=params.qkv_format, attn_mask_type=params.attn_mask_type, window_size=params.window_size,
+        softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(params.head_dim_qk),
+        dropout_p=params.dropout if params.is_training else 0.0, bias_type=params.bias_type,
+        softmax_type=params.softmax_type, deterministic=params.deterministic,
+        return_max_logit=params.return_max_logit,
+    )
+
+
+def _lengths(generator: torch.Generator, batch: int, longest: int, ragged: bool) -> list[int]:
+    if not ragged:
+        return [longest] * batch
+    lengths = torch.randint(1, longest + 1, (batch,), generator=generator).tolist()
+    lengths[0] = longest  # the max is reached, as max_seqlen promises
+    return lengths
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", seed: int = 0,
+              requires_grad: bool = True, dtype: torch.dtype | None = None) -> SyntheticCall:
+    """Fresh random q, k, v (and bias, slopes, sink, masks, cu_seqlens) that match `params`."""
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    dtype = dtype or TORCH_DTYPES[params.dtype]
+    b, h, hk = params.batch_size, params.num_heads, params.num_gqa_groups
+    sq, skv, dqk, dv = params.max_seqlen_q, params.max_seqlen_kv, params.head_dim_qk, params.head_dim_v
+    ragged = params.has_padding
+    lens_q = _lengths(generator, b, sq, ragged)
+    lens_kv = _lengths(generator, b, skv, ragged)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    if params.qkv_format == "thd":
+        tq, tk = sum(lens_q), sum(lens_kv)
+        q, k, v = rand(tq, h, dqk), rand(tk, hk, dqk), rand(tk, hk, dv)
+    elif params.qkv_format == "bshd":
+        q, k, v = rand(b, sq, h, dqk), rand(b, skv, hk, dqk), rand(b, skv, hk, dv)
+    else:
+        q, k, v = rand(sq, b, h, dqk), rand(skv, b, hk, dqk), rand(skv, b, hk, dv)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    aux = AttnAux(max_seqlen_q=sq, max_seqlen_kv=skv)
+    if ragged:
+        aux.cu_seqlens_q, aux.cu_seqlens_kv = _cumulative(lens_q, device), _cumulative(lens_kv, device)
+    if params.attn_mask_type == "arbitrary":
+        masked = torch.rand(b, 1, sq, skv, generator=generator) < 0.3
+        masked[..., 0] = False  # every row keeps one key
+        aux.attention_mask = masked.to(device)
+    if params.has_bias_tensor:
+        dims = {"1hss": (1, h), "b1ss": (b, 1), "bhss": (b, h), "11ss": (1, 1)}[params.bias_shape]
+        aux.bias = rand(*dims, sq, skv).requires_grad_(params.bias_requires_grad and requires_grad)
+    if params.bias_type == "alibi":
+        shape = (h,) if params.alibi_slopes_shape == "h" else (b, h)
+        aux.alibi_slopes = (torch.rand(*shape, generator=generator) * 0.5 + 0.01).to(device)
+    if params.softmax_type == "learnable":
+        aux.softmax_offset = torch.randn(h, generator=generator).to(device).requires_grad_(requires_grad)
+    if params.dropout and params.is_training:
+        aux.dropout_generator = None  # engines draw from the default generator of the device
+    return SyntheticCall(q, k, v, aux, config_for(params), lens_q, lens_kv)
+
+
+def cast_call(call: SyntheticCall, dtype: torch.dtype) -> SyntheticCall:
+    """The same call in another dtype (float64 for a reference), as new leaf tensors."""
+    def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.detach().to(dtype if t.is_floating_point() else t.dtype).requires_grad_(t.requires_grad)
+
+    aux = AttnAux(**{**call.aux.__dict__})
+    aux.bias = leaf(call.aux.bias)
+    aux.softmax_offset = leaf(call.aux.softmax_offset)
+    aux.alibi_slopes = call.aux.alibi_slopes.detach().double() if call.aux.alibi_slopes is not None else None
+    return SyntheticCall(leaf(call.q), leaf(call.k), leaf(call.v), aux, call.cfg, call.seqlens_q, call.seqlens_kv)
