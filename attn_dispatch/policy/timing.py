@@ -1,0 +1,256 @@
+"""Time one engine on synthetic random inputs built from AttentionParams.
+
+On the GPU each repetition sits between two CUDA events, after warm-up (which also absorbs JIT compilation);
+the result is the median. On the CPU, time.perf_counter around each repetition. Engines are called through
+their functional forward/backward pair under no_grad, the context autograd runs them in.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..params import AttentionParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..backends.base import AttnAux, AttnConfig, Engine
+
+MODES = ("fwd", "fwd_bwd")
+BACKWARD_FLOP_FACTOR = 2.5  # backward ~ 2.5x forward flops (FlashAttention's accounting): fwd+bwd = 3.5x fwd
+
+
+@dataclass(frozen=True)
+class TimerSettings:
+    """warmup calls (untimed), then at least `reps` timed ones, more (up to max_reps) until target_ms is covered."""
+
+    warmup: int = 3
+    reps: int = 10
+    max_reps: int = 100
+    target_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        for name in ("warmup", "reps", "max_reps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= {0 if name == 'warmup' else 1}")
+        if self.max_reps < self.reps:
+            raise ValueError(f"max_reps={self.max_reps} must be >= reps={self.reps}")
+        if not self.target_ms >= 0:
+            raise ValueError(f"target_ms={self.target_ms!r} must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    reps: int
+    samples_ms: list[float] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "reps": self.reps}
+
+
+def mode_of(params: AttentionParams) -> str:
+    """What a call costs: forward alone in inference, forward + backward in training."""
+    return "fwd_bwd" if params.is_training else "fwd"
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not supported; expected one of {', '.join(MODES)}")
+    return mode
+
+
+# --- flops ----------------------------------------------------------------------------------------------
+
+def attended_pairs(params: AttentionParams) -> int:
+    """(query, key) pairs one head of one sequence attends to under the mask and window (full-length sequences)."""
+    sq, skv = params.max_seqlen_q, params.max_seqlen_kv
+    left, right = params.window_size
+    if left < 0 and right < 0:
+        return sq * skv
+    # 'causal' aligns the diagonal top-left; every other mask (Transformer Engine's rule) bottom-right
+    offset = 0 if params.attn_mask_type in ("causal", "padding_causal") else skv - sq
+    total = 0
+    for i in range(sq):
+        lo = 0 if left < 0 else max(0, i + offset - left)
+        hi = skv - 1 if right < 0 else min(skv - 1, i + offset + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def attention_flops(params: AttentionParams, mode: str) -> float:
+    """Matmul flops: 2 per multiply-add for QK^T (d_qk) and PV (d_v); backward counted as 2.5x forward."""
+    check_mode(mode)
+    fwd = 2.0 * attended_pairs(params) * (params.head_dim_qk + params.head_dim_v) * params.batch_size \
+        * params.num_heads
+    return fwd * (1.0 + BACKWARD_FLOP_FACTOR) if mode == "fwd_bwd" else fwd
+
+
+# --- synthetic inputs ------------------------------------------------------------------------------------
+
+@dataclass
+class SyntheticCall:
+    q: "torch.Tensor"
+    k: "torch.Tensor"
+    v: "torch.Tensor"
+    aux: "AttnAux"
+    cfg: "AttnConfig"
+    dout: "torch.Tensor | None" = None
+
+
+_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64"}
+
+
+def device_for(params: AttentionParams) -> "torch.device":
+    import torch
+
+    if params.device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device_type='cuda' but this machine has no CUDA GPU; time on the CPU with "
+                             "device_type='cpu'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False) -> SyntheticCall:
+    """Random q, k, v (and the per-call tensors the params imply) in the call's layout; full-length sequences."""
+    import torch
+
+    from ..backends.base import AttnAux, AttnConfig
+
+    if params.dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype={params.dtype!r} cannot be timed on synthetic inputs; "
+                         f"expected one of {', '.join(_TORCH_DTYPES)}")
+    device = device_for(params)
+    dtype = getattr(torch, _TORCH_DTYPES[params.dtype])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, sq, skv = params.batch_size, params.max_seqlen_q, params.max_seqlen_kv
+    h, hkv, dqk, dv = params.num_heads, params.num_gqa_groups, params.head_dim_qk, params.head_dim_v
+
+    def shaped(s: int, heads: int, d: int) -> tuple[int, ...]:
+        return {"bshd": (b, s, heads, d), "sbhd": (s, b, heads, d), "thd": (b * s, heads, d)}[params.qkv_format]
+
+    def randn(*shape: int, dt: "torch.dtype" = dtype) -> "torch.Tensor":
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    q, k, v = randn(*shaped(sq, h, dqk)), randn(*shaped(skv, hkv, dqk)), randn(*shaped(skv, hkv, dv))
+    aux = AttnAux(max_seqlen_q=sq, max_seqlen_kv=skv)
+    if params.has_padding:
+        aux.cu_seqlens_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
+        aux.cu_seqlens_kv = torch.arange(0, (b + 1) * skv, skv, dtype=torch.int32, device=device)
+        aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = aux.cu_seqlens_q, aux.cu_seqlens_kv
+    if params.attn_mask_type == "arbitrary":
+        mask = torch.rand(b, 1, sq, skv, generator=gen, device=device) < 0.25
+        mask[..., 0] = False  # no fully masked row
+        aux.attention_mask = mask
+    if params.has_bias_tensor:
+        shape = {"1hss": (1, h), "b1ss": (b, 1), "bhss": (b, h), "11ss": (1, 1)}[params.bias_shape]
+        aux.bias = randn(*shape, sq, skv)
+    if params.bias_type == "alibi":
+        aux.alibi_slopes = torch.rand(*((h,) if params.alibi_slopes_shape == "h" else (b, h)), generator=gen,
+                                      device=device)
+    if params.softmax_type == "learnable":
+        aux.softmax_offset = randn(h, dt=torch.float32)
+    cfg = AttnConfig(
+        qkv_format=params.qkv_format, attn_mask_type=params.attn_mask_type, window_size=params.window_size,
+        softmax_scale=1.0 / math.sqrt(dqk), dropout_p=params.dropout if params.is_training else 0.0,
+        bias_type=params.bias_type, softmax_type=params.softmax_type, deterministic=params.deterministic,
+        return_max_logit=params.return_max_logit,
+    )
+    dout = randn(*shaped(sq, h, dv)) if with_dout else None
+    return SyntheticCall(q, k, v, aux, cfg, dout)
+
+
+def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[], None]:
+    """One timed unit of work: the forward, or forward then backward."""
+    check_mode(mode)
+    q, k, v, aux, cfg = call.q, call.k, call.v, call.aux, call.cfg
+    if mode == "fwd":
+        def step() -> None:
+            engine.forward(q, k, v, aux, cfg)
+        return step
+    if call.dout is None:
+        raise ValueError("mode='fwd_bwd' needs inputs built with with_dout=True")
+    dout = call.dout
+
+    def step_bwd() -> None:
+        res = engine.forward(q, k, v, aux, cfg)
+        engine.backward(dout, q, k, v, res.out, res.lse, res.state, aux, cfg)
+    return step_bwd
+
+
+# --- timing --------------------------------------------------------------------------------------------
+
+def time_fn(fn: Callable[[], None], device_type: str, settings: TimerSettings = TimerSettings()) -> Timing:
+    import torch
+
+    with torch.no_grad():
+        if device_type == "cuda":
+            return _time_cuda(fn, settings)
+        return _time_cpu(fn, settings)
+
+
+def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
+    if estimate_ms <= 0:
+        return settings.max_reps
+    return max(settings.reps, min(settings.max_reps, math.ceil(settings.target_ms / estimate_ms)))
+
+
+def _time_cpu(fn: Callable[[], None], settings: TimerSettings) -> Timing:
+    for _ in range(settings.warmup):
+        fn()
+    samples: list[float] = []
+    reps = settings.reps
+    while len(samples) < reps:
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+        if len(samples) == 1:
+            reps = _reps_for(samples[0], settings)
+    return _summary(samples)
+
+
+def _time_cuda(fn: Callable[[], None], settings: TimerSettings) -> Timing:
+    import torch
+
+    for _ in range(max(1, settings.warmup)):  # the first call may JIT-compile: never timed
+        fn()
+    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe_start.record()
+    fn()
+    probe_end.record()
+    torch.cuda.synchronize()
+    reps = _reps_for(probe_start.elapsed_time(probe_end), settings)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def _summary(samples: list[float]) -> Timing:
+    return Timing(statistics.median(samples), min(samples), len(samples), samples)
+
+
+def time_engine(engine: "Engine", params: AttentionParams, mode: str | None = None,
+                settings: TimerSettings = TimerSettings(), *, seed: int = 0) -> Timing:
+    """Median time of one call of `engine` at params' shape, in `mode` (default: what the params' call costs).
+    The caller's random state is left as it was (dropout draws from the default generator)."""
+    import torch
+
+    mode = check_mode(mode or mode_of(params))
+    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd")
+    devices = [call.q.device.index] if call.q.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return time_fn(engine_step(engine, call, mode), params.device_type, settings)
