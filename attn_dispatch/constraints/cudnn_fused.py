@@ -1,0 +1,721 @@
+"""cuDNN fused attention: what cuDNN's F16 arbitrary-seqlen SDPA runs, per architecture and cuDNN version.
+
+Two providers share the cuDNN rules and differ in what they can express:
+- `frontend`: cudnn-frontend graphs (`cudnn.pygraph` sdpa / sdpa_backward), our CudnnFrontendEngine. Every
+  feature of the F16 arbitrary-seqlen sub-backend: padding, thd, causal in both alignments, sliding windows,
+  post-scale bias with dBias, ALiBi, dropout, GQA, d_qk != d_v, softmax sinks, deterministic backward.
+- `torch`: torch's own cuDNN SDPA op (aten._scaled_dot_product_cudnn_attention), for machines without
+  cudnn-frontend: dense bshd/sbhd, top-left causal or none, a bias without gradient, dropout.
+
+The cuDNN rules mirror Transformer Engine's selector clause by clause (facts.md section 1; TE commit 015d346,
+transformer_engine/common/fused_attn/fused_attn.cpp `nvte_get_fused_attn_backend`, "flag_arb"), so a
+what-if platform (`Platform.parse("sm80,cudnn=8.9.7")`) gets the answer TE would give. cuDNN versions are
+compared as cudnnGetVersion() integers, as TE does (8907 = 8.9.7, 91002 = 9.10.2).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from packaging.version import Version
+
+from ..env import EnvFlags
+from ..params import AttentionParams, has_padding
+from ..platform import Platform
+from . import common
+from .base import Check, Failure, Table, fail
+
+TE_CPP = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_arbitrary_seqlen)"
+TE_PY = common.TE_SELECTION
+TE_M512 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_max512_seqlen)"
+FE_DOCS = "cudnn-frontend docs/operations/Attention.md (support matrix, cuDNN 9.18.1)"
+FE_TESTS = "cudnn-frontend test/python/test_mhas.py (version skips)"
+TORCH_SDP = "pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (can_use_cudnn_attention)"
+OURS = "attn_dispatch.backends.cudnn_fused (our engine)"
+
+SUB_ARBITRARY = "F16_arbitrary_seqlen"
+SUB_MAX512 = "F16_max512_seqlen"
+
+Rule = Callable[[AttentionParams, Platform, EnvFlags], "Failure | None"]
+
+
+# --------------------------------------------------------------------------------------------
+# Version helpers
+# --------------------------------------------------------------------------------------------
+def cudnn_int(plat: Platform) -> int | None:
+    """cuDNN as cudnnGetVersion() reports it: 8.9.7 -> 8907, 9.10.2 -> 91002; None when absent."""
+    v = plat.cudnn
+    if v is None:
+        return None
+    major, minor, patch = (list(v.release) + [0, 0, 0])[:3]
+    return major * 1000 + minor * 100 + patch if major < 9 else major * 10000 + minor * 100 + patch
+
+
+def version_text(number: int) -> str:
+    if number >= 90000:
+        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+    return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
+
+
+def _cudnn_text(plat: Platform) -> str:
+    return plat.cudnn_version or "none"
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def effective_mask(p: AttentionParams) -> str:
+    """The mask cuDNN is asked for. thd always carries sequence lengths, so its mask is the padding variant;
+    a bottom-right causal mask on equal, unpadded lengths is the top-left one (TE's fused_attn_arbitrary_seqlen
+    impl does the same rewrite)."""
+    mask = p.attn_mask_type
+    if p.qkv_format == "thd" and not has_padding(mask) and mask != "arbitrary":
+        mask = "padding" if mask == "no_mask" else "padding_" + mask
+    if mask == "causal_bottom_right" and p.max_seqlen_q == p.max_seqlen_kv:
+        mask = "causal"
+    return mask
+
+
+def effective_bias(p: AttentionParams) -> tuple[str, str | None]:
+    """(bias type, bias shape) cuDNN is asked for. TE (get_attention_backend) turns ALiBi with [b, h] slopes or
+    with sq != skv into a post-scale bias ('bhss' / '1hss'); so does our engine."""
+    if p.bias_type == "alibi" and (p.alibi_slopes_shape == "bh" or p.max_seqlen_q != p.max_seqlen_kv):
+        return "post_scale_bias", "bhss" if p.alibi_slopes_shape == "bh" else "1hss"
+    return p.bias_type, p.bias_shape
+
+
+def deterministic_demanded(p: AttentionParams, env: EnvFlags) -> bool:
+    return p.deterministic or not env.allow_nondeterministic
+
+
+def _has_window(p: AttentionParams) -> bool:
+    """A window beyond what the mask alone gives: TE's test is window != (-1, -1) and != (-1, 0)."""
+    return p.window_size not in ((-1, -1), (-1, 0))
+
+
+# --------------------------------------------------------------------------------------------
+# cuDNN rules (shared by both providers). Each returns a Failure or None.
+# --------------------------------------------------------------------------------------------
+def rule_cudnn_runtime(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c is None:
+        return fail("no cuDNN runtime on this platform", "install cuDNN >= 9 (pip install nvidia-cudnn-cu12)")
+    if c < 8900:
+        return fail(f"cuDNN {_cudnn_text(plat)} has no F16 arbitrary-seqlen fused attention (needs >= 8.9.0)",
+                    "upgrade cuDNN to >= 9.0")
+    return None
+
+
+def rule_known_bad_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c in (91000, 91001):
+        return fail(f"cuDNN {_cudnn_text(plat)} has known bugs in F16 SDPA (TE excludes 9.10.0 and 9.10.1)",
+                    "upgrade cuDNN to >= 9.10.2")
+    return None
+
+
+def rule_arch_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c, sm = cudnn_int(plat), plat.sm
+    if c is None or plat.device_type != "cuda" or sm < 80:
+        return None  # reported by the runtime / compute-capability checks
+    ok = (c < 8903 and sm in (80, 90)) or (c >= 8903 and sm < 100) or (c >= 90700)
+    if ok:
+        return None
+    if sm >= 100:
+        return fail(f"sm{sm} (Blackwell) needs cuDNN >= 9.7.0 for fused attention; found {_cudnn_text(plat)}",
+                    "upgrade cuDNN to >= 9.7.0")
+    return fail(f"sm{sm} needs cuDNN >= 8.9.3 for fused attention (before that only sm80 and sm90); "
+                f"found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.3")
+
+
+def rule_seqlen_multiple_of_64(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c is None or c >= 90000:
+        return None
+    bad = [(name, n) for name, n in (("max_seqlen_q", p.max_seqlen_q), ("max_seqlen_kv", p.max_seqlen_kv))
+           if n % 64]
+    if not bad:
+        return None
+    what = "; ".join(f"{name}={n} is not a multiple of 64 (remainder {n % 64})" for name, n in bad)
+    targets = {name: _round_up(n, 64) for name, n in bad}
+    pad = (f"pad to {next(iter(targets.values()))}" if len(set(targets.values())) == 1
+           else "pad " + ", ".join(f"{name} to {n}" for name, n in targets.items()))
+    return fail(f"cuDNN {_cudnn_text(plat)} (< 9.0) needs sequence lengths that are multiples of 64: {what}",
+                f"cuDNN >= 9.0 lifts this; or {pad}")
+
+
+def rule_gqa(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c is not None and c < 8907 and p.num_heads != p.num_gqa_groups:
+        return fail(f"GQA/MQA (num_heads={p.num_heads}, num_gqa_groups={p.num_gqa_groups}) needs cuDNN >= 8.9.7; "
+                    f"found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.7, or repeat the kv heads")
+    return None
+
+
+def rule_head_dim_multiple_of_8(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    bad = [f"{name}={d}" for name, d in (("head_dim_qk", p.head_dim_qk), ("head_dim_v", p.head_dim_v)) if d % 8]
+    if bad:
+        return fail(f"cuDNN fused attention needs head dims that are multiples of 8: {', '.join(bad)}",
+                    "pad the head dims to a multiple of 8")
+    return None
+
+
+def rule_head_dim_qk_ne_v(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c is not None and c < 8906 and p.head_dim_qk != p.head_dim_v:
+        return fail(f"head_dim_qk={p.head_dim_qk} != head_dim_v={p.head_dim_v} needs cuDNN >= 8.9.6; "
+                    f"found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.6")
+    return None
+
+
+def head_dim_limit_problem(p: AttentionParams, plat: Platform) -> tuple[str, str] | None:
+    """None when one of TE's head-dim alternatives holds; else (why, fix)."""
+    c, sm = cudnn_int(plat), plat.sm
+    if c is None:
+        return None
+    dqk, dv, train = p.head_dim_qk, p.head_dim_v, p.is_training
+    if dqk <= 128 and dv <= 128:
+        return None
+    if dqk <= 256 and dv <= 256 and sm == 90 and ((not train and c >= 90100) or (train and c >= 90500)):
+        return None
+    if not train and sm >= 100 and c >= 90900 and p.max_seqlen_q > 1:
+        return None  # "9.9: any head_dim + Blackwell + fprop + non_paged + sq > 1"
+    if not train and c >= 91002 and (p.max_seqlen_q > 1 or not p.is_causal):
+        return None  # "9.10.2: any head_dim + any arch + fprop"
+    if train and dqk == 192 and dv == 128 and sm >= 100 and c >= 91100:
+        return None  # "9.11: d_qk = 192, d_v = 128 + Blackwell + bprop"
+    dims = f"head_dim_qk={dqk}, head_dim_v={dv}"
+    where = f"sm{sm}, cuDNN {_cudnn_text(plat)}"
+    if dqk <= 256 and dv <= 256:
+        if train:
+            return (f"{dims}: head dims above 128 in training need Hopper (sm90) with cuDNN >= 9.5.0 "
+                    f"(or d_qk=192, d_v=128 on Blackwell with cuDNN >= 9.11); this is {where}",
+                    "use head dims <= 128, or run on sm90 with cuDNN >= 9.5")
+        return (f"{dims}: head dims above 128 in inference need sm90 with cuDNN >= 9.1.0, or cuDNN >= 9.10.2 "
+                f"on any arch; this is {where}", "upgrade cuDNN to >= 9.10.2")
+    if train:
+        return (f"{dims}: head dims above 256 are forward-only (cuDNN >= 9.10.2); no backward; this is {where}",
+                "use head dims <= 256 for training")
+    return (f"{dims}: head dims above 256 need cuDNN >= 9.10.2 (9.9.0 on Blackwell); this is {where}",
+            "upgrade cuDNN to >= 9.10.2")
+
+
+def rule_head_dim_limit(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    problem = head_dim_limit_problem(p, plat)
+    return fail(*problem) if problem else None
+
+
+def rule_hopper_mla_bwd_bug(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c, dqk, dv = cudnn_int(plat), p.head_dim_qk, p.head_dim_v
+    if (c is not None and c >= 91100 and p.is_training and plat.sm == 90 and dqk >= 128 and dv >= 128
+            and not (dqk == 192 and dv == 128) and dqk != dv):
+        return fail(f"cuDNN {_cudnn_text(plat)} on sm90: backward with 128 <= head dims <= 256 and "
+                    f"head_dim_qk={dqk} != head_dim_v={dv} is excluded (TE: '9.11+ bug ... Hopper + bprop + MLA')",
+                    "use equal head dims, or (192, 128)")
+    return None
+
+
+def rule_mask_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    """TE's mask clause per cuDNN version, on the mask cuDNN is actually asked for."""
+    c = cudnn_int(plat)
+    if c is None:
+        return None
+    mask, sq, skv, fmt = effective_mask(p), p.max_seqlen_q, p.max_seqlen_kv, p.qkv_format
+    bias, dropout = effective_bias(p)[0], p.dropout > 0 and p.is_training
+    if mask == "arbitrary":
+        return fail("attn_mask_type='arbitrary' (a full boolean mask) has no cuDNN fused kernel",
+                    "express it as padding/causal/sliding window, or use the unfused backend")
+    aligned = sq % 64 == 0 and skv % 64 == 0
+    if mask in ("no_mask", "causal"):
+        if c < 8906 and mask != "causal":
+            return fail(f"cuDNN {_cudnn_text(plat)} (< 8.9.6) supports only the causal mask", "upgrade cuDNN to >= 8.9.6")
+        if c < 90700 and fmt == "thd":
+            return fail(f"thd with {mask!r} needs cuDNN >= 9.7.0", "use a padding mask type with thd")
+        return None
+    if mask in ("padding", "padding_causal"):
+        if c < 8906:
+            return fail(f"padding masks need cuDNN >= 8.9.6; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.6")
+        if fmt == "thd" and c < 90100:
+            return fail(f"thd (ragged) with padding masks needs cuDNN >= 9.1.0; found {_cudnn_text(plat)}",
+                        "upgrade cuDNN to >= 9.1")
+        return None
+    if mask == "causal_bottom_right":
+        if c >= 90700:
+            return None if sq <= skv else fail(
+                f"causal_bottom_right needs max_seqlen_q <= max_seqlen_kv; got {sq} > {skv}",
+                "use the top-left causal mask, or swap the roles of q and kv")
+        if c < 90300:
+            return fail(f"causal_bottom_right needs cuDNN >= 9.3.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.3")
+        return _br_restrictions(mask, c, aligned, sq, skv, bias, dropout, plat)
+    # padding_causal_bottom_right
+    if c >= 90700:
+        return None if sq <= skv else fail(
+            f"padding_causal_bottom_right needs max_seqlen_q <= max_seqlen_kv; got {sq} > {skv}",
+            "use padding_causal (top-left)")
+    if c < 90600:
+        return fail(f"padding_causal_bottom_right needs cuDNN >= 9.6.0; found {_cudnn_text(plat)}",
+                    "upgrade cuDNN to >= 9.6")
+    return _br_restrictions(mask, c, aligned, sq, skv, bias, dropout, plat)
+
+
+def _br_restrictions(mask: str, c: int, aligned: bool, sq: int, skv: int, bias: str, dropout: bool,
+                     plat: Platform) -> Failure | None:
+    problems = []
+    if not aligned:
+        problems.append(f"max_seqlen_q={sq} and max_seqlen_kv={skv} must be multiples of 64")
+    if sq > skv:
+        problems.append(f"max_seqlen_q={sq} must be <= max_seqlen_kv={skv}")
+    if bias != "no_bias":
+        problems.append(f"no bias (got {bias})")
+    if dropout:
+        problems.append("no dropout")
+    if problems:
+        return fail(f"{mask} on cuDNN {_cudnn_text(plat)} (< 9.7) needs: " + "; ".join(problems),
+                    "cuDNN >= 9.7.0 lifts all but max_seqlen_q <= max_seqlen_kv")
+    return None
+
+
+def rule_bias_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c, sm = cudnn_int(plat), plat.sm
+    if c is None:
+        return None
+    bias, _ = effective_bias(p)
+    if bias == "no_bias":
+        return None
+    if bias == "pre_scale_bias":
+        return fail("pre_scale_bias (bias added before scaling) is not supported by cuDNN's fused kernels",
+                    "fold the scale into the bias and use post_scale_bias")
+    if c < 8906:
+        return fail(f"{bias} needs cuDNN >= 8.9.6; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.0")
+    if bias == "alibi":
+        problems = []
+        if sm < 90:
+            problems.append(f"Hopper or newer (this is sm{sm})")
+        if effective_mask(p) not in ("causal", "causal_bottom_right"):
+            problems.append(f"a causal mask without padding (got {p.attn_mask_type!r})")
+        if problems:
+            return fail("cuDNN's built-in ALiBi needs " + " and ".join(problems),
+                        "use a causal mask on sm90+, or pass the ALiBi bias as a post_scale_bias tensor")
+        return None
+    # post_scale_bias
+    if sm >= 90 or c >= 90000:
+        return None
+    return fail(f"post_scale_bias on sm{sm} needs cuDNN >= 9.0 (8.9.x: Hopper only); found {_cudnn_text(plat)}",
+                "upgrade cuDNN to >= 9.0")
+
+
+def rule_bias_with_padding(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c is None or c < 8906:
+        return None
+    if effective_bias(p)[0] == "post_scale_bias" and effective_mask(p) in ("padding", "padding_causal"):
+        what = "ALiBi (converted to a bias tensor)" if p.bias_type == "alibi" else "post_scale_bias"
+        return fail(f"{what} together with attn_mask_type={effective_mask(p)!r} is excluded by Transformer Engine's "
+                    "selector for cuDNN fused attention", "drop the padding mask (use bshd without padding), or the bias")
+    return None
+
+
+def rule_bias_grad_shape(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.bias_type == "post_scale_bias" and p.bias_requires_grad and p.is_training and p.bias_shape != "1hss":
+        return fail(f"cuDNN computes the bias gradient only for a [1, h, sq, skv] bias; got bias_shape="
+                    f"{p.bias_shape!r} with requires_grad", "use a [1, h, sq, skv] bias, or detach it")
+    return None
+
+
+def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if c is None or not _has_window(p):
+        return None
+    left, right = p.window_size
+    mask, sq, skv = effective_mask(p), p.max_seqlen_q, p.max_seqlen_kv
+    bias, dropout = effective_bias(p)[0], p.dropout > 0 and p.is_training
+    if c < 90200:
+        return fail(f"sliding window {p.window_size} needs cuDNN >= 9.2.0; found {_cudnn_text(plat)}",
+                    "upgrade cuDNN to >= 9.2")
+    common_problems = []
+    if sq > skv:
+        common_problems.append(f"max_seqlen_q={sq} <= max_seqlen_kv={skv}")
+    if bias != "no_bias":
+        common_problems.append(f"no bias (got {bias})")
+    if dropout:
+        common_problems.append("no dropout")
+    if c == 91400 and skv > 1024 and left != -1 and mask not in ("causal", "causal_bottom_right"):
+        return fail("cuDNN 9.14.0 has a known bug with sliding windows when max_seqlen_kv > 1024 and the mask is not "
+                    "causal", "upgrade cuDNN to >= 9.14.1")
+    # 9.2: (left, 0) windows with no/causal masks on bshd/sbhd
+    if right == 0 and mask in ("no_mask", "causal", "causal_bottom_right") and p.qkv_format != "thd":
+        if mask == "causal_bottom_right" and sq != skv and c < 90600:
+            common_problems.append("equal sequence lengths for a bottom-right window before cuDNN 9.6")
+    elif c < 90600:
+        return fail(f"window {p.window_size} with attn_mask_type={p.attn_mask_type!r} needs cuDNN >= 9.6.0 "
+                    f"(9.2 takes only (left, 0) windows with no/causal masks on bshd/sbhd); found {_cudnn_text(plat)}",
+                    "upgrade cuDNN to >= 9.6")
+    elif mask not in ("causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"):
+        return fail(f"a window {p.window_size} with right > 0 needs attn_mask_type in causal_bottom_right, padding, "
+                    f"padding_causal or padding_causal_bottom_right; got {p.attn_mask_type!r}",
+                    "use attn_mask_type='padding' (full lengths) for a two-sided window")
+    elif plat.sm >= 100 and c <= 90700 and "bottom_right" in mask and sq != skv:
+        common_problems.append("equal sequence lengths for bottom-right windows on Blackwell before cuDNN 9.7.1")
+    if common_problems:
+        return fail(f"sliding window {p.window_size} needs: " + "; ".join(common_problems))
+    return None
+
+
+def rule_qkv_format(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c, sm = cudnn_int(plat), plat.sm
+    if c is None or p.qkv_format != "thd":
+        return None
+    if sm < 90:
+        return fail(f"thd (ragged) needs Hopper or newer; this is sm{sm}", "use bshd with a padding mask")
+    if c < 90100:
+        return fail(f"thd needs cuDNN >= 9.1.0; found {_cudnn_text(plat)}", "upgrade cuDNN")
+    if p.num_heads != p.num_gqa_groups and c < 90600:
+        return fail(f"thd with GQA/MQA needs cuDNN >= 9.6.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.6")
+    if sm >= 120:
+        return fail("Transformer Engine disables cuDNN fused attention for thd on sm120", "use bshd with padding")
+    return None
+
+
+def rule_sm120_training_head_dim(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if plat.sm >= 120 and p.is_training and (p.head_dim_qk > 128 or p.head_dim_qk % 8):
+        return fail(f"on sm{plat.sm}, training with head_dim_qk={p.head_dim_qk} (> 128) is disabled by Transformer "
+                    "Engine for cuDNN fused attention", "use head_dim_qk <= 128")
+    return None
+
+
+def rule_softmax_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if p.softmax_type == "vanilla" or c is None:
+        return None
+    if c < 91301:
+        return fail(f"softmax_type={p.softmax_type!r} (a softmax sink) needs cuDNN >= 9.13.1; found {_cudnn_text(plat)}",
+                    "upgrade cuDNN to >= 9.13.1")
+    if p.qkv_format == "thd":
+        return fail(f"softmax_type={p.softmax_type!r} with thd is disabled by Transformer Engine for fused attention",
+                    "use bshd/sbhd")
+    if p.cp_size > 1 and p.cp_comm_type != "a2a":
+        return fail(f"softmax_type={p.softmax_type!r} under context parallelism needs cp_comm_type='a2a' "
+                    f"(got {p.cp_comm_type!r})", "use cp_comm_type='a2a'")
+    return None
+
+
+def rule_determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c, sm = cudnn_int(plat), plat.sm
+    if c is None or not p.is_training:
+        return None
+    bias, dropout = effective_bias(p)[0], p.dropout > 0
+    if sm >= 100 and dropout and bias != "no_bias":
+        return fail(f"on sm{sm} the backward with both dropout and a bias is not supported (TE: Blackwell bwd)",
+                    "drop the bias or the dropout")
+    if not deterministic_demanded(p, env):
+        return None
+    why = "deterministic=True" if p.deterministic else "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+    fix = "allow non-deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1)"
+    if sm >= 100:
+        if c < 91801 or dropout or bias != "no_bias":
+            return fail(f"{why}: a deterministic backward on sm{sm} needs cuDNN >= 9.18.1, no dropout and no bias "
+                        f"(found cuDNN {_cudnn_text(plat)}, dropout={p.dropout}, bias={bias})",
+                        "upgrade cuDNN to >= 9.18.1 / drop dropout and bias, or " + fix)
+        return None
+    if sm >= 90:
+        if c < 8905:
+            return fail(f"{why}: a deterministic backward needs cuDNN >= 8.9.5", "upgrade cuDNN, or " + fix)
+    elif c < 90000:
+        return fail(f"{why}: a deterministic backward on sm{sm} needs cuDNN >= 9.0 (Hopper only before)",
+                    "upgrade cuDNN to >= 9.0, or " + fix)
+    if p.bias_requires_grad and p.bias_type == "post_scale_bias":
+        return fail(f"{why}: the bias gradient has no deterministic kernel", "detach the bias, or " + fix)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The max512 sub-backend (only reachable by pinning it with NVTE_FUSED_ATTN_BACKEND=0)
+# --------------------------------------------------------------------------------------------
+def max512_problems(p: AttentionParams, plat: Platform) -> list[str]:
+    """Why TE's F16_max512_seqlen sub-backend cannot run this call (empty list: it can)."""
+    c, sm, out = cudnn_int(plat), plat.sm, []
+    if c is None or c < 8901:
+        out.append(f"cuDNN >= 8.9.1 (found {_cudnn_text(plat)})")
+    if sm not in (80, 90):
+        out.append(f"sm80 or sm90 exactly (this is sm{sm})")
+    for name, n in (("max_seqlen_q", p.max_seqlen_q), ("max_seqlen_kv", p.max_seqlen_kv)):
+        if n > 512 or n % 64:
+            out.append(f"{name} <= 512 and a multiple of 64 (got {n})")
+    if p.head_dim_qk != 64 or p.head_dim_v != 64:
+        out.append(f"head dims of exactly 64 (got {p.head_dim_qk}/{p.head_dim_v})")
+    if p.num_heads != p.num_gqa_groups:
+        out.append("no GQA/MQA")
+    bias, shape = effective_bias(p)
+    if bias not in ("no_bias", "post_scale_bias"):
+        out.append(f"no bias or post_scale_bias (got {bias})")
+    elif bias == "post_scale_bias" and shape != "1hss":
+        out.append(f"a [1, h, sq, skv] bias (got {shape})")
+    mask = p.attn_mask_type
+    if mask not in ("no_mask", "causal", "padding", "padding_causal") or (
+            mask == "padding_causal" and p.max_seqlen_q != p.max_seqlen_kv):
+        out.append(f"no_mask, causal, padding, or padding_causal with equal lengths (got {mask})")
+    if p.qkv_format != "bshd":
+        out.append(f"bshd (got {p.qkv_format}; sbhd only as packed SB3HD/SBHD_SB2HD, which separate tensors are not)")
+    if _has_window(p):
+        out.append(f"no sliding window (got {p.window_size})")
+    if p.softmax_type != "vanilla":
+        out.append(f"vanilla softmax (got {p.softmax_type})")
+    if p.return_max_logit:
+        out.append("return_max_logit=False")
+    return out
+
+
+def rule_sub_backend_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    pin = env.fused_attn_backend
+    if pin is None or pin == "1":
+        return None
+    if pin == "2":
+        return fail("NVTE_FUSED_ATTN_BACKEND=2 pins the FP8 sub-backend, which attn-dispatch does not implement",
+                    "unset NVTE_FUSED_ATTN_BACKEND or set it to 1")
+    problems = max512_problems(p, plat)
+    if problems:
+        return fail("NVTE_FUSED_ATTN_BACKEND=0 pins F16_max512_seqlen, which needs: " + "; ".join(problems),
+                    "unset NVTE_FUSED_ATTN_BACKEND or set it to 1 (F16_arbitrary_seqlen)")
+    return None
+
+
+def sub_backend_detail(p: AttentionParams, plat: Platform, env: EnvFlags) -> dict:
+    """TE's pick: arbitrary-seqlen unless max512 is pinned (TE consults the pin only when both seqlens <= 512)."""
+    return {"sub_backend": SUB_MAX512 if env.fused_attn_backend == "0" else SUB_ARBITRARY}
+
+
+# --------------------------------------------------------------------------------------------
+# Assembling the tables
+# --------------------------------------------------------------------------------------------
+def _add(table: Table, name: str, requires: str, topic: str, source: str, fn: Rule) -> None:
+    table.add(Check(f"{table.family}.{name}", requires, topic, source, fn))
+
+
+def _cudnn_rules(table: Table) -> None:
+    _add(table, "cudnn_runtime", "a cuDNN runtime >= 8.9.0", "package", TE_CPP + " (post-filter cudnn < 8900)",
+         rule_cudnn_runtime)
+    _add(table, "cudnn_known_bad", "cuDNN not 9.10.0 / 9.10.1", "package", TE_CPP + " ('known bugs with SDPA F16')",
+         rule_known_bad_version)
+    _add(table, "arch_version", "sm80/sm90 (8.9.0+), sm80-sm9x (8.9.3+), Blackwell (9.7.0+)", "platform",
+         TE_CPP + " (architecture clause)", rule_arch_version)
+    table.add(common.dtypes(table, ("float16", "bfloat16"), source=TE_CPP + "; " + FE_DOCS))
+    table.add(common.no_fp8(table, source=OURS + " (cuDNN's FP8 SDPA, TE sub-backend 2, is not wired up)"))
+    _add(table, "seqlen_multiple_of_64", "cuDNN < 9.0: max_seqlen_q/kv multiples of 64", "seqlen",
+         TE_CPP + " ('cudnn < 90000 requires max_seqlen % 64 == 0')", rule_seqlen_multiple_of_64)
+    _add(table, "gqa", "GQA/MQA: cuDNN >= 8.9.7", "heads", TE_CPP + "; " + FE_TESTS, rule_gqa)
+    _add(table, "head_dim_multiple_of_8", "head dims multiples of 8", "head_dim", TE_CPP + "; " + FE_DOCS,
+         rule_head_dim_multiple_of_8)
+    _add(table, "head_dim_qk_ne_v", "head_dim_qk != head_dim_v: cuDNN >= 8.9.6", "head_dim", FE_TESTS,
+         rule_head_dim_qk_ne_v)
+    _add(table, "head_dim_limit", "<= 128; <= 256 on sm90 (fwd 9.1+, bwd 9.5+); larger: fwd only (9.10.2+)",
+         "head_dim", TE_CPP + " (head-dim clause); " + FE_DOCS, rule_head_dim_limit)
+    _add(table, "head_dim_hopper_mla_bwd", "not (sm90 bwd, cuDNN >= 9.11, 128 <= d <= 256, d_qk != d_v)",
+         "head_dim", TE_CPP + " ('9.11+ bug ... Hopper + bprop + MLA')", rule_hopper_mla_bwd_bug)
+    _add(table, "sm120_training_head_dim", "sm120 training: head_dim_qk <= 128", "head_dim", TE_PY,
+         rule_sm120_training_head_dim)
+    _add(table, "mask_type", "masks per cuDNN version: padding 8.9.6, thd 9.1, bottom-right 9.3 (9.6 padded)",
+         "mask", TE_CPP + " (mask clause)", rule_mask_type)
+    _add(table, "bias_type", "post_scale_bias (sm90 8.9.6+, any 9.0+), ALiBi (sm90, causal); no pre_scale_bias",
+         "bias", TE_CPP + " (bias clause); " + TE_PY + " (ALiBi -> post_scale_bias conversion)", rule_bias_type)
+    _add(table, "bias_with_padding", "no post_scale_bias with padding/padding_causal", "bias",
+         TE_CPP + " (bias + padding exclusion)", rule_bias_with_padding)
+    _add(table, "bias_grad_shape", "bias gradient only for [1, h, sq, skv]", "bias",
+         TE_PY + "; fused_attn_f16_arbitrary_seqlen.cu (dBias only when bias_b == 1 and bias_h == h)",
+         rule_bias_grad_shape)
+    _add(table, "sliding_window", "windows: (left, 0) from 9.2, two-sided with padding/bottom-right from 9.6",
+         "window", TE_CPP + " (sliding-window clause)", rule_sliding_window)
+    _add(table, "qkv_format", "thd: sm90+, cuDNN 9.1 (GQA 9.6)", "format", TE_CPP + " (qkv format clause); " + TE_PY,
+         rule_qkv_format)
+    _add(table, "softmax_type", "off-by-one/learnable softmax: cuDNN >= 9.13.1, not thd, CP only a2a", "softmax",
+         TE_CPP + " (softmax clause); " + TE_PY, rule_softmax_type)
+    _add(table, "determinism", "deterministic bwd: sm90 8.9.5+, sm80 9.0+, Blackwell 9.18.1+ (no dropout/bias)",
+         "determinism", TE_CPP + " (Blackwell determinism); " + TE_PY + "; " + FE_TESTS, rule_determinism)
+    table.add(common.no_kv_cache(table))
+    table.add(common.no_return_max_logit(table, source=OURS + " (cuDNN's score_max output is not wired up)"))
+    table.add(common.cp_comm_types(table, ("p2p", "all_gather", "a2a"),
+                                   source=OURS + " returns the log-sum-exp that context parallelism merges"))
+
+
+# --- provider 1: cudnn-frontend graphs ---------------------------------------------------------
+FRONTEND_TABLE = Table("cudnn_fused", "frontend",
+                       "cuDNN F16 arbitrary-seqlen SDPA through cudnn-frontend graphs (cached per shape)",
+                       detail=sub_backend_detail)
+FRONTEND_TABLE.add(
+    common.env_enabled(FRONTEND_TABLE),
+    common.on_cuda(FRONTEND_TABLE, min_sm=80, source=TE_CPP + "; " + FE_DOCS + " ('requires SM80 or newer')"),
+    common.package(FRONTEND_TABLE, "cudnn-frontend", minimum="1.10.0", tested_max="1.32.0",
+                   source="cudnn-frontend release notes (1.10: diagonal band masks in sdpa)"),
+    common.loads(FRONTEND_TABLE),
+)
+_cudnn_rules(FRONTEND_TABLE)
+_add(FRONTEND_TABLE, "sub_backend_pin", "NVTE_FUSED_ATTN_BACKEND pins a sub-backend that can run the call",
+     "environment", TE_M512 + "; env override 'NVTE_FUSED_ATTN_BACKEND'", rule_sub_backend_pin)
+
+
+@FRONTEND_TABLE.check("thd_ragged_stats", requires="thd: cuDNN >= 9.6 (ragged softmax stats)", topic="format",
+                      source=OURS + " (lse for thd is cuDNN's ragged stats tensor, cuDNN 9.6+)")
+def _thd_ragged_stats(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if p.qkv_format == "thd" and c is not None and c < 90600:
+        return fail(f"attn-dispatch's thd path returns the log-sum-exp through cuDNN's ragged stats, which need "
+                    f"cuDNN >= 9.6.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.6, or use bshd with padding")
+    return None
+
+
+@FRONTEND_TABLE.check("frontend_sink", requires="softmax sinks: cudnn-frontend >= 1.14.1", topic="softmax",
+                      source="cudnn-frontend 1.14.1 release notes (sink token for SDPA)")
+def _frontend_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    fe = plat.package_version("cudnn-frontend")
+    if p.softmax_type != "vanilla" and fe is not None and fe < Version("1.14.1"):
+        return fail(f"softmax_type={p.softmax_type!r} needs cudnn-frontend >= 1.14.1 (sink_token); found {fe}",
+                    "pip install -U 'nvidia-cudnn-frontend>=1.14.1'")
+    return None
+
+
+@FRONTEND_TABLE.check("cudnn_rejected", requires="cuDNN's own support check accepted this configuration",
+                      topic="platform", source="observed at run time (cudnn-frontend check_support / build_plans)")
+def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if plat.name != "live" or not REJECTIONS:
+        return None
+    det = deterministic_demanded(p, env)
+    for phase in ("fwd", "bwd") if p.is_training else ("fwd",):
+        message = REJECTIONS.get(rejection_signature(p, det, phase))
+        if message:
+            return fail(f"cuDNN rejected this configuration ({phase} graph) in this process: {message}",
+                        "choose another backend (it is excluded for this signature from now on)")
+    return None
+
+
+@FRONTEND_TABLE.note
+def _dropout_bug_note(p: AttentionParams, plat: Platform) -> str | None:
+    c = cudnn_int(plat)
+    if p.dropout and p.is_training and c is not None and 91100 < c < 91400:
+        return (f"torch refuses dropout with cuDNN {_cudnn_text(plat)} (9.11.x-9.13.x) in its own cuDNN SDPA; "
+                "the frontend graphs are not restricted by Transformer Engine")
+    return None
+
+
+# --- provider 2: torch's built-in cuDNN SDPA ---------------------------------------------------
+TORCH_TABLE = Table("cudnn_fused", "torch",
+                    "cuDNN SDPA through torch's aten._scaled_dot_product_cudnn_attention (no extra package)",
+                    detail=lambda p, plat, env: {"sub_backend": SUB_ARBITRARY})
+TORCH_TABLE.add(
+    common.env_enabled(TORCH_TABLE),
+    common.on_cuda(TORCH_TABLE, min_sm=80, max_sm=121, source=TORCH_SDP + " ('[sm80, sm121]')"),
+)
+_cudnn_rules(TORCH_TABLE)
+
+
+@TORCH_TABLE.check("torch_softmax", requires="vanilla softmax", topic="softmax",
+                   source="aten._scaled_dot_product_cudnn_attention schema (no sink argument)")
+def _torch_softmax(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.softmax_type != "vanilla":
+        return fail(f"softmax_type={p.softmax_type!r} cannot be expressed with torch's cuDNN op (no sink argument)",
+                    "use the cudnn_fused:frontend provider")
+    return None
+
+
+@TORCH_TABLE.check("torch_format", requires="qkv_format in bshd, sbhd", topic="format",
+                   source=OURS + " (the op takes dense [b, h, s, d] tensors, no sequence lengths)")
+def _torch_format(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.qkv_format == "thd":
+        return fail("qkv_format='thd' cannot be expressed with torch's cuDNN op (dense tensors only)",
+                    "use the cudnn_fused:frontend provider, or bshd with padding")
+    return None
+
+
+@TORCH_TABLE.check("torch_cudnn_sdpa", requires="torch built with cuDNN SDPA (cuDNN >= 9), torch >= 2.5",
+                   topic="package", source=TORCH_SDP + " ('cuDNN version too old to use cuDNN Attention (< v9.0.0)')")
+def _torch_cudnn_sdpa(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if not plat.torch_cudnn_sdpa:
+        return fail(f"torch {plat.torch_version} on this platform has no cuDNN SDPA (needs a CUDA build with cuDNN >= 9)",
+                    "install a CUDA build of torch >= 2.5, or nvidia-cudnn-frontend for the frontend provider")
+    if plat.torch < Version("2.5"):
+        return fail(f"torch {plat.torch_version} predates the attn_bias argument of _scaled_dot_product_cudnn_attention "
+                    "(torch >= 2.5)", "pip install -U 'torch>=2.5'")
+    return None
+
+
+@TORCH_TABLE.check("torch_mask", requires="no_mask or causal (top-left); causal_bottom_right only when sq == skv",
+                   topic="mask", source="aten._scaled_dot_product_cudnn_attention(is_causal) schema")
+def _torch_mask(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    mask = effective_mask(p)
+    if mask not in ("no_mask", "causal"):
+        return fail(f"attn_mask_type={p.attn_mask_type!r} cannot be expressed with torch's cuDNN op (only is_causal, "
+                    "top-left; no sequence lengths)", "use the cudnn_fused:frontend provider (nvidia-cudnn-frontend)")
+    if _has_window(p):
+        return fail(f"sliding window {p.window_size} cannot be expressed with torch's cuDNN op",
+                    "use the cudnn_fused:frontend provider")
+    return None
+
+
+@TORCH_TABLE.check("torch_bias", requires="no bias, or a post_scale_bias without gradient", topic="bias",
+                   source="aten._scaled_dot_product_cudnn_attention_backward returns no bias gradient")
+def _torch_bias(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.bias_type == "alibi":
+        return fail("ALiBi is not wired to torch's cuDNN op", "use the cudnn_fused:frontend provider")
+    if p.bias_type == "post_scale_bias" and p.bias_requires_grad and p.is_training:
+        return fail("torch's cuDNN op returns no bias gradient; the bias requires grad",
+                    "detach the bias, or use the cudnn_fused:frontend provider")
+    return None
+
+
+@TORCH_TABLE.check("torch_deterministic", requires="no deterministic backward demanded", topic="determinism",
+                   source=TORCH_SDP + " ('cuDNN SDPA is not deterministic')")
+def _torch_deterministic(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.is_training and deterministic_demanded(p, env):
+        why = "deterministic=True" if p.deterministic else "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+        return fail(f"{why}: torch's cuDNN op has no deterministic backward", "use the cudnn_fused:frontend provider")
+    return None
+
+
+@TORCH_TABLE.check("torch_dropout", requires="dropout: not with cuDNN 9.11.1-9.13.x", topic="dropout",
+                   source=TORCH_SDP + " (dropout rejected for 91100 < cuDNN < 91400)")
+def _torch_dropout(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if p.dropout and p.is_training and c is not None and 91100 < c < 91400:
+        return fail(f"torch disables cuDNN SDPA with dropout on cuDNN {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.14")
+    return None
+
+
+@TORCH_TABLE.check("torch_shape_limits", requires="batch and heads <= 65535; max_seqlen_kv > 1", topic="seqlen",
+                   source=TORCH_SDP + " (check_cudnn_tensor_shapes)")
+def _torch_shape_limits(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    problems = [f"{n}={v} > 65535" for n, v in (("batch_size", p.batch_size), ("num_heads", p.num_heads)) if v > 65535]
+    if p.max_seqlen_kv == 1:
+        problems.append("max_seqlen_kv=1 ('cudnn SDPA does not support key/value sequence length 1')")
+    return fail("torch's cuDNN SDPA limits: " + "; ".join(problems)) if problems else None
+
+
+@TORCH_TABLE.check("torch_sub_backend_pin", requires="NVTE_FUSED_ATTN_BACKEND unset or 1", topic="environment",
+                   source=TE_M512)
+def _torch_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if env.fused_attn_backend not in (None, "1"):
+        return fail(f"NVTE_FUSED_ATTN_BACKEND={env.fused_attn_backend} pins "
+                    f"{env.fused_sub_backend_name}; torch's cuDNN op runs only {SUB_ARBITRARY}",
+                    "unset NVTE_FUSED_ATTN_BACKEND or set it to 1")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Rejections observed at run time (the engine records cuDNN's message; the frontend table reports it)
+# --------------------------------------------------------------------------------------------
+REJECTIONS: dict[tuple, str] = {}
+
+
+def rejection_signature(p: AttentionParams, deterministic: bool, phase: str) -> tuple:
+    """What a cuDNN graph's support depends on, computable from AttentionParams and from a call alike."""
+    bias, shape = effective_bias(p)
+    return (p.dtype, p.qkv_format, p.num_heads, p.num_gqa_groups, p.head_dim_qk, p.head_dim_v, p.max_seqlen_q,
+            p.max_seqlen_kv, effective_mask(p), tuple(p.window_size), bias, shape, p.dropout > 0, p.softmax_type,
+            deterministic and phase == "bwd", phase)
+
+
+def record_rejection(signature: tuple, message: str) -> None:
+    REJECTIONS[signature] = message
+    from ..selection import clear_cache
+
+    clear_cache()  # cached decisions predate what cuDNN just said
+
+
+TABLES = [FRONTEND_TABLE, TORCH_TABLE]
