@@ -18,6 +18,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -118,7 +119,8 @@ class TuningCache:
         return entries
 
     def _move_aside(self, exc: Exception) -> None:
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
         try:
             os.replace(self.path, aside)
             where = f"moved to {aside}"
