@@ -89,6 +89,10 @@ def reference_attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask",
     outs, lses = [], []
     for b, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
         lq, lkv = qi.shape[0], ki.shape[0]
+        if lkv == 0:  # nothing to attend to
+            outs.append(torch.zeros(lq, h, dv, dtype=f64))
+            lses.append(torch.full((h, lq), float("-inf"), dtype=f64))
+            continue
         if qkv_format == "thd" or padded:
             off = 0 if attn_mask_type in TOP_LEFT_MASKS else lkv - lq
         else:

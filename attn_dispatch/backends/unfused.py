@@ -320,6 +320,15 @@ class UnfusedState:
     """What forward keeps for backward besides q, k, v, out, lse."""
 
     dropout_seed: torch.Tensor | None
+    # fp16/bf16: the output before rounding, for rowsum(dO * O); used only when backward gets that very output
+    # (a context-parallel caller passes a merged global output instead, and then the given one is used).
+    out_fp32: torch.Tensor | None = None
+    out_ptr: int = 0
+
+    def precise_out(self, out: torch.Tensor) -> torch.Tensor:
+        if self.out_fp32 is not None and out.data_ptr() == self.out_ptr and out.shape == self.out_fp32.shape:
+            return self.out_fp32
+        return out
 
 
 class UnfusedEngine(Engine):
@@ -346,24 +355,32 @@ class UnfusedEngine(Engine):
                 q4, k4, v4 = (_to_bhsd(x, cfg.qkv_format) for x in (q, k, v))
                 lens = _dense_lens(aux, cfg)
             g = _geometry(q4, k4, aux, cfg, cdtype, lens)
+            half = q.dtype in (torch.float16, torch.bfloat16)
+            out_dtype = cdtype if half else q.dtype  # half inputs: compute out in fp32, round once at the end
             if cfg.qkv_format == "thd":
-                out_pad = q.new_empty(g.b, g.sq, g.hq, v.shape[-1])
+                out_pad = q.new_empty(g.b, g.sq, g.hq, v.shape[-1], dtype=out_dtype)
                 lse, max_logit = _forward_blocks(g, q4, k4, v4, _to_bhsd(out_pad, "bshd"), cfg.softmax_scale,
                                                  cfg.dropout_p, seed, cfg.return_max_logit, self.max_block_elems,
                                                  cdtype)
                 out, lse = pq.unpad(out_pad), pq.lse_unpad(lse)
             else:
-                out = q.new_empty(*q.shape[:-1], v.shape[-1])
+                out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=out_dtype)
                 lse, max_logit = _forward_blocks(g, q4, k4, v4, _to_bhsd(out, cfg.qkv_format), cfg.softmax_scale,
                                                  cfg.dropout_p, seed, cfg.return_max_logit, self.max_block_elems,
                                                  cdtype)
-        return FwdResult(out, lse, UnfusedState(seed), max_logit)
+            state = UnfusedState(seed)
+            if half:
+                state.out_fp32, out = out, out.to(q.dtype)
+                state.out_ptr = out.data_ptr()
+        return FwdResult(out, lse, state, max_logit)
 
     # ---- backward ----
     def backward(self, dout, q, k, v, out, lse, state, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
         with torch.no_grad():
             cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
             seed = state.dropout_seed if state is not None else None
+            if state is not None:
+                out = state.precise_out(out)
             if cfg.dropout_p > 0.0 and seed is None:
                 raise ValueError("backward with dropout_p > 0 needs the dropout seed from forward (state)")
             want_dbias = aux.bias is not None and aux.bias.requires_grad and \
