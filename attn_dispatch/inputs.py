@@ -1,0 +1,495 @@
+"""From DotProductAttention's arguments to what selection and the engines take: AttentionParams (the
+question), AttnConfig (static engine config) and AttnAux (per-call tensors), with every bad input
+reported as a ValueError that names the argument, its value and what is allowed.
+
+The hot path: a call's static facts (shapes, dtypes, flags) form a small signature tuple; the first call
+with a signature validates them, builds AttentionParams, selects and caches a Plan. Later calls only
+re-check tensor *contents* (cu_seqlens, padding masks), and those checks are cached on the tensor itself
+(weak reference + version counter), so a cu_seqlens tensor shared by every layer is read back once.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .backends import get_engine
+from .backends.base import AttnAux, AttnConfig, Engine
+from .decision import Decision
+from .params import (BIAS_TYPES, MASK_TYPES, QKV_FORMATS, AttentionParams, has_padding, is_causal,
+                     normalize_window)
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SHOW = 8  # list elements shown in error messages
+
+
+def _show(values: list[int]) -> str:
+    return str(values) if len(values) <= _SHOW else f"[{', '.join(map(str, values[:_SHOW]))}, ...] ({len(values)} values)"
+
+
+def normalize_mask_type(value: Any, name: str = "attn_mask_type") -> str:
+    """Transformer Engine spellings: 'padding,causal' and 'causal_padding' mean 'padding_causal'."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name}={value!r} must be a string; expected one of {', '.join(MASK_TYPES)}")
+    mask_type = value.replace(",", "_")
+    if mask_type == "causal_padding":
+        mask_type = "padding_causal"
+    if mask_type not in MASK_TYPES:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(MASK_TYPES)}")
+    return mask_type
+
+
+def check_window(window: Any, mask_type: str, name: str = "window_size") -> tuple[int, int]:
+    """(left, right) with -1 unbounded; causal masks need right in (0, -1) and get right = 0."""
+    if window is not None and not isinstance(window, (tuple, list)):
+        raise ValueError(f"{name}={window!r} must be None or a pair (left, right) of ints >= -1")
+    try:
+        return normalize_window(None if window is None else tuple(window), mask_type)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("window_size=", f"{name}=", 1)) from None
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """What the module's constructor fixed: the per-partition heads and dims, softmax, dropout."""
+
+    num_heads: int
+    num_gqa_groups: int
+    head_dim_qk: int
+    head_dim_v: int
+    softmax_scale: float
+    attention_dropout: float
+    softmax_type: str
+    return_max_logit: bool
+    attention_type: str
+    deterministic: bool
+    cp_comm_type: str
+    backend: str | None  # forced provider ('family' or 'family:provider'), our extension
+
+
+@dataclass
+class Plan:
+    """Everything fixed for one call signature."""
+
+    params: AttentionParams
+    decision: Decision
+    engine: Engine
+    cfg: AttnConfig
+
+
+@dataclass
+class SeqInfo:
+    """Sequence facts of one call, after validation."""
+
+    cu_q: torch.Tensor | None
+    cu_kv: torch.Tensor | None
+    cu_q_padded: torch.Tensor | None
+    cu_kv_padded: torch.Tensor | None
+    max_q: int
+    max_kv: int
+    batch: int
+    pad_between_seqs: bool
+
+
+# ------------------------------------------------------------------------------------------------
+# Content checks, cached on the tensor
+# ------------------------------------------------------------------------------------------------
+_CONTENT_CACHE: dict[tuple, tuple[weakref.ref, int, Any]] = {}
+_CONTENT_CACHE_LIMIT = 256
+
+
+def _cached_on(tensor: torch.Tensor, context: tuple, compute: Callable[[], Any]) -> Any:
+    """compute() once per (tensor object, its version, context); a dead or modified tensor misses."""
+    key = (id(tensor),) + context
+    hit = _CONTENT_CACHE.get(key)
+    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        return hit[2]
+    value = compute()
+    if len(_CONTENT_CACHE) >= _CONTENT_CACHE_LIMIT:
+        _CONTENT_CACHE.clear()
+    _CONTENT_CACHE[key] = (weakref.ref(tensor), tensor._version, value)
+    return value
+
+
+def _cu_values(name: str, cu: Any, batch: int | None, device: torch.device) -> list[int]:
+    """Type, dtype, shape, device and the cumulative-sum shape of a cu_seqlens tensor; its values."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.int32 tensor of shape [batch_size + 1]; got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} has dtype {cu.dtype}; it must be torch.int32")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} has shape {list(cu.shape)}; it must be 1-D with batch_size + 1 >= 2 entries")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} has {cu.numel()} entries but the batch has {batch} sequences; "
+                         f"it needs batch_size + 1 = {batch + 1}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but query_layer is on {device}; put it on the same device")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}={_show(values)} must start at 0")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(f"{name}={_show(values)} must be non-decreasing (cumulative sequence lengths); "
+                             f"it decreases at index {i} ({values[i - 1]} -> {values[i]})")
+    return values
+
+
+def _lengths(values: list[int]) -> list[int]:
+    return [b - a for a, b in zip(values, values[1:])]
+
+
+def _check_thd_side(side: str, tensor_name: str, cu: Any, cu_padded: Any, total: int, device: torch.device,
+                    batch: int | None) -> int:
+    """Validates one side's cu_seqlens (and padded offsets) against a thd tensor; returns the longest sequence."""
+    name, name_p = f"cu_seqlens_{side}", f"cu_seqlens_{side}_padded"
+
+    def compute() -> int:
+        values = _cu_values(name, cu, batch, device)
+        lens = _lengths(values)
+        if cu_padded is None:
+            if values[-1] > total:
+                raise ValueError(f"{name}={_show(values)} ends at {values[-1]} but {tensor_name} has only "
+                                 f"t={total} tokens")
+        else:
+            padded = _cu_values(name_p, cu_padded, len(values) - 1, device)
+            if padded[-1] > total:
+                raise ValueError(f"{name_p}={_show(padded)} ends at {padded[-1]} but {tensor_name} has only "
+                                 f"t={total} tokens")
+            for i, (n, slots) in enumerate(zip(lens, _lengths(padded))):
+                if n > slots:
+                    raise ValueError(f"sequence {i} has {n} tokens ({name}) but only {slots} slots in {name_p}; "
+                                     f"{name_p} must leave room for each sequence")
+        return max(lens)
+    key_tensor = cu if isinstance(cu, torch.Tensor) else None
+    if key_tensor is None or (cu_padded is not None and not isinstance(cu_padded, torch.Tensor)):
+        return compute()
+    context = ("thd", side, total, batch, id(cu_padded), cu_padded._version if cu_padded is not None else -1)
+    return _cached_on(key_tensor, context, compute)
+
+
+def _check_dense_cu(side: str, cu: Any, batch: int, seqlen: int, device: torch.device) -> None:
+    name = f"cu_seqlens_{side}"
+
+    def compute() -> None:
+        values = _cu_values(name, cu, batch, device)
+        for i, n in enumerate(_lengths(values)):
+            if n > seqlen:
+                raise ValueError(f"{name}={_show(values)} gives sequence {i} {n} tokens but the tensor holds only "
+                                 f"{seqlen} per sequence")
+    if isinstance(cu, torch.Tensor):
+        _cached_on(cu, ("dense", side, batch, seqlen), compute)
+    else:
+        compute()
+
+
+def _padding_mask_to_cu(name: str, mask: Any, batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """A [b, 1, 1, s] padding mask (True = padding) -> int32 cu_seqlens. Padding must follow the real tokens,
+    as cu_seqlens-based engines assume."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a bool tensor of shape [{batch}, 1, 1, {seqlen}]; got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} has dtype {mask.dtype}; padding masks must be torch.bool (True = padding)")
+    if tuple(mask.shape) != (batch, 1, 1, seqlen):
+        raise ValueError(f"{name} has shape {list(mask.shape)}; a padding mask must be [batch_size, 1, 1, seqlen] = "
+                         f"[{batch}, 1, 1, {seqlen}]")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but query_layer is on {device}")
+
+    def compute() -> torch.Tensor:
+        lens = (~mask.view(batch, seqlen)).sum(dim=1)
+        expected = torch.arange(seqlen, device=mask.device).view(1, seqlen) >= lens.view(batch, 1)
+        if not bool(torch.equal(expected, mask.view(batch, seqlen))):
+            rows = (expected != mask.view(batch, seqlen)).any(dim=1).nonzero().flatten().tolist()
+            raise ValueError(f"{name}: padding must come after the real tokens of each sequence (True only at the end); "
+                             f"sequences {_show(rows)} are not padded that way")
+        return torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+    return _cached_on(mask, ("padding", batch, seqlen), compute)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sequences
+# ------------------------------------------------------------------------------------------------
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, attention_mask: Any,
+                  cu_q: Any, cu_kv: Any, cu_q_p: Any, cu_kv_p: Any, max_q: Any, max_kv: Any,
+                  pad_between_seqs: Any) -> SeqInfo:
+    if fmt == "thd":
+        return _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
+                         pad_between_seqs)
+    batch = q.shape[0] if fmt == "bshd" else q.shape[1]
+    sq, skv = (q.shape[1], k.shape[1]) if fmt == "bshd" else (q.shape[0], k.shape[0])
+    for name, value, actual in (("max_seqlen_q", max_q, sq), ("max_seqlen_kv", max_kv, skv)):
+        if value is not None and value != actual:
+            raise ValueError(f"{name}={value!r} but the {fmt} tensor's sequence dimension is {actual}; with "
+                             f"qkv_format={fmt!r} leave it None or pass {actual}")
+    for name, value in (("cu_seqlens_q_padded", cu_q_p), ("cu_seqlens_kv_padded", cu_kv_p)):
+        if value is not None:
+            raise ValueError(f"{name} is given with qkv_format={fmt!r}; padded offsets only apply to 'thd'")
+    if pad_between_seqs:
+        raise ValueError(f"pad_between_seqs={pad_between_seqs!r} with qkv_format={fmt!r}: it only applies to 'thd'")
+    if not has_padding(mask_type):
+        for name, value in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+            if value is not None:
+                raise ValueError(f"{name} is given with attn_mask_type={mask_type!r}, which has no padding; use a "
+                                 "padding mask type ('padding', 'padding_causal', 'padding_causal_bottom_right')")
+        return SeqInfo(None, None, None, None, sq, skv, batch, False)
+    if (cu_q is None) != (cu_kv is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_kv must be given together (or neither, with attention_mask)")
+    if cu_q is not None:
+        if attention_mask is not None:
+            raise ValueError("give either attention_mask or cu_seqlens_q/cu_seqlens_kv for a padding mask, not both")
+        _check_dense_cu("q", cu_q, batch, sq, q.device)
+        _check_dense_cu("kv", cu_kv, batch, skv, q.device)
+    elif attention_mask is None:
+        raise ValueError(f"attn_mask_type={mask_type!r} with qkv_format={fmt!r} needs the sequence lengths: pass "
+                         "cu_seqlens_q and cu_seqlens_kv, or attention_mask ([b, 1, 1, s] bool, True = padding; "
+                         "a pair of them for cross attention)")
+    elif isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError(f"attention_mask is a {type(attention_mask).__name__} of {len(attention_mask)} tensors; "
+                             "a padding mask is one [b, 1, 1, s] tensor or a pair (query mask, key/value mask)")
+        cu_q = _padding_mask_to_cu("attention_mask[0]", attention_mask[0], batch, sq, q.device)
+        cu_kv = _padding_mask_to_cu("attention_mask[1]", attention_mask[1], batch, skv, q.device)
+    else:
+        if sq != skv:
+            raise ValueError(f"attention_mask is a single tensor but sq={sq} != skv={skv}; for cross attention pass a "
+                             "pair (query mask [b, 1, 1, sq], key/value mask [b, 1, 1, skv])")
+        cu_q = cu_kv = _padding_mask_to_cu("attention_mask", attention_mask, batch, sq, q.device)
+    return SeqInfo(cu_q, cu_kv, None, None, sq, skv, batch, False)
+
+
+def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
+              pad_between_seqs) -> SeqInfo:
+    if not has_padding(mask_type):
+        raise ValueError(f"attn_mask_type={mask_type!r} with qkv_format='thd': packed sequences need a padding "
+                         "mask type ('padding', 'padding_causal' or 'padding_causal_bottom_right')")
+    if attention_mask is not None:
+        raise ValueError("attention_mask is given with qkv_format='thd'; thd takes sequence boundaries from "
+                         "cu_seqlens_q/cu_seqlens_kv only")
+    if cu_q is None or cu_kv is None:
+        raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (torch.int32, [batch_size + 1])")
+    if (cu_q_p is None) != (cu_kv_p is None):
+        raise ValueError("cu_seqlens_q_padded and cu_seqlens_kv_padded must be given together")
+    longest_q = _check_thd_side("q", "query_layer", cu_q, cu_q_p, q.shape[0], q.device, None)
+    batch = cu_q.numel() - 1
+    longest_kv = _check_thd_side("kv", "key_layer", cu_kv, cu_kv_p, k.shape[0], q.device, batch)
+    limits = []
+    for name, value, longest in (("max_seqlen_q", max_q, longest_q), ("max_seqlen_kv", max_kv, longest_kv)):
+        if value is None:
+            limits.append(max(longest, 1))
+            continue
+        _positive_int(name, value)
+        if value < longest:
+            side = name.rpartition("_")[2]
+            raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest} tokens, from "
+                             f"cu_seqlens_{side}); pass {name} >= {longest} or leave it None")
+        limits.append(value)
+    if pad_between_seqs is None:
+        pad_between_seqs = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
+    return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or _cached_on(a, ("same", id(b), b._version), lambda: bool(torch.equal(a, b)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Static checks (first call of a signature)
+# ------------------------------------------------------------------------------------------------
+def check_qkv(spec: ModuleSpec, fmt: str, q: Any, k: Any, v: Any) -> None:
+    names = ("query_layer", "key_layer", "value_layer")
+    rank = 3 if fmt == "thd" else 4
+    layout = {"bshd": "[b, s, h, d]", "sbhd": "[s, b, h, d]", "thd": "[t, h, d]"}[fmt]
+    for name, x in zip(names, (q, k, v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if x.dim() != rank:
+            raise ValueError(f"{name} has shape {list(x.shape)}; qkv_format={fmt!r} needs {rank}-D {layout}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; expected one of float16, bfloat16, float32, float64")
+    for name, x in zip(names[1:], (k, v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {x.dtype} but query_layer has {q.dtype}; q, k and v must share a dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but query_layer is on {q.device}; put q, k, v on one device")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"key_layer {list(k.shape)} and value_layer {list(v.shape)} must agree in every dim but "
+                         "the head dim")
+    if fmt != "thd":
+        bdim = 0 if fmt == "bshd" else 1
+        if q.shape[bdim] != k.shape[bdim]:
+            raise ValueError(f"query_layer {list(q.shape)} and key_layer {list(k.shape)} have different batch sizes "
+                             f"({q.shape[bdim]} vs {k.shape[bdim]}) in qkv_format={fmt!r}")
+    hq, hk = q.shape[-2], k.shape[-2]
+    if hq != spec.num_heads:
+        raise ValueError(f"query_layer has {hq} heads; this module was built for num_attention_heads / tp_size = "
+                         f"{spec.num_heads}")
+    if hk != spec.num_gqa_groups:
+        raise ValueError(f"key_layer/value_layer have {hk} heads; this module was built for num_gqa_groups / tp_size "
+                         f"= {spec.num_gqa_groups}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) are not divisible by key/value heads ({hk})")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query_layer head dim {q.shape[-1]} != key_layer head dim {k.shape[-1]}; they must match")
+    if q.shape[-1] != spec.head_dim_qk or v.shape[-1] != spec.head_dim_v:
+        raise ValueError(f"head dims (qk={q.shape[-1]}, v={v.shape[-1]}) do not match kv_channels "
+                         f"(qk={spec.head_dim_qk}, v={spec.head_dim_v})")
+
+
+def bias_shape_label(bias: Any, batch: int, heads: int, sq: int, skv: int) -> str:
+    """Transformer Engine's bias shape names, detected in its order (bhss before 1hss when b == 1)."""
+    if not isinstance(bias, torch.Tensor):
+        raise ValueError(f"core_attention_bias must be a tensor of shape [1|b, 1|h, sq, skv]; got "
+                         f"{type(bias).__name__}")
+    expected = f"[1 or {batch}, 1 or {heads}, {sq}, {skv}] (shapes 1hss, b1ss, bhss, 11ss)"
+    if bias.dim() != 4 or tuple(bias.shape[2:]) != (sq, skv):
+        raise ValueError(f"core_attention_bias has shape {list(bias.shape)}; expected {expected}")
+    b, h = bias.shape[0], bias.shape[1]
+    for label, ok in (("bhss", b == batch and h == heads), ("1hss", b == 1 and h == heads),
+                      ("b1ss", b == batch and h == 1), ("11ss", b == 1 and h == 1)):
+        if ok:
+            return label
+    raise ValueError(f"core_attention_bias has shape {list(bias.shape)}; expected {expected}")
+
+
+def check_bias(bias_type: str, bias: Any, alibi_slopes: Any, q: torch.Tensor, batch: int, sq: int,
+               skv: int) -> tuple[str | None, str | None]:
+    """Returns (bias_shape, alibi_slopes_shape) labels."""
+    if bias_type not in BIAS_TYPES:
+        raise ValueError(f"core_attention_bias_type={bias_type!r} is not supported; expected one of "
+                         f"{', '.join(BIAS_TYPES)}")
+    heads = q.shape[-2]
+    bias_shape = alibi_shape = None
+    if bias_type in ("pre_scale_bias", "post_scale_bias"):
+        if bias is None:
+            raise ValueError(f"core_attention_bias_type={bias_type!r} needs core_attention_bias [1|b, 1|h, sq, skv]")
+        bias_shape = bias_shape_label(bias, batch, heads, sq, skv)
+        if bias.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"core_attention_bias has dtype {bias.dtype}; it must be a float dtype")
+        if bias.device != q.device:
+            raise ValueError(f"core_attention_bias is on {bias.device} but query_layer is on {q.device}")
+    elif bias is not None:
+        raise ValueError(f"core_attention_bias is given with core_attention_bias_type={bias_type!r}; set the type to "
+                         "'pre_scale_bias' or 'post_scale_bias', or drop the tensor")
+    if alibi_slopes is not None:
+        if bias_type != "alibi":
+            raise ValueError(f"alibi_slopes is given with core_attention_bias_type={bias_type!r}; it needs 'alibi'")
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"alibi_slopes must be a float32 tensor of shape [{heads}] or [{batch}, {heads}]")
+        if tuple(alibi_slopes.shape) == (heads,):
+            alibi_shape = "h"
+        elif tuple(alibi_slopes.shape) == (batch, heads):
+            alibi_shape = "bh"
+        else:
+            raise ValueError(f"alibi_slopes has shape {list(alibi_slopes.shape)}; expected [{heads}] or "
+                             f"[{batch}, {heads}]")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but query_layer is on {q.device}")
+    elif bias_type == "alibi":
+        alibi_shape = "h"
+    return bias_shape, alibi_shape
+
+
+def check_attention_mask(mask_type: str, mask: Any, q: torch.Tensor, batch: int, sq: int, skv: int) -> None:
+    """'arbitrary' needs a bool mask broadcastable to [b, h, sq, skv]; no_mask/causal take none."""
+    if mask_type == "arbitrary":
+        heads = q.shape[-2]
+        expected = f"[1 or {batch}, 1 or {heads}, {sq}, {skv}]"
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"attn_mask_type='arbitrary' needs attention_mask, a bool tensor {expected} "
+                             "(True = masked out)")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"attention_mask has dtype {mask.dtype}; it must be torch.bool (True = masked out)")
+        if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads) or \
+                tuple(mask.shape[2:]) != (sq, skv):
+            raise ValueError(f"attention_mask has shape {list(mask.shape)}; 'arbitrary' needs {expected}")
+        if mask.device != q.device:
+            raise ValueError(f"attention_mask is on {mask.device} but query_layer is on {q.device}")
+    elif not has_padding(mask_type) and mask is not None:
+        raise ValueError(f"attention_mask is given with attn_mask_type={mask_type!r}, which takes none; use "
+                         "'arbitrary' for a custom mask or a padding type for padding masks")
+
+
+# ------------------------------------------------------------------------------------------------
+# The builder the module uses
+# ------------------------------------------------------------------------------------------------
+def default_alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's geometric slopes, as Transformer Engine's get_alibi computes them when none are given."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = torch.pow(2.0 ** (-8.0 / n), torch.arange(1, 1 + n))
+    if n < num_heads:
+        extra = torch.pow(2.0 ** (-4.0 / n), torch.arange(1, 1 + 2 * (num_heads - n), 2))
+        slopes = torch.cat([slopes, extra])
+    return slopes.to(torch.float32)
+
+
+def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq: SeqInfo,
+                 bias_type: str, bias: Any, alibi_slopes: Any, attention_mask: Any, training: bool) -> AttentionParams:
+    """Validates the static facts of a call and describes it."""
+    check_qkv(spec, fmt, q, k, v)
+    check_attention_mask(mask_type, attention_mask, q, seq.batch, seq.max_q, seq.max_kv)
+    bias_shape, alibi_shape = check_bias(bias_type, bias, alibi_slopes, q, seq.batch, seq.max_q, seq.max_kv)
+    return AttentionParams(
+        dtype=q.dtype, qkv_format=fmt, batch_size=seq.batch, num_heads=q.shape[-2], num_gqa_groups=k.shape[-2],
+        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=seq.max_q, max_seqlen_kv=seq.max_kv,
+        attn_mask_type=mask_type, window_size=window, bias_type=bias_type, bias_shape=bias_shape,
+        bias_requires_grad=bool(bias is not None and bias.requires_grad), alibi_slopes_shape=alibi_shape,
+        dropout=spec.attention_dropout if training else 0.0, softmax_type=spec.softmax_type,
+        return_max_logit=spec.return_max_logit, is_training=training, deterministic=spec.deterministic,
+        cp_size=1, cp_comm_type=spec.cp_comm_type, pad_between_seqs=seq.pad_between_seqs,
+        device_type="cuda" if q.device.type == "cuda" else q.device.type,
+    )
+
+
+def build_config(spec: ModuleSpec, params: AttentionParams) -> AttnConfig:
+    return AttnConfig(
+        qkv_format=params.qkv_format, attn_mask_type=params.attn_mask_type, window_size=params.window_size,
+        softmax_scale=spec.softmax_scale, dropout_p=params.dropout, bias_type=params.bias_type,
+        softmax_type=params.softmax_type, deterministic=params.deterministic,
+        return_max_logit=params.return_max_logit,
+    )
+
+
+def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
+    from . import selection
+
+    decision = selection.select(params, force=spec.backend)
+    selection.warn_unfused_fallback(decision)
+    return Plan(params, decision, get_engine(decision.chosen), build_config(spec, params))
+
+
+def signature(fmt, mask_type, window, q, k, v, seq: SeqInfo, bias_type, bias, alibi_slopes, attention_mask,
+              training, env) -> tuple:
+    """The static facts a Plan depends on; cheap to build and hash."""
+    return (
+        fmt, mask_type, window, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        seq.max_q, seq.max_kv, seq.batch, seq.pad_between_seqs, seq.cu_q is None,
+        bias_type, None if bias is None else (bias.shape, bias.dtype, bias.device, bias.requires_grad),
+        None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device),
+        None if attention_mask is None or mask_type != "arbitrary" else
+        (attention_mask.shape, attention_mask.dtype, attention_mask.device),
+        training, env,
+    )
+
+
+def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi_slopes: Any,
+             softmax_offset: torch.Tensor | None) -> AttnAux:
+    return AttnAux(
+        cu_seqlens_q=seq.cu_q, cu_seqlens_kv=seq.cu_kv, cu_seqlens_q_padded=seq.cu_q_padded,
+        cu_seqlens_kv_padded=seq.cu_kv_padded, max_seqlen_q=seq.max_q, max_seqlen_kv=seq.max_kv,
+        attention_mask=attention_mask if mask_type == "arbitrary" else None, bias=bias,
+        alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+    )
+
+
+__all__ = ["ModuleSpec", "Plan", "SeqInfo", "bias_shape_label", "build_config", "build_params", "check_window",
+           "default_alibi_slopes", "make_aux", "make_plan", "normalize_mask_type", "sequence_info", "signature",
+           "QKV_FORMATS", "is_causal"]

@@ -1,0 +1,260 @@
+"""DotProductAttention: Transformer Engine 2.x's module interface, with the engine chosen per call by
+attn_dispatch.selection and the reasons kept in `last_decision` / `explain()`.
+
+Differences from Transformer Engine, on purpose: `backend=` forces an engine (our extension); bad input
+raises ValueError (not AssertionError); a padding attention_mask must put padding after the real tokens;
+what is not built yet (context parallelism, FP8 output, KV-cache inference) raises NotImplementedError.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from . import inputs
+from .backends.unfused import draw_dropout_seed
+from .decision import Decision
+from .env import FAMILIES, EnvFlags
+from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES
+
+_FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
+
+
+class DotProductAttention(torch.nn.Module):
+    """Scaled dot-product attention over q, k, v with heads as a separate dim; returns heads flattened:
+    [sq, b, h*dv] (sbhd), [b, sq, h*dv] (bshd), [t, h*dv] (thd); with return_max_logit, (out, max_logit)."""
+
+    def __init__(self, num_attention_heads: int, kv_channels: int | tuple[int, int], num_gqa_groups: int | None = None,
+                 attention_dropout: float = 0.0, qkv_format: str = "sbhd", attn_mask_type: str = "causal",
+                 window_size: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_size: int = 1,
+                 get_rng_state_tracker: Callable | None = None, tp_group: Any = None, layer_number: int | None = None,
+                 attention_type: str = "self", cp_group: Any = None, cp_global_ranks: list[int] | None = None,
+                 cp_stream: Any = None, cp_comm_type: str = "p2p", softmax_scale: float | None = None,
+                 softmax_type: str = "vanilla", return_max_logit: bool = False, *, backend: str | None = None) -> None:
+        super().__init__()
+        heads = inputs._positive_int("num_attention_heads", num_attention_heads)
+        dim_qk, dim_v = _kv_channels(kv_channels)
+        groups = heads if num_gqa_groups is None else inputs._positive_int("num_gqa_groups", num_gqa_groups)
+        if heads % groups:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by num_gqa_groups={groups}; each "
+                             "key/value head must serve a whole number of query heads")
+        if tp_group is not None:
+            tp_size = torch.distributed.get_world_size(tp_group)
+        tp_size = inputs._positive_int("tp_size", tp_size)
+        if heads % tp_size or groups % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide num_attention_heads={heads} and num_gqa_groups={groups}")
+        if not isinstance(attention_dropout, (int, float)) or not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout={attention_dropout!r} must be a float in [0, 1)")
+        _choice("qkv_format", qkv_format, QKV_FORMATS)
+        _choice("attention_type", attention_type, ("self", "cross"))
+        _choice("cp_comm_type", cp_comm_type, CP_COMM_TYPES)
+        _choice("softmax_type", softmax_type, SOFTMAX_TYPES)
+        if backend is not None and backend.partition(":")[0] not in FAMILIES:
+            raise ValueError(f"backend={backend!r} names no backend; use one of {', '.join(FAMILIES)} "
+                             "(optionally 'family:provider')")
+        self.qkv_format = qkv_format
+        self.attn_mask_type = inputs.normalize_mask_type(attn_mask_type)
+        self._window_arg = window_size  # kept as given: each forward's mask type normalises it (causal => right 0)
+        self.window_size = inputs.check_window(window_size, self.attn_mask_type)
+        self.attention_type = attention_type
+        self.num_attention_heads = heads
+        self.num_gqa_groups = groups
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = dim_qk, dim_v
+        self.tp_size, self.tp_group, self.sequence_parallel = tp_size, tp_group, sequence_parallel
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.attention_dropout = float(attention_dropout)
+        self.softmax_type = softmax_type
+        self.return_max_logit = bool(return_max_logit)
+        self.backend = backend
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        # Transformer Engine draws attention dropout inside the RNG tracker's fork(), except with sequence parallelism.
+        self.rng_states_tracker = None
+        self._dropout_ctx: Callable = nullcontext
+        if get_rng_state_tracker is not None and not sequence_parallel:
+            self.rng_states_tracker = get_rng_state_tracker()
+            if attention_dropout > 0:
+                self._dropout_ctx = self.rng_states_tracker.fork
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(dim_qk)
+        self.softmax_scale = float(softmax_scale)
+        heads_local = heads // tp_size
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads_local))
+        elif softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads_local), persistent=False)
+        else:
+            self.softmax_offset = None
+        env = EnvFlags.from_environ()
+        self._spec = inputs.ModuleSpec(
+            num_heads=heads_local, num_gqa_groups=groups // tp_size, head_dim_qk=dim_qk, head_dim_v=dim_v,
+            softmax_scale=self.softmax_scale, attention_dropout=self.attention_dropout, softmax_type=softmax_type,
+            return_max_logit=self.return_max_logit, attention_type=attention_type,
+            deterministic=not env.allow_nondeterministic or torch.are_deterministic_algorithms_enabled(),
+            cp_comm_type=cp_comm_type, backend=backend)
+        self._plans: dict[tuple, inputs.Plan] = {}
+        self._alibi_cache: dict[torch.device, torch.Tensor] = {}
+        self.last_decision: Decision | None = None
+
+    def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: list[int] | None, cp_stream: Any,
+                                   cp_comm_type: str = "p2p") -> None:
+        _choice("cp_comm_type", cp_comm_type, CP_COMM_TYPES)
+        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = \
+            cp_group, cp_global_ranks, cp_stream, cp_comm_type
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
+                attention_mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+                qkv_format: str | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                cu_seqlens_kv: torch.Tensor | None = None, cu_seqlens_q_padded: torch.Tensor | None = None,
+                cu_seqlens_kv_padded: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                max_seqlen_kv: int | None = None, attn_mask_type: str | None = None,
+                window_size: tuple[int, int] | None = None, checkpoint_core_attention: bool = False,
+                core_attention_bias_type: str = "no_bias", core_attention_bias: torch.Tensor | None = None,
+                alibi_slopes: torch.Tensor | None = None, fast_zero_fill: bool = True, inference_params: Any = None,
+                pad_between_seqs: bool | None = None, fp8_output: bool = False):
+        # fast_zero_fill only picks how Transformer Engine zero-initialises outputs; results are the same.
+        _reject_unbuilt(inference_params, fp8_output)
+        if self.cp_group is not None:
+            return self._forward_context_parallel()
+        plan, aux = self._prepare(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q,
+                                  cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+                                  max_seqlen_kv, attn_mask_type, window_size, core_attention_bias_type,
+                                  core_attention_bias, alibi_slopes, pad_between_seqs)
+        self.last_decision = plan.decision
+        out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
+        out = out.reshape(*out.shape[:-2], -1)
+        return (out, max_logit) if self.return_max_logit else out
+
+    def explain(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
+                **kwargs: Any) -> Decision:
+        """The Decision forward would act on for these inputs (same keywords as forward), without running it.
+        Never raises for 'nothing qualifies': the Decision lists every backend's reasons."""
+        from . import selection
+
+        plan_kwargs = {k: kwargs.pop(k, None) for k in _PREPARE_KEYS}
+        plan_kwargs["core_attention_bias_type"] = plan_kwargs["core_attention_bias_type"] or "no_bias"
+        _reject_unbuilt(kwargs.pop("inference_params", None), kwargs.pop("fp8_output", False))
+        kwargs.pop("checkpoint_core_attention", None)
+        kwargs.pop("fast_zero_fill", None)
+        if kwargs:
+            raise ValueError(f"explain() got unexpected arguments {sorted(kwargs)}; it takes forward's keywords")
+        params, _ = self._describe(query_layer, key_layer, value_layer, **plan_kwargs)
+        return selection.explain(params, force=self.backend)
+
+    # ------------------------------------------------------------------------------------------
+    def _forward_context_parallel(self):
+        """The context-parallel path plugs in here (attn_dispatch.context_parallel)."""
+        raise NotImplementedError(
+            "cp_group is set, but context parallelism is not available in attn_dispatch yet; construct "
+            "DotProductAttention with cp_group=None (or call set_context_parallel_group(None, None, None))")
+
+    def _describe(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                  cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                  core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
+        """Validated (params, signature pieces) for a call; the slow path, also used by explain()."""
+        fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
+        _guard_ranks(fmt, q, k, v)
+        seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
+                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
+                                   pad_between_seqs)
+        params = inputs.build_params(self._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
+                                     core_attention_bias, alibi_slopes, attention_mask, self.training)
+        return params, seq
+
+    def _resolve(self, qkv_format, attn_mask_type, window_size):
+        fmt = self.qkv_format if qkv_format is None else qkv_format
+        if fmt not in _FORMAT_RANK:
+            raise ValueError(f"qkv_format={fmt!r} is not supported; expected one of {', '.join(QKV_FORMATS)}")
+        if attn_mask_type is None:
+            mask_type = self.attn_mask_type
+        else:
+            mask_type = inputs.normalize_mask_type(attn_mask_type)
+        if window_size is None and mask_type == self.attn_mask_type:
+            window = self.window_size
+        else:
+            window = inputs.check_window(self._window_arg if window_size is None else window_size, mask_type)
+        return fmt, mask_type, window
+
+    def _prepare(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                 cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                 core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
+        fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
+        _guard_ranks(fmt, q, k, v)
+        seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
+                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
+                                   pad_between_seqs)
+        key = inputs.signature(fmt, mask_type, window, q, k, v, seq, core_attention_bias_type, core_attention_bias,
+                               alibi_slopes, attention_mask, self.training, EnvFlags.from_environ())
+        plan = self._plans.get(key)
+        if plan is None:
+            params = inputs.build_params(self._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
+                                         core_attention_bias, alibi_slopes, attention_mask, self.training)
+            plan = inputs.make_plan(self._spec, params)
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        if core_attention_bias_type == "alibi":
+            alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
+        return plan, inputs.make_aux(seq, mask_type, attention_mask, core_attention_bias, alibi_slopes,
+                                     self.softmax_offset)
+
+    def _alibi_slopes(self, slopes: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        if slopes is not None:
+            return slopes if slopes.dtype == torch.float32 else slopes.float()
+        cached = self._alibi_cache.get(device)
+        if cached is None:
+            cached = self._alibi_cache[device] = inputs.default_alibi_slopes(self._spec.num_heads).to(device)
+        return cached
+
+    def _run(self, plan: inputs.Plan, aux, q, k, v, checkpoint_core_attention: bool):
+        engine, cfg = plan.engine, plan.cfg
+        with self._dropout_ctx():
+            if cfg.dropout_p > 0.0:
+                # Drawn here, inside the tracker's fork, so that recomputation (checkpointing) reuses it.
+                aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
+            if checkpoint_core_attention and torch.is_grad_enabled():
+                out, _, max_logit = checkpoint(lambda q_, k_, v_: engine(q_, k_, v_, aux, cfg), q, k, v,
+                                               use_reentrant=False)
+            else:
+                out, _, max_logit = engine(q, k, v, aux, cfg)
+        return out, max_logit
+
+
+_PREPARE_KEYS = ("attention_mask", "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                 "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "window_size",
+                 "core_attention_bias_type", "core_attention_bias", "alibi_slopes", "pad_between_seqs")
+
+
+def _reject_unbuilt(inference_params: Any, fp8_output: Any) -> None:
+    if inference_params is not None:
+        raise NotImplementedError("inference_params (KV-cache inference) is not supported by attn_dispatch yet; "
+                                  "pass inference_params=None")
+    if fp8_output:
+        raise NotImplementedError(f"fp8_output={fp8_output!r}: FP8 attention is not supported by attn_dispatch yet; "
+                                  "pass fp8_output=False")
+
+
+def _guard_ranks(fmt: str, q, k, v) -> None:
+    rank = _FORMAT_RANK[fmt]
+    for name, x in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} is {shape}; qkv_format={fmt!r} needs a {rank}-D tensor")
+
+
+def _kv_channels(kv_channels: Any) -> tuple[int, int]:
+    if isinstance(kv_channels, int) and not isinstance(kv_channels, bool):
+        return inputs._positive_int("kv_channels", kv_channels), kv_channels
+    if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2:
+        return (inputs._positive_int("kv_channels[0]", kv_channels[0]),
+                inputs._positive_int("kv_channels[1]", kv_channels[1]))
+    raise ValueError(f"kv_channels={kv_channels!r} must be an int or a pair (head_dim_qk, head_dim_v)")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, allowed))}")
