@@ -1,0 +1,870 @@
+"""cuDNN fused attention engines: cudnn-frontend graphs (CudnnFrontendEngine) and torch's cuDNN op (TorchCudnnEngine).
+
+CudnnFrontendEngine builds one cudnn-frontend SDPA graph per configuration (forward with stats, backward),
+caches it on a key of everything the graph bakes in (shapes, strides, dtype, mask, window, bias, dropout,
+scale, device), keeps one cuDNN handle per device (re-pointed at the current stream) and one grow-only
+workspace per (device, stream). Layouts travel as strides: q/k/v are described to cuDNN as [b, h, s, d]
+views of the caller's bshd/sbhd tensors (no copies); thd goes through ragged offsets (cu_seqlens_padded x
+token stride) and sequence-length tensors, with the softmax stats ragged too (cuDNN >= 9.6).
+
+Conventions (backends/base.py): lse is cuDNN's natural-log stats ([b, h, s, 1] -> [b, h, s]; thd: the
+ragged [t, h] stats returned as an [h, t] view). Rows of padding tokens get output 0 and lse -inf.
+
+Masks follow Transformer Engine: 'causal'/'padding_causal' are top-left aligned, every other mask type
+and every sliding window is bottom-right aligned (per sequence when lengths are known); window (left, right)
+maps to cuDNN's diagonal band: left_bound = left + 1, right_bound = right.
+
+`cudnn` is imported when an engine is constructed, never at module import (the tables import on any box).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..constraints.cudnn_fused import record_rejection
+from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+
+TOP_LEFT_MASKS = ("causal", "padding_causal")
+GRAPH_CACHE_SIZE = 512
+# cudnn-frontend's own CuTe-DSL kernels ("FROST" python engines) need nvidia-cutlass-dsl; by default we run the
+# cuDNN library's kernels, the same ones torch's cuDNN SDPA runs.
+PYTHON_ENGINE_NAMES = ("sdpa_fwd_prefill", "sdpa_bwd_sm", "sdpa_fwd_decode")
+
+
+class CudnnGraphError(RuntimeError):
+    """cuDNN (through cudnn-frontend) cannot build this attention graph. Carries cuDNN's own message."""
+
+    def __init__(self, phase: str, stage: str, message: str, key: Any):
+        self.phase, self.stage, self.cudnn_message, self.key = phase, stage, message, key
+        super().__init__(f"cuDNN rejected the {phase} attention graph at {stage}: {message}")
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes and layouts
+# --------------------------------------------------------------------------------------------
+def bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A [b, h, s, d] view of a bshd/sbhd tensor (no copy)."""
+    if fmt == "bshd":
+        return x.permute(0, 2, 1, 3)
+    if fmt == "sbhd":
+        return x.permute(1, 2, 0, 3)
+    raise ValueError(f"qkv_format={fmt!r} has no dense [b, h, s, d] view; expected 'bshd' or 'sbhd'")
+
+
+def _seq_dim(fmt: str) -> int:
+    return 1 if fmt == "bshd" else 0
+
+
+def _bucket(n: int) -> int:
+    """Graph size for a thd max sequence length / token count: the next power of two (>= 64), so a varying batch
+    reuses a handful of graphs; cuDNN bounds the work by the sequence-length tensors, not by this."""
+    return max(64, 1 << max(0, n - 1).bit_length())
+
+
+def _lens(cu: torch.Tensor) -> torch.Tensor:
+    return (cu[1:] - cu[:-1]).to(torch.int32)
+
+
+def _check_cu(name: str, cu: torch.Tensor | None, b: int | None, device: torch.device) -> torch.Tensor:
+    if cu is None:
+        raise ValueError(f"{name} is required for this call (thd format or a padding mask); got None")
+    if cu.dim() != 1 or (b is not None and cu.numel() != b + 1):
+        raise ValueError(f"{name} must be a 1-D int32 tensor of batch+1 offsets{f' ({b + 1})' if b else ''}; "
+                         f"got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}; it must be on {device} with q, k, v")
+    return cu
+
+
+def _lens_from_mask(mask: torch.Tensor, b: int, sq: int, skv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence lengths from a padding-style boolean mask (True = masked out): [b, 1, 1, skv] (kv padding, queries
+    padded alike when sq == skv) or [b, 1, sq, skv] (rows/columns that keep any key)."""
+    if mask.dim() != 4 or mask.shape[0] != b or mask.shape[-1] != skv or mask.shape[1] != 1:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} is not a padding mask for b={b}, skv={skv}; "
+                         "give cu_seqlens_q/cu_seqlens_kv, or a bool [b, 1, 1, skv] / [b, 1, sq, skv] mask")
+    keep = ~mask[:, 0]
+    if mask.shape[2] == 1:
+        kv = keep[:, 0].sum(-1)
+        if sq != skv:
+            raise ValueError("a [b, 1, 1, skv] padding mask gives no query lengths when sq != skv; "
+                             "give cu_seqlens_q and cu_seqlens_kv")
+        return kv.to(torch.int32), kv.to(torch.int32)
+    if mask.shape[2] != sq:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not match sq={sq}")
+    return keep.any(-1).sum(-1).to(torch.int32), keep.any(-2).sum(-1).to(torch.int32)
+
+
+def alibi_default_slopes(h: int) -> torch.Tensor:
+    """The standard ALiBi slopes for h heads (the ones cuDNN's built-in ALiBi uses), float32 [h]."""
+    n = 2 ** math.floor(math.log2(h))
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    if n < h:
+        slopes += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(h - n)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, sq: int, skv: int, top_left: bool, dtype: torch.dtype) -> torch.Tensor:
+    """-slope * |i + off - j| as a post-scale bias [1|b, h, sq, skv] (off = 0 top-left, skv - sq bottom-right)."""
+    off = 0 if top_left else skv - sq
+    i = torch.arange(sq, device=slopes.device, dtype=torch.float32).view(sq, 1)
+    j = torch.arange(skv, device=slopes.device, dtype=torch.float32).view(1, skv)
+    dist = (i + off - j).abs()
+    s = slopes.float()
+    s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
+    return (-s * dist).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The graph key: everything a cuDNN SDPA graph bakes in
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SdpaKey:
+    phase: str                 # 'fwd' | 'bwd'
+    dtype: str                 # 'float16' | 'bfloat16'
+    device: int
+    b: int
+    h: int
+    hkv: int
+    sq: int                    # graph S dims (thd: bucketed max sequence lengths)
+    skv: int
+    dqk: int
+    dv: int
+    strides: tuple             # ((name, (sb, sh, ss, sd)), ...) for every [b, h, s, d] operand
+    ragged: bool               # thd
+    ragged_tokens: tuple       # thd: ((name, token stride), ...) for the ragged offsets
+    padding: bool
+    alignment: str | None      # 'top_left' | 'bottom_right' | None
+    left_bound: int | None
+    right_bound: int | None
+    bias: tuple | None         # (dims, strides) of the bias tensor
+    bias_grad: bool
+    alibi: bool                # cuDNN's built-in ALiBi
+    dropout: float
+    scale: float
+    sink: bool
+    sink_grad: bool
+    deterministic: bool
+    offsets_int64: bool
+    stats_stride: tuple
+    max_total: tuple = (0, 0)  # bwd, thd: token counts bounding the workspace
+    rng_dump: bool = False     # tests: dump the dropout keep mask
+
+    def stride(self, name: str) -> tuple:
+        return dict(self.strides)[name]
+
+
+@dataclass
+class _Compiled:
+    graph: Any
+    tensors: dict            # name -> graph tensor
+    names: tuple             # operands in a fixed order
+    uids: tuple | None
+    workspace_size: int
+    plan: str
+    ordered: bool = True     # cudnn-frontend's ordered execute(tensor_uids=...) path
+
+
+class _DeviceState:
+    def __init__(self, cudnn: Any, device: int):
+        with torch.cuda.device(device):
+            self.handle = cudnn.create_handle()
+        self.workspaces: dict[int, torch.Tensor] = {}  # stream -> grow-only workspace
+
+    def workspace(self, stream: int, size: int, device: int) -> torch.Tensor:
+        ws = self.workspaces.get(stream)
+        if ws is None or ws.numel() < size:
+            ws = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+            self.workspaces[stream] = ws
+        return ws
+
+
+# --------------------------------------------------------------------------------------------
+# cudnn-frontend graphs
+# --------------------------------------------------------------------------------------------
+class _GraphBuilder:
+    """Builds the forward or backward SDPA graph of one SdpaKey (pure description: no tensors involved)."""
+
+    def __init__(self, cudnn: Any, key: SdpaKey, handle: Any, fe_version: tuple, allow_python_engines: bool):
+        self.cudnn, self.key, self.fe_version = cudnn, key, fe_version
+        dt = cudnn.data_type
+        self.io = dt.HALF if key.dtype == "float16" else dt.BFLOAT16
+        self.graph = cudnn.pygraph(io_data_type=self.io, intermediate_data_type=dt.FLOAT,
+                                   compute_data_type=dt.FLOAT, handle=handle)
+        self.tensors: dict[str, Any] = {}
+        self.allow_python_engines = allow_python_engines
+
+    # --- operands ---
+    def _dims(self, name: str) -> list[int]:
+        k = self.key
+        heads = k.hkv if name in ("k", "v", "dk", "dv") else k.h
+        seq = k.skv if name in ("k", "v", "dk", "dv") else k.sq
+        d = k.dv if name in ("v", "dv", "o", "do") else k.dqk
+        return [k.b, heads, seq, d]
+
+    def _offset(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            dtype = self.cudnn.data_type.INT64 if self.key.offsets_int64 else self.cudnn.data_type.INT32
+            t = self.graph.tensor(name=name, dim=[self.key.b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype)
+            self.tensors[name] = t
+        return t
+
+    def _ragged_name(self, operand: str) -> str:
+        side = "q" if operand in ("q", "o", "do", "dq") else "kv"
+        return f"off_{side}_{dict(self.key.ragged_tokens)[operand]}"
+
+    def operand(self, name: str) -> Any:
+        t = self.graph.tensor(name=name, dim=self._dims(name), stride=list(self.key.stride(name)), data_type=self.io)
+        if self.key.ragged:
+            t.set_ragged_offset(self._offset(self._ragged_name(name)))
+        self.tensors[name] = t
+        return t
+
+    def output(self, name: str, t: Any) -> None:
+        t.set_output(True).set_dim(self._dims(name)).set_stride(list(self.key.stride(name))).set_data_type(self.io)
+        if self.key.ragged:
+            t.set_ragged_offset(self._offset(self._ragged_name(name)))
+        self.tensors[name] = t
+
+    def small(self, name: str, dims: list[int], dtype: Any, stride: list[int] | None = None) -> Any:
+        t = self.graph.tensor(name=name, dim=dims, stride=stride or _contiguous(dims), data_type=dtype)
+        self.tensors[name] = t
+        return t
+
+    def stats(self, t: Any | None = None) -> Any:
+        k = self.key
+        if t is None:
+            t = self.graph.tensor(name="stats", dim=[k.b, k.h, k.sq, 1], stride=list(k.stats_stride),
+                                  data_type=self.cudnn.data_type.FLOAT)
+        else:
+            t.set_output(True).set_dim([k.b, k.h, k.sq, 1]).set_stride(list(k.stats_stride)) \
+                .set_data_type(self.cudnn.data_type.FLOAT)
+        if k.ragged:
+            t.set_ragged_offset(self._offset("off_stats"))
+        self.tensors["stats"] = t
+        return t
+
+    # --- the op's keyword arguments shared by forward and backward ---
+    def common_kwargs(self) -> dict:
+        c, k, f32, i32 = self.cudnn, self.key, self.cudnn.data_type.FLOAT, self.cudnn.data_type.INT32
+        kw: dict[str, Any] = {"attn_scale": k.scale}
+        if k.alignment is not None:
+            kw["diagonal_alignment"] = (c.diagonal_alignment.TOP_LEFT if k.alignment == "top_left"
+                                        else c.diagonal_alignment.BOTTOM_RIGHT)
+            if k.left_bound is not None:
+                kw["diagonal_band_left_bound"] = k.left_bound
+            if k.right_bound is not None:
+                kw["diagonal_band_right_bound"] = k.right_bound
+        if k.padding:
+            kw["use_padding_mask"] = True
+            kw["seq_len_q"] = self.small("seq_len_q", [k.b, 1, 1, 1], i32)
+            kw["seq_len_kv"] = self.small("seq_len_kv", [k.b, 1, 1, 1], i32)
+        if k.bias is not None:
+            dims, strides = k.bias
+            kw["bias"] = self.small("bias", list(dims), self.io, list(strides))
+        if k.alibi:
+            kw["use_alibi_mask"] = True
+        if k.dropout > 0:
+            i64 = c.data_type.INT64
+            kw["dropout"] = (k.dropout, self.small("seed", [1, 1, 1, 1], i64), self.small("offset", [1, 1, 1, 1], i64))
+        if k.sink:
+            kw["sink_token"] = self.small("sink", [1, k.h, 1, 1], f32)
+        return kw
+
+    def build_forward(self) -> _Compiled:
+        g, k = self.graph, self.key
+        q, kk, v = self.operand("q"), self.operand("k"), self.operand("v")
+        kw = self.common_kwargs()
+        if self.fe_version >= (1, 13):
+            kw["generate_stats"] = True
+        else:
+            kw["is_inference"] = False
+        if k.rng_dump:
+            kw["rng_dump"] = self.small("rng_dump", [k.b, k.h, k.sq, k.skv], self.cudnn.data_type.FLOAT)
+        o, stats = g.sdpa(q=q, k=kk, v=v, name="sdpa", **kw)
+        self.output("o", o)
+        self.stats(stats)
+        return self.finish()
+
+    def build_backward(self) -> _Compiled:
+        g, k = self.graph, self.key
+        q, kk, v = self.operand("q"), self.operand("k"), self.operand("v")
+        o, do = self.operand("o"), self.operand("do")
+        stats = self.stats()
+        kw = self.common_kwargs()
+        kw["use_deterministic_algorithm"] = k.deterministic
+        if k.ragged:
+            kw["max_total_seq_len_q"], kw["max_total_seq_len_kv"] = k.max_total
+        if k.bias_grad:
+            dims, _ = k.bias
+            kw["dBias"] = self.small("dbias", list(dims), self.io)
+        if k.sink:
+            kw["dSink_token"] = self.small("dsink", [1, k.h, 1, 1], self.cudnn.data_type.FLOAT)
+        dq, dk, dv = g.sdpa_backward(q=q, k=kk, v=v, o=o, dO=do, stats=stats, name="sdpa_backward", **kw)
+        for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+            self.output(name, t)
+        if k.bias_grad:
+            self.tensors["dbias"].set_output(True)
+        if k.sink:
+            self.tensors["dsink"].set_output(True)
+        return self.finish()
+
+    def finish(self) -> _Compiled:
+        g, c = self.graph, self.cudnn
+        stage = "validate"
+        try:
+            g.validate()
+            stage = "build_operation_graph"
+            g.build_operation_graph()
+            stage = "create_execution_plans"
+            g.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
+            if not self.allow_python_engines and hasattr(g, "deselect_engines"):
+                g.deselect_engines(list(PYTHON_ENGINE_NAMES))
+            stage = "check_support"
+            g.check_support()
+            stage = "build_plans"
+            g.build_plans()
+            workspace = int(g.get_workspace_size())
+        except Exception as exc:  # noqa: BLE001 - every cuDNN failure becomes one clear error
+            raise CudnnGraphError(self.key.phase, stage, f"{type(exc).__name__}: {exc}".strip(), self.key) from exc
+        names = tuple(sorted(self.tensors))
+        uids = None
+        try:
+            uids = tuple(int(self.tensors[n].get_uid()) for n in names)
+        except Exception:  # noqa: BLE001 - older bindings: the dict form of execute
+            uids = None
+        engine = getattr(g, "selected_engine", None)
+        plan = getattr(engine, "name", None) or "cudnn backend"
+        return _Compiled(g, dict(self.tensors), names, uids, workspace, plan, ordered=uids is not None)
+
+
+def _contiguous(dims: list[int]) -> list[int]:
+    out, acc = [], 1
+    for d in reversed(dims):
+        out.append(acc)
+        acc *= d
+    return list(reversed(out))
+
+
+# --------------------------------------------------------------------------------------------
+# Per-call preparation shared by forward and backward
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    """Shapes, views and small tensors of one call, in cuDNN's [b, h, s, d] terms."""
+    fmt: str
+    b: int
+    h: int
+    hkv: int
+    sq: int
+    skv: int
+    dqk: int
+    dv: int
+    padding: bool
+    lens_q: torch.Tensor | None = None     # int32 [b]
+    lens_kv: torch.Tensor | None = None
+    cu_q_pad: torch.Tensor | None = None   # thd: where each sequence starts
+    cu_kv_pad: torch.Tensor | None = None
+    gaps: bool = False                     # thd with padding between sequences: untouched rows exist
+    t_q: int = 0
+    t_kv: int = 0
+    max_q: int = 0                         # the call's real longest sequences (thd: aux.max_seqlen_*)
+    max_kv: int = 0
+
+
+def _describe(x: torch.Tensor, fmt: str, s_graph: int) -> tuple[tuple, int | None]:
+    """[b, h, s, d] strides of a bshd/sbhd tensor, or of a thd tensor (b stride = S * token stride)."""
+    if fmt == "thd":
+        st, sh, sd = x.stride()
+        return (s_graph * st, sh, st, sd), st
+    v = bhsd(x, fmt)
+    return tuple(v.stride()), None
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> _Call:
+    fmt = cfg.qkv_format
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        want = 3 if fmt == "thd" else 4
+        if t.dim() != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; qkv_format={fmt!r} needs {want} dims")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous head dim (stride(-1) == 1); got strides {t.stride()}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: cuDNN fused attention takes float16 or "
+                         "bfloat16, the same for all three")
+    if not q.is_cuda:
+        raise ValueError(f"q is on {q.device}; cuDNN fused attention needs CUDA tensors")
+    h, hkv, dqk, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if h % hkv:
+        raise ValueError(f"q has {h} heads, k/v {hkv}: num_heads must be a multiple of num_gqa_groups")
+    mask = cfg.attn_mask_type
+    if mask == "arbitrary":
+        raise ValueError("attn_mask_type='arbitrary' is not supported by cuDNN fused attention")
+    if fmt == "thd":
+        cu_q = _check_cu("cu_seqlens_q", aux.cu_seqlens_q, None, q.device)
+        b = cu_q.numel() - 1
+        cu_kv = _check_cu("cu_seqlens_kv", aux.cu_seqlens_kv, b, q.device)
+        if aux.max_seqlen_q <= 0 or aux.max_seqlen_kv <= 0:
+            raise ValueError(f"aux.max_seqlen_q={aux.max_seqlen_q}, aux.max_seqlen_kv={aux.max_seqlen_kv}: thd needs "
+                             "the longest sequence lengths (positive ints)")
+        pad_q = aux.cu_seqlens_q_padded if aux.cu_seqlens_q_padded is not None else cu_q
+        pad_kv = aux.cu_seqlens_kv_padded if aux.cu_seqlens_kv_padded is not None else cu_kv
+        _check_cu("cu_seqlens_q_padded", pad_q, b, q.device)
+        _check_cu("cu_seqlens_kv_padded", pad_kv, b, q.device)
+        call = _Call(fmt, b, h, hkv, _bucket(aux.max_seqlen_q), _bucket(aux.max_seqlen_kv), dqk, dv, True,
+                     _lens(cu_q), _lens(cu_kv), pad_q, pad_kv, gaps=pad_q is not cu_q or pad_kv is not cu_kv,
+                     t_q=q.shape[0], t_kv=k.shape[0], max_q=aux.max_seqlen_q, max_kv=aux.max_seqlen_kv)
+        return call
+    sd = _seq_dim(fmt)
+    b = q.shape[1 - sd]
+    call = _Call(fmt, b, h, hkv, q.shape[sd], k.shape[sd], dqk, dv, mask.startswith("padding"),
+                 max_q=q.shape[sd], max_kv=k.shape[sd])
+    if call.padding:
+        if aux.cu_seqlens_q is not None or aux.cu_seqlens_kv is not None:
+            call.lens_q = _lens(_check_cu("cu_seqlens_q", aux.cu_seqlens_q, b, q.device))
+            call.lens_kv = _lens(_check_cu("cu_seqlens_kv", aux.cu_seqlens_kv, b, q.device))
+        elif aux.attention_mask is not None:
+            call.lens_q, call.lens_kv = _lens_from_mask(aux.attention_mask, b, call.sq, call.skv)
+        else:
+            raise ValueError(f"attn_mask_type={mask!r} needs sequence lengths: give cu_seqlens_q/cu_seqlens_kv "
+                             "(or a padding attention_mask)")
+    return call
+
+
+def _mask_args(cfg: AttnConfig, call: _Call) -> tuple[str | None, int | None, int | None]:
+    """(alignment, left_bound, right_bound) for cuDNN's diagonal band."""
+    left, right = cfg.window_size
+    if "causal" in cfg.attn_mask_type:
+        right = 0
+    if left < 0 and right < 0:
+        return None, None, None
+    top_left = cfg.attn_mask_type in TOP_LEFT_MASKS or (call.sq == call.skv and not call.padding)
+    return ("top_left" if top_left else "bottom_right", left + 1 if left >= 0 else None,
+            right if right >= 0 else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Engine 1: cudnn-frontend graphs
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _FwdState:
+    key: SdpaKey
+    call: _Call
+    bias: torch.Tensor | None       # what cuDNN saw (q dtype)
+    bias_grad: bool
+    sink: torch.Tensor | None
+    seed: torch.Tensor | None       # int64 [2]: Philox seed, offset
+    rng_dump: torch.Tensor | None = None
+
+
+class CudnnFrontendEngine(Engine):
+    family = "cudnn_fused"
+    provider = "frontend"
+
+    def __init__(self, allow_python_engines: bool = False):
+        import cudnn  # noqa: PLC0415 - lazy: the package is optional
+
+        self.cudnn = cudnn
+        self.fe_version = tuple(int(x) for x in str(cudnn.__version__).split(".")[:2] if x.isdigit())
+        self.cudnn_version = int(cudnn.backend_version())
+        self.allow_python_engines = allow_python_engines
+        self._graphs: OrderedDict[SdpaKey, _Compiled] = OrderedDict()
+        self._failures: dict[SdpaKey, CudnnGraphError] = {}
+        self._devices: dict[int, _DeviceState] = {}
+        self._lock = threading.Lock()
+        self.stats = {"builds": 0, "hits": 0, "build_seconds": 0.0}
+        self._sinks: dict[tuple, torch.Tensor] = {}
+        self._alibi: tuple | None = None
+
+    # --- caches ---
+    def _device(self, index: int) -> _DeviceState:
+        state = self._devices.get(index)
+        if state is None:
+            with self._lock:
+                state = self._devices.get(index) or _DeviceState(self.cudnn, index)
+                self._devices[index] = state
+        return state
+
+    def graph(self, key: SdpaKey) -> _Compiled:
+        compiled = self._graphs.get(key)
+        if compiled is not None:
+            self.stats["hits"] += 1
+            return compiled
+        failure = self._failures.get(key)
+        if failure is not None:
+            raise failure
+        import time
+
+        start = time.perf_counter()
+        try:
+            with torch.cuda.device(key.device):
+                builder = _GraphBuilder(self.cudnn, key, self._device(key.device).handle, self.fe_version,
+                                        self.allow_python_engines)
+                compiled = builder.build_forward() if key.phase == "fwd" else builder.build_backward()
+        except CudnnGraphError as exc:
+            self._failures[key] = exc
+            raise
+        self.stats["builds"] += 1
+        self.stats["build_seconds"] += time.perf_counter() - start
+        with self._lock:
+            self._graphs[key] = compiled
+            while len(self._graphs) > GRAPH_CACHE_SIZE:
+                self._graphs.popitem(last=False)
+        return compiled
+
+    def _run(self, compiled: _Compiled, buffers: dict[str, Any], device: int) -> None:
+        if torch.cuda.current_device() != device:
+            with torch.cuda.device(device):
+                return self._run(compiled, buffers, device)
+        state = self._device(device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self.cudnn.set_stream(handle=state.handle, stream=stream)
+        ws = state.workspace(stream, compiled.workspace_size, device)
+        if compiled.ordered:
+            try:
+                compiled.graph.execute(tuple(buffers[n] for n in compiled.names), ws, handle=state.handle,
+                                       tensor_uids=compiled.uids)
+                return
+            except (TypeError, ValueError):
+                compiled.ordered = False  # a frontend without the ordered form: the dict form from now on
+        compiled.graph.execute({compiled.tensors[n]: buffers[n] for n in compiled.names}, ws, handle=state.handle)
+
+    def _graph_or_record(self, key: SdpaKey, signature: tuple) -> _Compiled:
+        try:
+            return self.graph(key)
+        except CudnnGraphError as exc:
+            record_rejection(signature, exc.cudnn_message)
+            raise
+
+    # --- per-call pieces ---
+    def _bias(self, q: torch.Tensor, aux: AttnAux, cfg: AttnConfig, call: _Call) -> tuple:
+        """(bias tensor for cuDNN or None, bias_grad, native_alibi)."""
+        if cfg.bias_type == "no_bias":
+            return None, False, False
+        if cfg.bias_type == "pre_scale_bias":
+            raise ValueError("bias_type='pre_scale_bias' is not supported by cuDNN fused attention; "
+                             "use post_scale_bias")
+        if cfg.bias_type == "alibi":
+            if call.padding:
+                raise ValueError("ALiBi with a padding mask is not supported by the cuDNN engine")
+            top_left = cfg.attn_mask_type in TOP_LEFT_MASKS
+            if aux.alibi_slopes is None and call.sq == call.skv and "causal" in cfg.attn_mask_type \
+                    and cfg.window_size[0] < 0:
+                return None, False, True  # cuDNN's built-in ALiBi: the standard slopes, causal
+            slopes = aux.alibi_slopes if aux.alibi_slopes is not None else alibi_default_slopes(call.h).to(q.device)
+            if slopes.shape not in ((call.h,), (call.b, call.h)):
+                raise ValueError(f"alibi_slopes has shape {tuple(slopes.shape)}; expected [{call.h}] or "
+                                 f"[{call.b}, {call.h}]")
+            key = (slopes.data_ptr(), slopes._version, tuple(slopes.shape), call.sq, call.skv, top_left, q.dtype)
+            if self._alibi is None or self._alibi[0] != key:
+                self._alibi = (key, alibi_bias(slopes, call.sq, call.skv, top_left, q.dtype))
+            return self._alibi[1], False, False
+        bias = aux.bias
+        if bias is None:
+            raise ValueError(f"bias_type={cfg.bias_type!r} but aux.bias is None")
+        if bias.dim() != 4 or bias.shape[0] not in (1, call.b) or bias.shape[1] not in (1, call.h) \
+                or tuple(bias.shape[2:]) != (call.sq, call.skv):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [1|{call.b}, 1|{call.h}, {call.sq}, "
+                             f"{call.skv}]")
+        grad = bias.requires_grad and tuple(bias.shape[:2]) == (1, call.h)  # cuDNN's dBias: [1, h, sq, skv] only
+        b = bias.detach()
+        if b.dtype != q.dtype or b.stride(-1) != 1:
+            b = b.to(q.dtype).contiguous()
+        return b, grad, False
+
+    def _sink(self, aux: AttnAux, cfg: AttnConfig, call: _Call, device: torch.device) -> torch.Tensor | None:
+        if cfg.softmax_type == "vanilla":
+            return None
+        if cfg.softmax_type == "off-by-one":
+            key = (device, call.h)
+            sink = self._sinks.get(key)
+            if sink is None:
+                sink = self._sinks[key] = torch.zeros(1, call.h, 1, 1, dtype=torch.float32, device=device)
+            return sink
+        if aux.softmax_offset is None or aux.softmax_offset.numel() != call.h:
+            raise ValueError(f"softmax_type='learnable' needs aux.softmax_offset of shape [{call.h}]")
+        return aux.softmax_offset.detach().float().reshape(1, call.h, 1, 1).contiguous()
+
+    def _key(self, phase: str, call: _Call, cfg: AttnConfig, dtype: torch.dtype, device: int,
+             operands: dict[str, torch.Tensor], bias: torch.Tensor | None, bias_grad: bool, alibi: bool,
+             sink: torch.Tensor | None, stats_stride: tuple, rng_dump: bool, sink_grad: bool = False) -> SdpaKey:
+        strides, tokens = [], []
+        for name, t in operands.items():
+            s, token = _describe(t, call.fmt, call.skv if name in ("k", "v", "dk", "dv") else call.sq)
+            strides.append((name, s))
+            if token is not None:
+                tokens.append((name, token))
+        alignment, left, right = _mask_args(cfg, call)
+        return SdpaKey(
+            phase=phase, dtype="float16" if dtype == torch.float16 else "bfloat16", device=device, b=call.b, h=call.h,
+            hkv=call.hkv, sq=call.sq, skv=call.skv, dqk=call.dqk, dv=call.dv, strides=tuple(strides),
+            ragged=call.fmt == "thd", ragged_tokens=tuple(tokens), padding=call.padding, alignment=alignment,
+            left_bound=left, right_bound=right,
+            bias=(tuple(bias.shape), tuple(bias.stride())) if bias is not None else None, bias_grad=bias_grad,
+            alibi=alibi, dropout=float(cfg.dropout_p), scale=float(cfg.softmax_scale), sink=sink is not None,
+            sink_grad=sink_grad, deterministic=bool(cfg.deterministic) and phase == "bwd",
+            offsets_int64=self.cudnn_version >= 90500, stats_stride=stats_stride,
+            max_total=(_bucket(call.t_q), _bucket(call.t_kv)) if call.fmt == "thd" and phase == "bwd" else (0, 0),
+            rng_dump=rng_dump)
+
+    def _aux_buffers(self, call: _Call, key: SdpaKey, operands: dict[str, torch.Tensor], bias, sink, seed) -> dict:
+        buf: dict[str, Any] = {}
+        if key.padding:
+            buf["seq_len_q"] = call.lens_q.view(call.b, 1, 1, 1)
+            buf["seq_len_kv"] = call.lens_kv.view(call.b, 1, 1, 1)
+        if key.ragged:
+            itype = torch.int64 if key.offsets_int64 else torch.int32
+            for name, token in key.ragged_tokens:
+                side = "q" if name in ("q", "o", "do", "dq") else "kv"
+                off = f"off_{side}_{token}"
+                if off not in buf:
+                    cu = call.cu_q_pad if side == "q" else call.cu_kv_pad
+                    buf[off] = (cu.to(itype) * token).view(call.b + 1, 1, 1, 1)
+            buf["off_stats"] = (call.cu_q_pad.to(itype) * call.h).view(call.b + 1, 1, 1, 1)
+        if bias is not None:
+            buf["bias"] = bias
+        if sink is not None:
+            buf["sink"] = sink
+        if seed is not None:
+            buf["seed"], buf["offset"] = seed[0:1].view(1, 1, 1, 1), seed[1:2].view(1, 1, 1, 1)
+        buf.update(operands)
+        return buf
+
+    def _signature(self, call: _Call, cfg: AttnConfig, dtype: torch.dtype, phase: str, bias) -> tuple:
+        """The table's rejection signature of this call (constraints.cudnn_fused.rejection_signature)."""
+        from ..constraints.cudnn_fused import rejection_signature
+        from ..params import AttentionParams
+
+        shape = slopes = None
+        if bias is not None and cfg.bias_type == "post_scale_bias":
+            shape = ("1" if bias.shape[0] == 1 else "b") + ("1" if bias.shape[1] == 1 else "h") + "ss"
+        if cfg.bias_type == "alibi":
+            slopes = "bh" if bias is not None and bias.shape[0] != 1 else "h"
+        try:
+            p = AttentionParams(
+                dtype=dtype, qkv_format=call.fmt, batch_size=call.b, num_heads=call.h, num_gqa_groups=call.hkv,
+                head_dim_qk=call.dqk, head_dim_v=call.dv, max_seqlen_q=call.max_q, max_seqlen_kv=call.max_kv,
+                attn_mask_type=cfg.attn_mask_type, window_size=tuple(cfg.window_size), bias_type=cfg.bias_type,
+                bias_shape=shape, alibi_slopes_shape=slopes, dropout=cfg.dropout_p, softmax_type=cfg.softmax_type,
+                deterministic=cfg.deterministic)
+        except ValueError:
+            return ("unrepresentable", phase)
+        return rejection_signature(p, cfg.deterministic, phase)
+
+    # --- Engine interface ---
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        if cfg.return_max_logit:
+            raise ValueError("return_max_logit=True is not supported by the cuDNN frontend engine")
+        call = _prepare(q, k, v, aux, cfg)
+        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        bias, bias_grad, alibi = self._bias(q, aux, cfg, call)
+        sink = self._sink(aux, cfg, call, q.device)
+        seed = None
+        if cfg.dropout_p > 0:
+            seed = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device, generator=aux.dropout_generator)
+        if call.fmt == "thd":
+            fill = call.gaps
+            out = (torch.zeros if fill else torch.empty)(call.t_q, call.h, call.dv, dtype=q.dtype, device=q.device)
+            lse_store = (torch.full((call.t_q, call.h), float("-inf"), dtype=torch.float32, device=q.device) if fill
+                         else torch.empty(call.t_q, call.h, dtype=torch.float32, device=q.device))
+            stats_stride = (call.h * call.sq, 1, call.h, 1)
+            operands = {"q": q, "k": k, "v": v, "o": out}
+        else:
+            shape = (call.b, call.sq, call.h, call.dv) if call.fmt == "bshd" else (call.sq, call.b, call.h, call.dv)
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+            lse_store = torch.empty(call.b, call.h, call.sq, dtype=torch.float32, device=q.device)
+            stats_stride = (call.h * call.sq, call.sq, 1, 1)
+            operands = {"q": bhsd(q, call.fmt), "k": bhsd(k, call.fmt), "v": bhsd(v, call.fmt),
+                        "o": bhsd(out, call.fmt)}
+        rng_dump = aux.extra.get("cudnn_rng_dump") if cfg.dropout_p > 0 else None
+        key = self._key("fwd", call, cfg, q.dtype, dev, {n: x for n, x in (("q", q), ("k", k), ("v", v), ("o", out))},
+                        bias, bias_grad, alibi, sink, stats_stride, rng_dump is not None)
+        compiled = self._graph_or_record(key, self._signature(call, cfg, q.dtype, "fwd", bias))
+        buffers = self._aux_buffers(call, key, operands, bias, sink, seed)
+        buffers["stats"] = lse_store
+        if rng_dump is not None:
+            buffers["rng_dump"] = rng_dump
+        self._run(compiled, buffers, dev)
+        if call.fmt == "thd":
+            lse = lse_store.t()  # [h, t] view of cuDNN's ragged [t, h] stats
+        else:
+            lse = lse_store
+            if call.padding:
+                _clear_padded_rows(out, lse, call)
+        state = _FwdState(key, call, bias, bias_grad, sink, seed, rng_dump)
+        return FwdResult(out, lse, state)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, state: _FwdState, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        call, dev = state.call, state.key.device
+        if aux.bias is not None and aux.bias.requires_grad and not state.bias_grad and cfg.bias_type != "alibi":
+            raise ValueError(f"the bias of shape {tuple(aux.bias.shape)} requires grad, but cuDNN computes dBias only "
+                             f"for a [1, {call.h}, sq, skv] bias; detach it or use that shape")
+        dq, dk, dv = (torch.zeros_like(t) if call.gaps else torch.empty_like(t) for t in (q, k, v))
+        if call.fmt == "thd":
+            stats = lse.t()
+            if stats.stride() != (call.h, 1):
+                stats = stats.contiguous()
+            stats_stride = (call.h * call.sq, 1, call.h, 1)
+            operands = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
+            views = operands
+        else:
+            stats = lse.unsqueeze(-1)
+            stats_stride = tuple(stats.stride())
+            operands = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
+            views = {n: bhsd(t, call.fmt) for n, t in operands.items()}
+        sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
+                     and aux.softmax_offset.requires_grad)
+        key = self._key("bwd", call, cfg, q.dtype, dev, operands, state.bias, state.bias_grad, state.key.alibi,
+                        state.sink, stats_stride, False, sink_grad)
+        compiled = self._graph_or_record(key, self._signature(call, cfg, q.dtype, "bwd", state.bias))
+        buffers = self._aux_buffers(call, key, views, state.bias, state.sink, state.seed)
+        buffers["stats"] = stats
+        dbias = dsink = None
+        if key.bias_grad:
+            dbias = buffers["dbias"] = torch.empty(state.bias.shape, dtype=q.dtype, device=q.device)
+        if key.sink:
+            dsink = buffers["dsink"] = torch.zeros(1, call.h, 1, 1, dtype=torch.float32, device=q.device)
+        self._run(compiled, buffers, dev)
+        if call.padding and call.fmt != "thd":
+            _clear_padded_grads(dq, dk, dv, call)
+        if dbias is not None and aux.bias is not None and dbias.dtype != aux.bias.dtype:
+            dbias = dbias.to(aux.bias.dtype)
+        dsoftmax = None
+        if sink_grad:
+            dsoftmax = dsink.view(call.h).to(aux.softmax_offset.dtype)
+        return BwdResult(dq, dk, dv, dbias, dsoftmax)
+
+    def probe(self, params: Any, device: int | None = None) -> str | None:
+        """Build the forward (and, for training, backward) graph of an AttentionParams on this GPU without running
+        it: None when cuDNN accepts, else cuDNN's message (also recorded for the table's `cudnn_rejected`)."""
+        from ..synthetic import make_call
+
+        call = make_call(params, device="cuda" if device is None else f"cuda:{device}", requires_grad=False)
+        try:
+            with torch.no_grad():
+                result = self.forward(call.q, call.k, call.v, call.aux, call.cfg)
+                if params.is_training:
+                    self.backward(torch.ones_like(result.out), call.q, call.k, call.v, result.out, result.lse,
+                                  result.state, call.aux, call.cfg)
+        except CudnnGraphError as exc:
+            return exc.cudnn_message
+        return None
+
+
+def _padded_row_mask(lens: torch.Tensor, s: int) -> torch.Tensor:
+    """[b, s] True for rows past each sequence's length."""
+    return torch.arange(s, device=lens.device).view(1, s) >= lens.view(-1, 1)
+
+
+def _clear_padded_rows(out: torch.Tensor, lse: torch.Tensor, call: _Call) -> None:
+    """Rows of padding tokens: output 0, lse -inf (cuDNN leaves them unspecified)."""
+    rows = _padded_row_mask(call.lens_q, call.sq)                         # [b, sq]
+    lse.masked_fill_(rows.view(call.b, 1, call.sq), float("-inf"))
+    sel = rows if call.fmt == "bshd" else rows.t()
+    out.masked_fill_(sel[:, :, None, None], 0.0)
+
+
+def _clear_padded_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, call: _Call) -> None:
+    for grads, lens, s in (((dq,), call.lens_q, call.sq), ((dk, dv), call.lens_kv, call.skv)):
+        rows = _padded_row_mask(lens, s)
+        sel = (rows if call.fmt == "bshd" else rows.t())[:, :, None, None]
+        for g in grads:
+            g.masked_fill_(sel, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Engine 2: torch's built-in cuDNN SDPA op
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _TorchState:
+    fmt: str
+    views: tuple           # (q, k, v) [b, h, s, d] views the op saw
+    out4: torch.Tensor     # the op's output [b, h, sq, dv]
+    bias: torch.Tensor | None
+    rest: tuple            # (cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset)
+    lse_dims: int
+    is_causal: bool
+
+
+class TorchCudnnEngine(Engine):
+    family = "cudnn_fused"
+    provider = "torch"
+
+    def __init__(self):
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+            raise ImportError(f"torch {torch.__version__} has no aten._scaled_dot_product_cudnn_attention")
+        self.fwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention
+        self.bwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+
+    @staticmethod
+    def _validate(q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> bool:
+        """is_causal, or ValueError for what the op cannot express."""
+        if cfg.qkv_format not in ("bshd", "sbhd"):
+            raise ValueError(f"qkv_format={cfg.qkv_format!r}: torch's cuDNN op takes bshd or sbhd")
+        mask, window = cfg.attn_mask_type, tuple(cfg.window_size)
+        if mask not in ("no_mask", "causal", "causal_bottom_right"):
+            raise ValueError(f"attn_mask_type={mask!r}: torch's cuDNN op supports no_mask and causal")
+        if mask == "causal_bottom_right" and aux.max_seqlen_q not in (0, aux.max_seqlen_kv):
+            raise ValueError("causal_bottom_right with sq != skv: torch's cuDNN op is top-left causal only")
+        if window not in ((-1, -1), (-1, 0)):
+            raise ValueError(f"window_size={window}: torch's cuDNN op has no sliding window")
+        if cfg.bias_type not in ("no_bias", "post_scale_bias"):
+            raise ValueError(f"bias_type={cfg.bias_type!r}: torch's cuDNN op takes only a post-scale bias")
+        if cfg.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={cfg.softmax_type!r}: torch's cuDNN op has no softmax sink")
+        if cfg.return_max_logit:
+            raise ValueError("return_max_logit=True is not supported by torch's cuDNN op")
+        if cfg.dropout_p > 0 and aux.dropout_generator is not None:
+            raise ValueError("aux.dropout_generator: torch's cuDNN op draws from the default CUDA generator only")
+        return "causal" in mask
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        is_causal = self._validate(q, aux, cfg)
+        fmt = cfg.qkv_format
+        if fmt == "sbhd":  # the op expects bshd memory viewed as bhsd (sdp_utils check_cudnn_layout)
+            q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+        q4, k4, v4 = (bhsd(t, "bshd") for t in (q, k, v))
+        if is_causal and cfg.attn_mask_type == "causal_bottom_right" and q4.shape[2] != k4.shape[2]:
+            raise ValueError("causal_bottom_right with sq != skv: torch's cuDNN op is top-left causal only")
+        bias = None
+        if cfg.bias_type == "post_scale_bias":
+            if aux.bias is None:
+                raise ValueError("bias_type='post_scale_bias' but aux.bias is None")
+            b, h, sq, skv = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
+            bias = aux.bias.detach().to(q.dtype).expand(b, h, sq, skv)
+        res = self.fwd_op(q4, k4, v4, bias, True, float(cfg.dropout_p), is_causal, False, scale=cfg.softmax_scale)
+        out4, lse = res[0], res[1]
+        lse_dims = lse.dim()
+        lse = lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])
+        out = out4.permute(0, 2, 1, 3)  # bshd view of the op's output
+        if fmt == "sbhd":
+            out = out.transpose(0, 1)
+        state = _TorchState(fmt, (q4, k4, v4), out4, bias, tuple(res[2:8]), lse_dims, is_causal)
+        return FwdResult(out, lse, state)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, state: _TorchState, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        if aux.bias is not None and aux.bias.requires_grad:
+            raise ValueError("the bias requires grad, but torch's cuDNN op returns no bias gradient; detach it or use "
+                             "the cudnn_fused:frontend provider")
+        q4, k4, v4 = state.views
+        d = dout.transpose(0, 1) if state.fmt == "sbhd" else dout
+        do4 = d.permute(0, 2, 1, 3)
+        if do4.stride() != state.out4.stride():
+            do4 = do4.contiguous() if state.out4.is_contiguous() else do4.clone(memory_format=torch.preserve_format)
+        o = out.transpose(0, 1) if state.fmt == "sbhd" else out
+        o4 = o.permute(0, 2, 1, 3)
+        lse_in = lse.unsqueeze(-1) if state.lse_dims == 4 else lse
+        cum_q, cum_k, max_q, max_k, seed, offset = state.rest
+        dq4, dk4, dv4 = self.bwd_op(do4, q4, k4, v4, o4, lse_in, seed, offset, state.bias, cum_q, cum_k, max_q, max_k,
+                                    float(cfg.dropout_p), state.is_causal, scale=cfg.softmax_scale)
+        grads = [g.permute(0, 2, 1, 3) for g in (dq4, dk4, dv4)]
+        if state.fmt == "sbhd":
+            grads = [g.transpose(0, 1) for g in grads]
+        return BwdResult(*grads)
