@@ -388,3 +388,45 @@ def test_default_grid_covers_issue_8():
     assert any(p.num_gqa_groups < p.num_heads for p in grid)
     assert any(BucketScheme().representative(p) != p for p in grid)  # off-bucket shapes test bucketing
     assert len({shape_label(p) for p in grid}) == len(grid)
+
+
+# --- hot-path harness (the GPU figures come from benchmarks/bench_policy.py) -----------------------------
+
+TINY = dict(batch=1, seqlen=16, heads=2, head_dim=16)
+
+
+def test_overhead_harness_times_module_and_engine_on_the_same_inputs():
+    from attn_dispatch.policy import hotpath
+
+    result = hotpath.overhead(torch.device("cpu"), torch.float32, calls=20, repeats=1, shape=TINY)
+    assert result["chosen"] == "unfused:pytorch"
+    assert set(result["results_us"]) == {"module", "engine_call", "engine_forward"}
+    for figures in result["results_us"].values():
+        assert all(value > 0 for value in figures.values())
+    assert result["module_over_engine_us"]["loop_us_min"] == pytest.approx(
+        result["results_us"]["module"]["loop_us_min"] - result["results_us"]["engine_call"]["loop_us_min"])
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, recompile_each_call: bool):
+        super().__init__()
+        self.recompile_each_call, self.calls = recompile_each_call, 0
+
+    def forward(self, q, k, v):
+        scale = 1.0
+        if self.recompile_each_call:
+            self.calls += 1  # a changing int attribute is guarded on: each call compiles anew
+            scale = float(self.calls)
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v
+
+
+@pytest.mark.parametrize("recompile", [False, True])
+def test_compile_check_counts_compilations_after_the_first_call(recompile):
+    from attn_dispatch.policy import hotpath
+
+    result = hotpath.check_compile(torch.device("cpu"), torch.float32, compiler="eager", calls=3, shape=TINY,
+                                   factory=lambda: _Scaled(recompile))
+    assert "error" not in result, result
+    assert result["graphs_first_call"] >= 1
+    assert (result["graphs_after_first_call"] > 0) is recompile
+    assert result["ok"] is (not recompile) and result["matches_eager"] is (not recompile)
