@@ -856,8 +856,8 @@ class TorchCudnnEngine(Engine):
         q4, k4, v4 = state.views
         d = dout.transpose(0, 1) if state.fmt == "sbhd" else dout
         do4 = d.permute(0, 2, 1, 3)
-        if do4.stride() != state.out4.stride():
-            do4 = do4.contiguous() if state.out4.is_contiguous() else do4.clone(memory_format=torch.preserve_format)
+        if do4.stride() != state.out4.stride():  # dO in the output's layout, as torch's own autograd passes it
+            do4 = torch.empty_like(state.out4).copy_(do4)
         o = out.transpose(0, 1) if state.fmt == "sbhd" else out
         o4 = o.permute(0, 2, 1, 3)
         lse_in = lse.unsqueeze(-1) if state.lse_dims == 4 else lse
