@@ -109,7 +109,9 @@ def test_summary_and_json_render_the_same_decision():
     assert "cudnn_fused" in text and "16534" in text
     from attn_dispatch.decision import Decision
 
-    assert Decision.model_validate_json(d.model_dump_json()) == d
+    again = Decision.model_validate_json(d.model_dump_json())
+    assert again.model_dump(mode="json") == d.model_dump(mode="json")
+    assert again.summary() == text
 
 
 def test_debug_logging_levels(caplog):
