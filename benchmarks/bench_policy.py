@@ -85,7 +85,12 @@ def grid_section(run: Run, platform: Platform, args: argparse.Namespace) -> None
                                                     "probe_settings": measured.probe_settings.to_dict(),
                                                     "prune_ratio": measured.prune_ratio,
                                                     "buckets": "seqlen: quarter-octave steps; batch: power of two"}})
-    rows = run_bench(shapes, platform, config, measured=measured)
+    def save_partial(rows: list[dict]) -> None:
+        if len(rows) % 8 == 0:
+            run.result.update(report(rows, platform, config))
+            run.save()
+
+    rows = run_bench(shapes, platform, config, measured=measured, on_row=save_partial)
     bench = report(rows, platform, config)
     bench["measured_policy"]["tuning_s_total"] = round(sum(r.get("measured", {}).get("decision_s", 0) for r in rows), 2)
     run.result.update(bench)

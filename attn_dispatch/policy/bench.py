@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform as py_platform
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import __version__, selection
 from ..env import EnvFlags
@@ -55,7 +55,9 @@ class BenchConfig:
 
 
 def run_bench(shapes: list[AttentionParams], platform: Platform, config: BenchConfig, *,
-              measured: MeasuredPolicy | None = None, env: EnvFlags | None = None) -> list[dict[str, Any]]:
+              measured: MeasuredPolicy | None = None, env: EnvFlags | None = None,
+              on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Rows in shape-major order; on_row(rows so far) after each (to save partial results)."""
     env = EnvFlags.from_environ() if env is None else env
     if "measured" in config.policies and measured is None:
         measured = MeasuredPolicy()
@@ -66,6 +68,8 @@ def run_bench(shapes: list[AttentionParams], platform: Platform, config: BenchCo
                 params = shape.replace(is_training=mode == "fwd_bwd")
                 rows.append(bench_row(params, platform, env, config, measured))
                 advance(f"{rows[-1]['label']} {mode}")
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -81,7 +85,10 @@ def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config
     if "order" in config.policies:
         row["picks"]["order"] = decision.chosen
     if "measured" in config.policies and measured is not None:
-        row["picks"]["measured"], row["measured"] = _measured_pick(params, platform, env, measured)
+        try:
+            row["picks"]["measured"], row["measured"] = _measured_pick(params, platform, env, measured)
+        except Exception as exc:  # noqa: BLE001 - reported in the row; the evaluation still runs
+            row["picks"]["measured"], row["measured"] = None, {"error": f"{type(exc).__name__}: {exc}"[:500]}
     for pid in row["eligible"]:
         if not config.wants(pid):
             continue

@@ -139,8 +139,10 @@ def check_cuda_graph(device: torch.device, dtype: torch.dtype, *, backend: str |
         graphed = torch.cuda.make_graphed_callables(train_module, sample)
         qg, kg, vg = make_inputs(device, dtype, **shape, requires_grad=True, seed=3)
         graphed(qg, kg, vg).float().square().sum().backward()
+        # make_graphed_callables replaces train_module.forward: the eager reference is a twin module
+        reference = make_module(shape["heads"], shape["head_dim"], device, backend=backend).train()
         qe, ke, ve = (t.detach().clone().requires_grad_() for t in (qg, kg, vg))
-        train_module(qe, ke, ve).float().square().sum().backward()
+        reference(qe, ke, ve).float().square().sum().backward()
         diff = max(float((a.grad.float() - b.grad.float()).abs().max()) for a, b in ((qg, qe), (kg, ke), (vg, ve)))
         result["fwd_bwd"] = {"ok": diff < 5e-2, "max_abs_grad_diff": diff}
     except Exception as exc:  # noqa: BLE001
