@@ -193,6 +193,7 @@ def check_compile(device: torch.device, dtype: torch.dtype, *, backend: str | No
             "chosen": module.last_decision.chosen if getattr(module, "last_decision", None) else None,
             "graphs_first_call": first, "graphs_after_first_call": compiles - first,
             "graph_breaks": sum(counters["graph_break"].values()),
+            "dynamo_unique_graphs": counters["stats"].get("unique_graphs", 0),
             "graph_break_reasons": sorted(counters["graph_break"])[:5],
             "matches_eager": bool(torch.allclose(out2.float(), eager.float(), atol=2e-2, rtol=2e-2)),
         })
