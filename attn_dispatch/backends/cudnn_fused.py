@@ -30,10 +30,33 @@ from ..constraints.cudnn_fused import record_rejection
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 
 TOP_LEFT_MASKS = ("causal", "padding_causal")
+IO_DTYPES = (torch.float16, torch.bfloat16)
 GRAPH_CACHE_SIZE = 512
 # cudnn-frontend's own CuTe-DSL kernels ("FROST" python engines) need nvidia-cutlass-dsl; by default we run the
 # cuDNN library's kernels, the same ones torch's cuDNN SDPA runs.
 PYTHON_ENGINE_NAMES = ("sdpa_fwd_prefill", "sdpa_bwd_sm", "sdpa_fwd_decode")
+
+
+# The CUDA touch points, in one place (tests run the engine's plumbing on the CPU through a stand-in cudnn).
+def _on_device(device: int):
+    return torch.cuda.device(device)
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _empty_workspace(size: int, device: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
+
+
+def _require_cuda(q: torch.Tensor) -> None:
+    if not q.is_cuda:
+        raise ValueError(f"q is on {q.device}; cuDNN fused attention needs CUDA tensors")
 
 
 class CudnnGraphError(RuntimeError):
@@ -171,14 +194,14 @@ class _Compiled:
 
 class _DeviceState:
     def __init__(self, cudnn: Any, device: int):
-        with torch.cuda.device(device):
+        with _on_device(device):
             self.handle = cudnn.create_handle()
         self.workspaces: dict[int, torch.Tensor] = {}  # stream -> grow-only workspace
 
     def workspace(self, stream: int, size: int, device: int) -> torch.Tensor:
         ws = self.workspaces.get(stream)
         if ws is None or ws.numel() < size:
-            ws = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+            ws = _empty_workspace(max(size, 1), device)
             self.workspaces[stream] = ws
         return ws
 
@@ -394,11 +417,10 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
             raise ValueError(f"{name} has shape {tuple(t.shape)}; qkv_format={fmt!r} needs {want} dims")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous head dim (stride(-1) == 1); got strides {t.stride()}")
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in IO_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: cuDNN fused attention takes float16 or "
                          "bfloat16, the same for all three")
-    if not q.is_cuda:
-        raise ValueError(f"q is on {q.device}; cuDNN fused attention needs CUDA tensors")
+    _require_cuda(q)
     h, hkv, dqk, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     if h % hkv:
         raise ValueError(f"q has {h} heads, k/v {hkv}: num_heads must be a multiple of num_gqa_groups")
@@ -502,7 +524,7 @@ class CudnnFrontendEngine(Engine):
 
         start = time.perf_counter()
         try:
-            with torch.cuda.device(key.device):
+            with _on_device(key.device):
                 builder = _GraphBuilder(self.cudnn, key, self._device(key.device).handle, self.fe_version,
                                         self.allow_python_engines)
                 compiled = builder.build_forward() if key.phase == "fwd" else builder.build_backward()
@@ -518,11 +540,11 @@ class CudnnFrontendEngine(Engine):
         return compiled
 
     def _run(self, compiled: _Compiled, buffers: dict[str, Any], device: int) -> None:
-        if torch.cuda.current_device() != device:
-            with torch.cuda.device(device):
+        if _current_device() != device:
+            with _on_device(device):
                 return self._run(compiled, buffers, device)
         state = self._device(device)
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _stream(device)
         self.cudnn.set_stream(handle=state.handle, stream=stream)
         ws = state.workspace(stream, compiled.workspace_size, device)
         if compiled.ordered:
@@ -661,7 +683,7 @@ class CudnnFrontendEngine(Engine):
         if cfg.return_max_logit:
             raise ValueError("return_max_logit=True is not supported by the cuDNN frontend engine")
         call = _prepare(q, k, v, aux, cfg)
-        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        dev = q.device.index if q.device.index is not None else _current_device()
         bias, bias_grad, alibi = self._bias(q, aux, cfg, call)
         sink = self._sink(aux, cfg, call, q.device)
         seed = None

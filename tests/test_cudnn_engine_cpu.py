@@ -1,0 +1,420 @@
+"""The cuDNN frontend engine's plumbing on the CPU, through a stand-in `cudnn` module.
+
+The stand-in records the graph the engine declares (dims, strides, ragged offsets, mask band, bias, sink,
+dropout) and executes it in float64 with cuDNN's documented semantics (those of cudnn-frontend's own test
+reference, test/python/test_mhas.py compute_ref: diagonal bands, bottom-right alignment per sequence length,
+ragged offsets in elements). Running the engine end to end against tests/reference.py then checks what no GPU
+is needed for: layouts through strides, thd offsets and ragged stats, the window -> band mapping, padded rows,
+ALiBi, sinks, bias gradients, the autograd glue and the graph cache. The kernels themselves are checked on the
+GPU (tests/gpu/test_cudnn_gpu.py).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import types
+
+import pytest
+import torch
+
+from attn_dispatch.backends import cudnn_fused as eng
+from attn_dispatch.backends.base import AttnAux, AttnConfig
+from reference import reference_attention
+
+
+# --------------------------------------------------------------------------------------------
+# The stand-in cudnn module
+# --------------------------------------------------------------------------------------------
+class DT(enum.Enum):
+    HALF = "half"
+    BFLOAT16 = "bf16"
+    FLOAT = "float"
+    INT32 = "int32"
+    INT64 = "int64"
+    NOT_SET = "unset"
+
+
+class Align(enum.Enum):
+    TOP_LEFT = 0
+    BOTTOM_RIGHT = 1
+
+
+class FakeTensor:
+    _uids = itertools.count(1)
+
+    def __init__(self, name="", dim=None, stride=None, data_type=None):
+        self.name, self.dim, self.stride, self.data_type = name, list(dim or []), list(stride or []), data_type
+        self.ragged, self.output, self.uid = None, False, next(self._uids)
+
+    def set_output(self, v):
+        self.output = v
+        return self
+
+    def set_dim(self, d):
+        self.dim = list(d)
+        return self
+
+    def set_stride(self, s):
+        self.stride = list(s)
+        return self
+
+    def set_data_type(self, t):
+        self.data_type = t
+        return self
+
+    def set_ragged_offset(self, t):
+        self.ragged = t
+        return self
+
+    def get_uid(self):
+        return self.uid
+
+
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    """The buffer's storage from its first element on, as a 1-D tensor (offsets are relative to data_ptr)."""
+    n = buf.untyped_storage().nbytes() // buf.element_size() - buf.storage_offset()
+    return torch.as_strided(buf.detach(), (n,), (1,), buf.storage_offset())
+
+
+def _read(buf, t: FakeTensor, uid_buf) -> torch.Tensor:
+    """The [b, h, s, d] float64 tensor a graph tensor describes, gathered from its buffer as cuDNN reads it."""
+    b, h, s, d = t.dim
+    if t.ragged is not None:
+        offs = uid_buf[t.ragged.uid].reshape(-1).tolist()
+        storage = _flat(buf)
+        return torch.stack([_gather(storage, int(offs[i]), (h, s, d), tuple(t.stride[1:])) for i in range(b)]).double()
+    return torch.as_strided(buf.detach(), t.dim, t.stride, buf.storage_offset()).double()
+
+
+def _gather(storage, offset, shape, stride):
+    """storage[offset + i*stride...] with positions past the end read as 0 (cuDNN reads only real tokens)."""
+    idx = torch.full(shape, offset, dtype=torch.long)
+    for k, (n, st) in enumerate(zip(shape, stride)):
+        idx = idx + (torch.arange(n) * st).view(*([1] * k), n, *([1] * (len(shape) - k - 1)))
+    valid = idx < storage.numel()
+    return torch.where(valid, storage[idx.clamp(max=storage.numel() - 1)], torch.zeros((), dtype=storage.dtype))
+
+
+def _write(buf, t: FakeTensor, value: torch.Tensor, uid_buf, lens=None) -> None:
+    """Write a [b, h, s, d] result into the caller's buffer through the declared layout (real rows only)."""
+    b, h, s, d = t.dim
+    value = value.detach().to(buf.dtype)
+    if t.ragged is not None:
+        offs = uid_buf[t.ragged.uid].reshape(-1).tolist()
+        flat = _flat(buf)
+        for i in range(b):
+            n = int(lens[i]) if lens is not None else s
+            torch.as_strided(flat, (h, n, d), tuple(t.stride[1:]), flat.storage_offset() + int(offs[i])).copy_(
+                value[i, :, :n])
+        return
+    torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).copy_(value)
+
+
+class FakeGraph:
+    executions = 0
+
+    def __init__(self, io_data_type=None, intermediate_data_type=None, compute_data_type=None, handle=None):
+        self.tensors, self.node = [], None
+
+    def tensor(self, name="", dim=None, stride=None, data_type=None):
+        t = FakeTensor(name, dim, stride, data_type)
+        self.tensors.append(t)
+        return t
+
+    def sdpa(self, q, k, v, name="", **kw):
+        assert kw.get("generate_stats") is True
+        self.node = ("fwd", dict(q=q, k=k, v=v, **kw))
+        o, st = FakeTensor("o"), FakeTensor("stats")
+        return [o, st]
+
+    def sdpa_backward(self, q, k, v, o, dO, stats, name="", **kw):
+        self.node = ("bwd", dict(q=q, k=k, v=v, o=o, dO=dO, stats=stats, **kw))
+        outs = [FakeTensor("dq"), FakeTensor("dk"), FakeTensor("dv")]
+        self.node[1]["outs"] = outs
+        return outs
+
+    def validate(self):
+        pass
+
+    build_operation_graph = check_support = build_plans = validate
+
+    def create_execution_plans(self, modes):
+        pass
+
+    def deselect_engines(self, names):
+        pass
+
+    def get_workspace_size(self):
+        return 16
+
+    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
+        FakeGraph.executions += 1
+        uid_buf = dict(zip(tensor_uids, buffers)) if tensor_uids is not None else \
+            {t.uid: b for t, b in buffers.items()}
+        phase, kw = self.node
+        with torch.enable_grad():  # the engine's backward runs with grad mode off
+            (self._fwd if phase == "fwd" else self._bwd)(kw, uid_buf)
+
+    # --- cuDNN semantics (cudnn-frontend test_mhas.py compute_ref) ---
+    def _scores_probs(self, kw, uid_buf, q, k, v, bias):
+        b, h, sq, _ = q.shape
+        hk, skv = k.shape[1], k.shape[2]
+        k = k.repeat_interleave(h // hk, 1)
+        v = v.repeat_interleave(h // hk, 1)
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * kw["attn_scale"]
+        if bias is not None:
+            s = s + bias
+        if kw.get("use_alibi_mask"):
+            n = 2 ** math.floor(math.log2(h))
+            m = [2 ** (-8 * (i + 1) / n) for i in range(n)] + [2 ** (-4 * (2 * i + 1) / n) for i in range(h - n)]
+            dist = torch.arange(skv).view(1, skv) - torch.arange(sq).view(sq, 1)
+            s = s + dist.double() * torch.tensor(m, dtype=torch.float64).view(1, h, 1, 1)
+        lq = lk = None
+        keep = torch.ones(b, 1, sq, skv, dtype=torch.bool)
+        i = torch.arange(sq).view(1, 1, sq, 1)
+        j = torch.arange(skv).view(1, 1, 1, skv)
+        if kw.get("use_padding_mask"):
+            lq = uid_buf[kw["seq_len_q"].uid].reshape(-1).long()
+            lk = uid_buf[kw["seq_len_kv"].uid].reshape(-1).long()
+            keep &= j < lk.view(b, 1, 1, 1)
+            keep &= i < lq.view(b, 1, 1, 1)
+        if "diagonal_alignment" in kw:
+            off = 0
+            if kw["diagonal_alignment"] == Align.BOTTOM_RIGHT:
+                off = (lk - lq).view(b, 1, 1, 1) if lq is not None else skv - sq
+            if kw.get("diagonal_band_right_bound") is not None:
+                keep &= j <= i + off + kw["diagonal_band_right_bound"]
+            if kw.get("diagonal_band_left_bound") is not None:
+                keep &= j > i + off - kw["diagonal_band_left_bound"]
+        s = s.masked_fill(~keep, float("-inf"))
+        sink = uid_buf[kw["sink_token"].uid].double().view(1, h, 1, 1) if "sink_token" in kw else None
+        mx = s.amax(-1, keepdim=True)
+        if sink is not None:
+            mx = torch.maximum(mx, sink)
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        e = torch.exp(s - mx)
+        den = e.sum(-1, keepdim=True) + (torch.exp(sink - mx) if sink is not None else 0)
+        p = e / den.clamp_min(1e-300)
+        stats = torch.where(keep.any(-1, keepdim=True), mx + torch.log(den), torch.full_like(mx, float("-inf")))
+        if "dropout" in kw:
+            prob = kw["dropout"][0]
+            seed = int(uid_buf[kw["dropout"][1].uid].item()) % (2 ** 31)
+            g = torch.Generator().manual_seed(seed)
+            mask = (torch.rand(b, h, sq, skv, generator=g) >= prob).double()
+            p = p * mask / (1 - prob)
+            if "rng_dump" in kw:
+                uid_buf[kw["rng_dump"].uid].copy_(mask)
+        return p, stats, v, lq
+
+    def _fwd(self, kw, uid_buf):
+        q, k, v = (_read(uid_buf[kw[n].uid], kw[n], uid_buf) for n in ("q", "k", "v"))
+        bias = uid_buf[kw["bias"].uid].double() if "bias" in kw else None
+        p, stats, vv, lq = self._scores_probs(kw, uid_buf, q, k, v, bias)
+        o = torch.einsum("bhqk,bhkd->bhqd", p, vv)
+        o_t = next(t for t in self.tensors_out() if t.name == "o")
+        st_t = next(t for t in self.tensors_out() if t.name == "stats")
+        if lq is not None and o_t.ragged is None:  # cuDNN leaves padded rows unspecified: poison them
+            pad = torch.arange(o.shape[2]).view(1, 1, -1, 1) >= lq.view(-1, 1, 1, 1)
+            o = o.masked_fill(pad, float("nan"))
+            stats = stats.masked_fill(pad, float("nan"))
+        _write(uid_buf[o_t.uid], o_t, o, uid_buf, lq)
+        _write(uid_buf[st_t.uid], st_t, stats, uid_buf, lq)
+
+    def _bwd(self, kw, uid_buf):
+        q, k, v = (_read(uid_buf[kw[n].uid], kw[n], uid_buf).requires_grad_() for n in ("q", "k", "v"))
+        do = _read(uid_buf[kw["dO"].uid], kw["dO"], uid_buf)
+        bias = uid_buf[kw["bias"].uid].double().requires_grad_() if "bias" in kw else None
+        sink_t = kw.get("sink_token")
+        if sink_t is not None:
+            sink = uid_buf[sink_t.uid].double().requires_grad_()
+            uid_buf[sink_t.uid] = sink
+        p, _, vv, lq = self._scores_probs(kw, uid_buf, q, k, v, bias)
+        o = torch.einsum("bhqk,bhkd->bhqd", p, vv)
+        if lq is not None:
+            o = o.masked_fill(torch.arange(o.shape[2]).view(1, 1, -1, 1) >= lq.view(-1, 1, 1, 1), 0.0)
+        inputs = [q, k, v] + ([bias] if bias is not None else []) + ([sink] if sink_t is not None else [])
+        grads = torch.autograd.grad(o, inputs, do, allow_unused=True)
+        lk = uid_buf[kw["seq_len_kv"].uid].reshape(-1).long() if kw.get("use_padding_mask") else None
+        for t, g, lens in zip(kw["outs"], grads[:3], (lq, lk, lk)):
+            _write(uid_buf[t.uid], t, g, uid_buf, lens)
+        rest = list(grads[3:])
+        if bias is not None:
+            gb = rest.pop(0)
+            if "dBias" in kw:
+                uid_buf[kw["dBias"].uid].copy_(gb)
+        if sink_t is not None and "dSink_token" in kw:
+            uid_buf[kw["dSink_token"].uid].copy_(rest.pop(0))
+
+    def tensors_out(self):
+        phase, kw = self.node
+        return self._outs
+
+
+def _fake_cudnn():
+    m = types.SimpleNamespace()
+    m.__version__ = "1.32.0"
+    m.data_type = DT
+    m.diagonal_alignment = Align
+    m.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
+    m.backend_version = lambda: 91900
+    m.create_handle = lambda: object()
+    m.set_stream = lambda handle=None, stream=None: None
+
+    class Graph(FakeGraph):
+        def sdpa(self, q, k, v, name="", **kw):
+            o, st = super().sdpa(q, k, v, name=name, **kw)
+            self._outs = [o, st]
+            return [o, st]
+
+    m.pygraph = Graph
+    return m
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    import sys
+
+    fake = _fake_cudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setattr(eng, "_on_device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(eng, "_current_device", lambda: 0)
+    monkeypatch.setattr(eng, "_stream", lambda device: 0)
+    monkeypatch.setattr(eng, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(eng, "_empty_workspace", lambda size, device: torch.empty(size, dtype=torch.uint8))
+    monkeypatch.setattr(eng, "IO_DTYPES", (torch.float16, torch.bfloat16, torch.float32))  # float32: exact checks
+    return eng.CudnnFrontendEngine()
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------
+def cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, skv=12, d=8, dv=8, bias=None,
+        bias_grad=False, alibi=None, softmax="vanilla", lens_q=None, lens_kv=None, gaps=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
+    b = 2
+    aux = AttnAux(max_seqlen_q=sq, max_seqlen_kv=skv)
+    if fmt == "thd":
+        lens_q, lens_kv = lens_q or [sq, sq - 3], lens_kv or [skv - 2, skv]
+        slots_q = [n + (2 if gaps else 0) for n in lens_q]
+        slots_kv = [n + (3 if gaps else 0) for n in lens_kv]
+        q, k, v = rnd(sum(slots_q), h, d), rnd(sum(slots_kv), hk, d), rnd(sum(slots_kv), hk, dv)
+        aux.cu_seqlens_q, aux.cu_seqlens_kv = cu(lens_q), cu(lens_kv)
+        aux.max_seqlen_q, aux.max_seqlen_kv = max(lens_q), max(lens_kv)
+        if gaps:
+            aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = cu(slots_q), cu(slots_kv)
+    elif fmt == "bshd":
+        q, k, v = rnd(b, sq, h, d), rnd(b, skv, hk, d), rnd(b, skv, hk, dv)
+    else:
+        q, k, v = rnd(sq, b, h, d), rnd(skv, b, hk, d), rnd(skv, b, hk, dv)
+    if mask.startswith("padding") and fmt != "thd":
+        aux.cu_seqlens_q, aux.cu_seqlens_kv = cu(lens_q or [sq, sq - 4]), cu(lens_kv or [skv - 1, skv])
+    bias_type = "no_bias"
+    if bias is not None:
+        bias_type = "post_scale_bias"
+        aux.bias = rnd(*bias, sq, skv).requires_grad_(bias_grad)
+    if alibi is not None:
+        bias_type = "alibi"
+        if alibi != "default":
+            aux.alibi_slopes = torch.rand(h, generator=g) * 0.4 + 0.05
+    if softmax == "learnable":
+        aux.softmax_offset = rnd(h).requires_grad_()
+    for t in (q, k, v):
+        t.requires_grad_()
+    cfg = AttnConfig(qkv_format=fmt, attn_mask_type=mask, window_size=window, softmax_scale=0.3, bias_type=bias_type,
+                     softmax_type=softmax)
+    out, lse, _ = engine(q, k, v, aux, cfg)
+    dout = rnd(*out.shape)
+    out.backward(dout)
+    leaf = lambda t: None if t is None else t.detach().double().requires_grad_(t.requires_grad)  # noqa: E731
+    rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rbias, rsink = leaf(aux.bias), leaf(aux.softmax_offset)
+    slopes = aux.alibi_slopes.double() if aux.alibi_slopes is not None else (
+        eng.alibi_default_slopes(h).double() if alibi == "default" else None)
+    ref_out, ref_lse = reference_attention(
+        rq, rk, rv, qkv_format=fmt, attn_mask_type=mask, window_size=window, cu_seqlens_q=aux.cu_seqlens_q,
+        cu_seqlens_kv=aux.cu_seqlens_kv, cu_seqlens_q_padded=aux.cu_seqlens_q_padded,
+        cu_seqlens_kv_padded=aux.cu_seqlens_kv_padded, bias_type=bias_type, bias=rbias, alibi_slopes=slopes,
+        softmax_type=softmax, softmax_offset=rsink, softmax_scale=0.3)
+    ref_out.backward(dout.double())
+    err = {"out": _err(out, ref_out), "lse": _err_lse(lse, ref_lse)}
+    for name, mine, ref in (("dq", q, rq), ("dk", k, rk), ("dv", v, rv)):
+        err[name] = _err(mine.grad, ref.grad)
+    if bias_grad:
+        err["dbias"] = _err(aux.bias.grad, rbias.grad)
+    if softmax == "learnable":
+        err["dsink"] = _err(aux.softmax_offset.grad, rsink.grad)
+    return err
+
+
+def _err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape or not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).abs().max() / b.abs().max().clamp_min(0.1)).item()
+
+
+def _err_lse(a, b):
+    a = a.detach().double()
+    if a.shape != b.shape or not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return math.inf
+    f = torch.isfinite(b)
+    return _err(a[f], b[f])
+
+
+CASES = {
+    "bshd": {}, "sbhd": dict(fmt="sbhd"), "causal": dict(mask="causal"),
+    "causal_cross": dict(mask="causal", sq=8, skv=14), "causal_br": dict(mask="causal_bottom_right", sq=8, skv=14),
+    "padding": dict(mask="padding"), "padding_causal": dict(mask="padding_causal"),
+    "sbhd_padding_causal_br": dict(fmt="sbhd", mask="padding_causal_bottom_right", sq=8, skv=14,
+                                   lens_q=[8, 5], lens_kv=[14, 9]),
+    "thd": dict(fmt="thd", mask="padding"), "thd_causal": dict(fmt="thd", mask="padding_causal"),
+    "thd_br_gqa": dict(fmt="thd", mask="padding_causal_bottom_right", h=4, hk=2, sq=6, skv=10),
+    "thd_gaps_dv": dict(fmt="thd", mask="padding_causal", gaps=True, dv=16),
+    "window_causal": dict(mask="causal", window=(3, 0)),
+    "window_two_sided_padding": dict(mask="padding", window=(2, 3), sq=10, skv=13),
+    "window_br": dict(mask="causal_bottom_right", window=(4, 0), sq=8, skv=14),
+    "gqa": dict(h=4, hk=1, mask="causal"), "dqk_ne_dv": dict(d=8, dv=16),
+    "bias_grad": dict(bias=(1, 4), bias_grad=True), "bias_bhss": dict(bias=(2, 4)), "bias_11ss": dict(bias=(1, 1)),
+    "alibi_builtin": dict(mask="causal", alibi="default"), "alibi_slopes": dict(mask="causal", alibi="h"),
+    "alibi_br_cross": dict(mask="causal_bottom_right", alibi="h", sq=8, skv=14),
+    "off_by_one": dict(softmax="off-by-one"), "learnable": dict(mask="causal", softmax="learnable"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_plumbing_matches_reference(engine, name):
+    err = run(engine, **CASES[name])
+    assert all(e <= 1e-5 for e in err.values()), err
+
+
+def test_graphs_are_cached_per_configuration(engine):
+    run(engine, mask="causal")
+    builds = engine.stats["builds"]
+    run(engine, mask="causal", seed=1)
+    assert engine.stats["builds"] == builds and engine.stats["hits"] >= 2
+    run(engine, mask="causal", sq=16, skv=16)
+    assert engine.stats["builds"] == builds + 2  # a new shape: forward and backward graphs
+
+
+def test_graph_errors_carry_cudnn_message_and_are_recorded(engine, monkeypatch):
+    from attn_dispatch.constraints import cudnn_fused as table
+
+    monkeypatch.setattr(table, "REJECTIONS", {})
+
+    def refuse(self):
+        raise RuntimeError("cudnnGraphNotSupportedError: [cudnn_frontend] No valid engine configs")
+
+    monkeypatch.setattr(FakeGraph, "check_support", refuse)
+    q = torch.randn(2, 12, 4, 8, requires_grad=True)
+    with pytest.raises(eng.CudnnGraphError, match="No valid engine configs") as info:
+        engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
+    assert info.value.stage == "check_support" and info.value.phase == "fwd"
+    assert any("No valid engine configs" in m for m in table.REJECTIONS.values())
+    with pytest.raises(eng.CudnnGraphError):  # the failure is cached: no second build attempt
+        engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
