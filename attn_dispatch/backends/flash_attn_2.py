@@ -1,0 +1,171 @@
+"""FlashAttention 2, two providers: the flash-attn 2.x package, and the FA2 kernels vendored in torch.
+
+Both are bottom-right aligned (flash-attn >= 2.1), take windows as (left, right) with -1 unbounded, write
++inf as the lse of a row that sees no key (normalised to -inf by the shared plumbing, _flash_io), draw
+dropout from torch's default CUDA generator and return an rng state that backward replays.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen, bind_supported, parameters_of
+
+
+@contextlib.contextmanager
+def _torch_deterministic(enabled: bool) -> Iterator[None]:
+    """torch's flash backward reads determinism from the global flag (attention_backward.cu); set it for one call."""
+    if not enabled or (torch.are_deterministic_algorithms_enabled()
+                       and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+class TorchFlashEngine(FlashEngineBase):
+    """torch.ops.aten._flash_attention_forward/_backward: torch's vendored FA2 (flash_api.cpp mha_fwd/mha_varlen_fwd).
+
+    Dense calls take bshd (last dim contiguous; the op reads the other strides, so sbhd views need no copy; its
+    backward makes grad_out and out contiguous). Varlen calls pass cum_seq_q/k. ALiBi slopes reach the forward
+    only (the backward op has no slopes argument), so ALiBi is inference-only here.
+    """
+
+    family = "flash_attn_2"
+    provider = "torch"
+    supports_dropout = True
+    supports_alibi = True
+    empty_rows_lse_positive_inf = True
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch has no CUDA device: its FlashAttention kernels cannot run")
+        self._fwd = torch.ops.aten._flash_attention_forward.default
+        self._bwd = torch.ops.aten._flash_attention_backward.default
+        names = {a.name for a in self._fwd._schema.arguments}
+        self._has_window = {"window_size_left", "window_size_right"} <= names
+        self._has_alibi = "alibi_slopes" in names
+
+    def _window_kwargs(self, call: KernelCall) -> dict[str, Any]:
+        if call.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
+            return {}  # plain or causal: is_causal says it, which every torch with FA2 takes
+        if not self._has_window:
+            raise RuntimeError(f"this torch ({torch.__version__}) has no window_size arguments on "
+                               "aten::_flash_attention_forward (added in torch 2.4); sliding windows need it")
+        left, right = call.window
+        return {"window_size_left": left, "window_size_right": right}
+
+    def _check_grad_free_alibi(self, call: KernelCall, *tensors: torch.Tensor) -> None:
+        if call.alibi_slopes is not None and any(t.requires_grad for t in tensors):
+            raise ValueError("core_attention_bias_type='alibi' through flash_attn_2:torch is inference-only: "
+                             "aten::_flash_attention_backward takes no ALiBi slopes; use flash_attn_2:package "
+                             "(flash-attn >= 2.4) or the unfused engine for training")
+
+    def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out):
+        self._check_grad_free_alibi(call, q, k, v)
+        kwargs = dict(scale=call.scale, **self._window_kwargs(call))
+        if call.alibi_slopes is not None:
+            if not self._has_alibi:
+                raise RuntimeError(f"this torch ({torch.__version__}) has no alibi_slopes argument on "
+                                   "aten::_flash_attention_forward (added in torch 2.4)")
+            kwargs["alibi_slopes"] = call.alibi_slopes
+        if varlen is None:
+            cum_q = cum_k = None
+            max_q, max_k = q.shape[1], k.shape[1]
+        else:
+            cum_q, cum_k = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+            max_q, max_k = varlen.max_seqlen_q, varlen.max_seqlen_kv
+        out, lse, rng_state, unused, _ = self._fwd(q, k, v, cum_q, cum_k, max_q, max_k, call.dropout_p,
+                                                   call.causal, False, **kwargs)
+        expected = (q.shape[-2], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
+        if tuple(lse.shape) != expected:
+            raise RuntimeError(f"aten::_flash_attention_forward returned lse of shape {list(lse.shape)}, expected "
+                               f"{list(expected)}; this torch ({torch.__version__}) predates the FA2 2.5 API (2.4+)")
+        return out, lse, (rng_state, unused, max_q, max_k)
+
+    def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
+        if call.alibi_slopes is not None:
+            raise ValueError("core_attention_bias_type='alibi': aten::_flash_attention_backward takes no ALiBi "
+                             "slopes, so flash_attn_2:torch cannot differentiate an ALiBi call")
+        if kernel_state is None:
+            if call.dropout_p > 0:
+                raise ValueError("backward with dropout needs the forward's rng state (FwdResult.state)")
+            empty = torch.empty(0, dtype=torch.uint64, device=q.device)
+            kernel_state = (empty, empty, None, None)
+        rng_state, unused, _, _ = kernel_state
+        if varlen is None:
+            cum_q = cum_k = None
+            max_q, max_k = q.shape[1], k.shape[1]
+        else:
+            cum_q, cum_k = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+            max_q, max_k = varlen.max_seqlen_q, varlen.max_seqlen_kv
+        with _torch_deterministic(call.deterministic):
+            dq, dk, dv = self._bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, call.dropout_p,
+                                   call.causal, rng_state, unused, scale=call.scale, **self._window_kwargs(call))
+        return dq, dk, dv, None
+
+
+class FlashAttn2PackageEngine(FlashEngineBase):
+    """The flash-attn 2.x package, through its internal _flash_attn_(varlen_)forward/backward.
+
+    Their signatures changed across 2.x releases (window_size tuple -> window_size_left/right in 2.6.x, softcap in
+    2.6, alibi_slopes in 2.4, deterministic in 2.4.1, return tuple shortened in 2.6.x); arguments are bound by
+    name to what the installed release accepts, and a feature it lacks raises instead of being dropped.
+    """
+
+    family = "flash_attn_2"
+    provider = "package"
+    supports_dropout = True
+    supports_alibi = True
+    empty_rows_lse_positive_inf = True
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_interface as fi  # imports the flash_attn_2_cuda extension
+
+        self._fi = fi
+
+    def _common(self, fn, call: KernelCall) -> dict[str, Any]:
+        values: dict[str, Any] = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal,
+                                      softcap=0.0, alibi_slopes=call.alibi_slopes)
+        params = parameters_of(fn) or set()
+        if "window_size" in params:
+            values["window_size"] = call.window
+        else:
+            values["window_size_left"], values["window_size_right"] = call.window
+        return values
+
+    def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out):
+        if varlen is None:
+            fn = self._fi._flash_attn_forward
+            values = dict(q=q, k=k, v=v, **self._common(fn, call), return_softmax=False)
+        else:
+            fn = self._fi._flash_attn_varlen_forward
+            values = dict(q=q, k=k, v=v, cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
+                          max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv,
+                          **self._common(fn, call), return_softmax=False)
+        result = fn(**bind_supported(fn, values))
+        # 2.6.x+: (out, lse, S_dmask, rng_state); older: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+        return result[0], result[-3], result[-1]
+
+    def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
+        if kernel_state is None and call.dropout_p > 0:
+            raise ValueError("backward with dropout needs the forward's rng state (FwdResult.state)")
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        if varlen is None:
+            fn = self._fi._flash_attn_backward
+            values = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv)
+        else:
+            fn = self._fi._flash_attn_varlen_backward
+            values = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                          cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
+                          max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
+        values.update(self._common(fn, call), deterministic=call.deterministic, rng_state=kernel_state)
+        fn(**bind_supported(fn, values))
+        return dq, dk, dv, None

@@ -1,0 +1,92 @@
+"""flash-attn-4 (`flash_attn.cute`, CuTe DSL kernels for Hopper sm90 and Blackwell sm100/sm110), called directly.
+
+We call `flash_attn.cute.interface._flash_attn_fwd` / `_flash_attn_bwd` (the functions its own autograd Functions
+wrap), so that backward accepts a global out/lse for context parallelism. torch 2.11's FA4 registration
+(`torch.nn.attention.activate_flash_attention_impl("FA4")`) is not used: with flash-attn-4 4.0.0b36 it fails,
+because `_flash_attn_fwd` now returns 5 values where torch unpacks 2.
+
+Written against flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py):
+- `_flash_attn_fwd(q, k, v, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=, softmax_scale=, causal=,
+  window_size_left=, window_size_right=, learnable_sink=, num_splits=, return_lse=, out=)` returns
+  (out, lse, p, row_max, o_lo); windows use None for unbounded; causal and windows align bottom-right
+  (mask.py: causal_row_offset = seqlen_k - seqlen_q); an empty row gets lse -inf (or the sink) and out 0.
+- `_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left=, ..., cu_seqlens_q=,
+  ..., deterministic=, learnable_sink=)` returns (dq, dk, dv) or (dq, dk, dv, dsink) with a sink.
+- `learnable_sink`: [h] float16/bfloat16/float32, a logit in natural-log units not multiplied by the softmax
+  scale: exp(S_i) / (exp(sink) + sum exp(S)), Transformer Engine's 'learnable' softmax.
+Importing flash_attn.cute takes ~10 s (done on the engine's first use); each new kernel configuration is
+JIT-compiled on first use (~2-3 s, forward and backward separately) and then cached in-process. The engine
+records those compilations in `jit_events`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen
+
+
+def _fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
+    # FA4 takes None for an unbounded side; -1 would turn (-1, 0) into a 'local' window, not causal.
+    return tuple(None if w == UNBOUNDED else int(w) for w in window)  # type: ignore[return-value]
+
+
+class FlashAttn4Engine(FlashEngineBase):
+    family = "flash_attn_4"
+    provider = "cute"
+    supports_sink = True
+    takes_out_buffer = True
+
+    def __init__(self) -> None:
+        from flash_attn.cute import interface  # ~10 s: cutlass DSL and the kernel modules
+
+        self._iface = interface
+        self.jit_events: list[dict[str, Any]] = []
+
+    # --- JIT bookkeeping: a call that grows a compile cache compiled a kernel ------------------------------
+    def _compiled_kernels(self) -> int:
+        total = 0
+        for name in ("_flash_attn_fwd", "_flash_attn_bwd", "_bwd_preprocess", "_bwd_postprocess_convert",
+                     "_flash_attn_fwd_combine"):
+            cache = getattr(getattr(self._iface, name, None), "compile_cache", None)
+            inner = getattr(cache, "cache", cache)
+            total += len(inner) if hasattr(inner, "__len__") else 0
+        return total
+
+    def _timed(self, phase: str, fn, *args, **kwargs):
+        before = self._compiled_kernels()
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        added = self._compiled_kernels() - before
+        if added > 0:
+            self.jit_events.append({"phase": phase, "seconds": time.perf_counter() - start, "kernels": added,
+                                    "head_dim": args[0].shape[-1], "head_dim_v": args[2].shape[-1]})
+        return result
+
+    # --- kernels -------------------------------------------------------------------------------------------
+    def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out: torch.Tensor | None):
+        left, right = _fa4_window(call.window)
+        kwargs: dict[str, Any] = dict(softmax_scale=call.scale, causal=False, window_size_left=left,
+                                      window_size_right=right, learnable_sink=call.sink, num_splits=1,
+                                      return_lse=True, out=out)
+        if varlen is not None:
+            kwargs.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
+                          max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
+        result = self._timed("fwd", self._iface._flash_attn_fwd, q, k, v, **kwargs)
+        return result[0], result[1], None
+
+    def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
+        left, right = _fa4_window(call.window)
+        kwargs: dict[str, Any] = dict(window_size_left=left, window_size_right=right, deterministic=call.deterministic)
+        if call.sink is not None:
+            kwargs["learnable_sink"] = call.sink
+        if varlen is not None:
+            kwargs.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
+                          max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        result = self._timed("bwd", self._iface._flash_attn_bwd, q, k, v, out, dout, lse.contiguous(),
+                             call.scale, False, 0.0, **kwargs)
+        dsink = result[3] if call.sink is not None and len(result) > 3 else None
+        return result[0], result[1], result[2], dsink
