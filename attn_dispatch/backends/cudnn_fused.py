@@ -346,7 +346,7 @@ class _GraphBuilder:
             g.build_operation_graph()
             stage = "create_execution_plans"
             g.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
-            if not self.allow_python_engines and hasattr(g, "deselect_engines"):
+            if not self.allow_python_engines and _has_python_plans(g):
                 g.deselect_engines(list(PYTHON_ENGINE_NAMES))
             stage = "check_support"
             g.check_support()
@@ -364,6 +364,15 @@ class _GraphBuilder:
         engine = getattr(g, "selected_engine", None)
         plan = getattr(engine, "name", None) or "cudnn backend"
         return _Compiled(g, dict(self.tensors), names, uids, workspace, plan, ordered=uids is not None)
+
+
+def _has_python_plans(graph: Any) -> bool:
+    """Whether cudnn-frontend ranked one of its own CuTe-DSL engines for this graph (frontend >= 1.2x)."""
+    try:
+        from cudnn.engines.engine_ids import is_python_engine
+    except ImportError:
+        return False
+    return any(is_python_engine(cfg.engine_id) for cfg in getattr(graph, "plans", ()) or ())
 
 
 def _contiguous(dims: list[int]) -> list[int]:
