@@ -2,8 +2,8 @@
 question), AttnConfig (static engine config) and AttnAux (per-call tensors), with every bad input
 reported as a ValueError that names the argument, its value and what is allowed.
 
-The hot path: a call's static facts (shapes, dtypes, flags) form a small signature tuple; the first call
-with a signature validates them, builds AttentionParams, selects and caches a Plan. Later calls only
+The hot path (module.py): a call's raw static facts (shapes, dtypes, flags) key an Entry; the first call
+with a signature validates everything, builds AttentionParams, selects and caches a Plan. Later calls only
 re-check tensor *contents* (cu_seqlens, padding masks), and those checks are cached on the tensor itself
 (weak reference + version counter), so a cu_seqlens tensor shared by every layer is read back once.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -19,8 +19,7 @@ import torch
 from .backends import get_engine
 from .backends.base import AttnAux, AttnConfig, Engine
 from .decision import Decision
-from .params import (BIAS_TYPES, MASK_TYPES, QKV_FORMATS, AttentionParams, has_padding, is_causal,
-                     normalize_window)
+from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHOW = 8  # list elements shown in error messages
@@ -81,6 +80,31 @@ class Plan:
 
 
 @dataclass
+class Entry:
+    """What one raw call signature resolved to. Sequence facts that depend on tensor contents (thd, padding
+    masks) are 'dynamic': re-derived per call, with one Plan per (max_seqlen_q, max_seqlen_kv, pad_between_seqs)."""
+
+    fmt: str
+    mask_type: str
+    window: tuple[int, int]
+    dynamic: bool
+    seq: "SeqInfo | None" = None
+    plans: dict = field(default_factory=dict)
+
+
+def arg_signature(x: Any, grad: bool = False) -> Any:
+    """A hashable summary of an optional tensor argument (or a pair of them); the type for anything else,
+    which validation then rejects."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.device, x.requires_grad) if grad else (x.shape, x.dtype, x.device)
+    if isinstance(x, (tuple, list)):
+        return tuple(arg_signature(e) for e in x)
+    return type(x)
+
+
+@dataclass
 class SeqInfo:
     """Sequence facts of one call, after validation."""
 
@@ -101,16 +125,17 @@ _CONTENT_CACHE: dict[tuple, tuple[weakref.ref, int, Any]] = {}
 _CONTENT_CACHE_LIMIT = 256
 
 
-def _cached_on(tensor: torch.Tensor, context: tuple, compute: Callable[[], Any]) -> Any:
-    """compute() once per (tensor object, its version, context); a dead or modified tensor misses."""
-    key = (id(tensor),) + context
+def _cached_on(tensors: tuple, context: tuple, compute: Callable[[], Any]) -> Any:
+    """compute() once per (tensor objects, their versions, context); a dead or modified tensor misses."""
+    key = tuple(map(id, tensors)) + context
     hit = _CONTENT_CACHE.get(key)
-    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+    if hit is not None and hit[1] == tuple(t._version for t in tensors) and \
+            all(ref() is t for ref, t in zip(hit[0], tensors)):
         return hit[2]
     value = compute()
     if len(_CONTENT_CACHE) >= _CONTENT_CACHE_LIMIT:
         _CONTENT_CACHE.clear()
-    _CONTENT_CACHE[key] = (weakref.ref(tensor), tensor._version, value)
+    _CONTENT_CACHE[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), value)
     return value
 
 
@@ -163,11 +188,7 @@ def _check_thd_side(side: str, tensor_name: str, cu: Any, cu_padded: Any, total:
                     raise ValueError(f"sequence {i} has {n} tokens ({name}) but only {slots} slots in {name_p}; "
                                      f"{name_p} must leave room for each sequence")
         return max(lens)
-    key_tensor = cu if isinstance(cu, torch.Tensor) else None
-    if key_tensor is None or (cu_padded is not None and not isinstance(cu_padded, torch.Tensor)):
-        return compute()
-    context = ("thd", side, total, batch, id(cu_padded), cu_padded._version if cu_padded is not None else -1)
-    return _cached_on(key_tensor, context, compute)
+    return compute()
 
 
 def _check_dense_cu(side: str, cu: Any, batch: int, seqlen: int, device: torch.device) -> None:
@@ -180,7 +201,7 @@ def _check_dense_cu(side: str, cu: Any, batch: int, seqlen: int, device: torch.d
                 raise ValueError(f"{name}={_show(values)} gives sequence {i} {n} tokens but the tensor holds only "
                                  f"{seqlen} per sequence")
     if isinstance(cu, torch.Tensor):
-        _cached_on(cu, ("dense", side, batch, seqlen), compute)
+        _cached_on((cu,), ("dense", side, batch, seqlen), compute)
     else:
         compute()
 
@@ -206,7 +227,7 @@ def _padding_mask_to_cu(name: str, mask: Any, batch: int, seqlen: int, device: t
             raise ValueError(f"{name}: padding must come after the real tokens of each sequence (True only at the end); "
                              f"sequences {_show(rows)} are not padded that way")
         return torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
-    return _cached_on(mask, ("padding", batch, seqlen), compute)
+    return _cached_on((mask,), ("padding", batch, seqlen), compute)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,8 +243,17 @@ def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, at
                   cu_q: Any, cu_kv: Any, cu_q_p: Any, cu_kv_p: Any, max_q: Any, max_kv: Any,
                   pad_between_seqs: Any) -> SeqInfo:
     if fmt == "thd":
-        return _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
-                         pad_between_seqs)
+        tensors = tuple(t for t in (cu_q, cu_kv, cu_q_p, cu_kv_p) if t is not None)
+
+        def compute() -> SeqInfo:
+            return _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
+                             pad_between_seqs)
+        if attention_mask is not None or not has_padding(mask_type) or \
+                not all(isinstance(t, torch.Tensor) for t in tensors):
+            return compute()  # raises with the precise reason
+        context = ("thd", cu_q is None, cu_kv is None, cu_q_p is None, cu_kv_p is None, q.shape[0], k.shape[0],
+                   q.device, max_q, max_kv, pad_between_seqs)
+        return _cached_on(tensors, context, compute)
     batch = q.shape[0] if fmt == "bshd" else q.shape[1]
     sq, skv = (q.shape[1], k.shape[1]) if fmt == "bshd" else (q.shape[0], k.shape[0])
     for name, value, actual in (("max_seqlen_q", max_q, sq), ("max_seqlen_kv", max_kv, skv)):
@@ -298,7 +328,7 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or _cached_on(a, ("same", id(b), b._version), lambda: bool(torch.equal(a, b)))
+    return a is b or bool(torch.equal(a, b))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,20 +496,6 @@ def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
     return Plan(params, decision, get_engine(decision.chosen), build_config(spec, params))
 
 
-def signature(fmt, mask_type, window, q, k, v, seq: SeqInfo, bias_type, bias, alibi_slopes, attention_mask,
-              training, env) -> tuple:
-    """The static facts a Plan depends on; cheap to build and hash."""
-    return (
-        fmt, mask_type, window, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-        seq.max_q, seq.max_kv, seq.batch, seq.pad_between_seqs, seq.cu_q is None,
-        bias_type, None if bias is None else (bias.shape, bias.dtype, bias.device, bias.requires_grad),
-        None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device),
-        None if attention_mask is None or mask_type != "arbitrary" else
-        (attention_mask.shape, attention_mask.dtype, attention_mask.device),
-        training, env,
-    )
-
-
 def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi_slopes: Any,
              softmax_offset: torch.Tensor | None) -> AttnAux:
     return AttnAux(
@@ -490,6 +506,6 @@ def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi
     )
 
 
-__all__ = ["ModuleSpec", "Plan", "SeqInfo", "bias_shape_label", "build_config", "build_params", "check_window",
-           "default_alibi_slopes", "make_aux", "make_plan", "normalize_mask_type", "sequence_info", "signature",
-           "QKV_FORMATS", "is_causal"]
+__all__ = ["Entry", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
+           "build_params", "check_window", "default_alibi_slopes", "make_aux", "make_plan", "normalize_mask_type",
+           "sequence_info"]

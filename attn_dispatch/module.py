@@ -18,7 +18,7 @@ from . import inputs
 from .backends.unfused import draw_dropout_seed
 from .decision import Decision
 from .env import FAMILIES, EnvFlags
-from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES
+from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 
@@ -95,7 +95,7 @@ class DotProductAttention(torch.nn.Module):
             return_max_logit=self.return_max_logit, attention_type=attention_type,
             deterministic=not env.allow_nondeterministic or torch.are_deterministic_algorithms_enabled(),
             cp_comm_type=cp_comm_type, backend=backend)
-        self._plans: dict[tuple, inputs.Plan] = {}
+        self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self.last_decision: Decision | None = None
 
@@ -182,24 +182,42 @@ class DotProductAttention(torch.nn.Module):
     def _prepare(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                  cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                  core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
-        fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
-        _guard_ranks(fmt, q, k, v)
-        seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
-                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
-                                   pad_between_seqs)
-        key = inputs.signature(fmt, mask_type, window, q, k, v, seq, core_attention_bias_type, core_attention_bias,
-                               alibi_slopes, attention_mask, self.training, EnvFlags.from_environ())
-        plan = self._plans.get(key)
+        """(Plan, AttnAux) for a call. The raw arguments' static facts key a cache entry, so a repeated call
+        skips validation; tensor contents (cu_seqlens, padding masks) are re-checked, cached on the tensors."""
+        if isinstance(window_size, list):
+            window_size = tuple(window_size)
+        key = (qkv_format, attn_mask_type, window_size, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, max_seqlen_q, max_seqlen_kv, cu_seqlens_q is None, cu_seqlens_kv is None,
+               cu_seqlens_q_padded is None, cu_seqlens_kv_padded is None, pad_between_seqs,
+               inputs.arg_signature(attention_mask), core_attention_bias_type,
+               None if core_attention_bias is None else inputs.arg_signature(core_attention_bias, grad=True),
+               inputs.arg_signature(alibi_slopes), self.training, EnvFlags.from_environ())
+        entry = self._entries.get(key)
+        if entry is None:
+            fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
+            _guard_ranks(fmt, q, k, v)
+            entry = inputs.Entry(fmt, mask_type, window, dynamic=fmt == "thd" or has_padding(mask_type))
+        if entry.dynamic or entry.seq is None:
+            seq = inputs.sequence_info(entry.fmt, entry.mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
+                                       cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
+                                       pad_between_seqs)
+        else:
+            seq = entry.seq
+        seq_key = (seq.max_q, seq.max_kv, seq.pad_between_seqs)
+        plan = entry.plans.get(seq_key)
         if plan is None:
-            params = inputs.build_params(self._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
-                                         core_attention_bias, alibi_slopes, attention_mask, self.training)
-            plan = inputs.make_plan(self._spec, params)
-            if len(self._plans) >= 64:
-                self._plans.clear()
-            self._plans[key] = plan
+            params = inputs.build_params(self._spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq,
+                                         core_attention_bias_type, core_attention_bias, alibi_slopes, attention_mask,
+                                         self.training)
+            plan = entry.plans[seq_key] = inputs.make_plan(self._spec, params)
+            if len(self._entries) >= 64:
+                self._entries.clear()
+            if not entry.dynamic:
+                entry.seq = seq
+            self._entries[key] = entry
         if core_attention_bias_type == "alibi":
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
-        return plan, inputs.make_aux(seq, mask_type, attention_mask, core_attention_bias, alibi_slopes,
+        return plan, inputs.make_aux(seq, entry.mask_type, attention_mask, core_attention_bias, alibi_slopes,
                                      self.softmax_offset)
 
     def _alibi_slopes(self, slopes: torch.Tensor | None, device: torch.device) -> torch.Tensor:

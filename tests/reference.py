@@ -18,7 +18,7 @@ Semantics follow Transformer Engine's DotProductAttention (utils.get_full_mask /
   kept probabilities are divided by (1 - dropout_p). lse never includes dropout.
 - A query row that attends to no key gives output 0 and lse -inf. Output rows of padding tokens are 0.
 
-Returns (out, lse) in float64: out in the input format with head dim d_v; lse [b, h, sq] for bshd/sbhd
+Works on any device (the tensors' own). Returns (out, lse) in float64: out in the input format with head dim d_v; lse [b, h, sq] for bshd/sbhd
 and [h, t_q] for thd (-inf at padding tokens). Autograd flows to q, k, v, bias and softmax_offset.
 """
 from __future__ import annotations
@@ -48,14 +48,14 @@ def _sequences(x, fmt, cu, cu_padded):
     return seqs, None
 
 
-def _keep(lq, lkv, mask_type, window, off):
+def _keep(lq, lkv, mask_type, window, off, device):
     """[lq, lkv] bool: which keys each query keeps (window and causality; padding is done by slicing)."""
     left, right = (-1, -1) if window is None else window
     if "causal" in mask_type:
         right = 0
-    i = torch.arange(lq)[:, None]
-    j = torch.arange(lkv)[None, :]
-    keep = torch.ones(lq, lkv, dtype=torch.bool)
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lkv, device=device)[None, :]
+    keep = torch.ones(lq, lkv, dtype=torch.bool, device=device)
     if left >= 0:
         keep &= j >= i + off - left
     if right >= 0:
@@ -68,7 +68,7 @@ def reference_attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask",
                         cu_seqlens_kv_padded=None, bias_type="no_bias", bias=None, alibi_slopes=None,
                         softmax_type="vanilla", softmax_offset=None, softmax_scale=None, dropout_p=0.0,
                         dropout_keep=None):
-    f64 = torch.float64
+    f64, dev = torch.float64, q.device
     q, k, v = q.to(f64), k.to(f64), v.to(f64)
     bias = bias.to(f64) if bias is not None else None
     h, hk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
@@ -80,7 +80,7 @@ def reference_attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask",
     vs, _ = _sequences(v, qkv_format, ckv, ckvp)
     padded = cq is not None
     if softmax_type == "off-by-one":
-        sink = torch.zeros(h, dtype=f64)
+        sink = torch.zeros(h, dtype=f64, device=dev)
     elif softmax_type == "learnable":
         sink = softmax_offset.to(f64)
     else:
@@ -90,8 +90,8 @@ def reference_attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask",
     for b, (qi, ki, vi) in enumerate(zip(qs, ks, vs)):
         lq, lkv = qi.shape[0], ki.shape[0]
         if lkv == 0:  # nothing to attend to
-            outs.append(torch.zeros(lq, h, dv, dtype=f64))
-            lses.append(torch.full((h, lq), float("-inf"), dtype=f64))
+            outs.append(torch.zeros(lq, h, dv, dtype=f64, device=dev))
+            lses.append(torch.full((h, lq), float("-inf"), dtype=f64, device=dev))
             continue
         if qkv_format == "thd" or padded:
             off = 0 if attn_mask_type in TOP_LEFT_MASKS else lkv - lq
@@ -113,10 +113,10 @@ def reference_attention(q, k, v, *, qkv_format="bshd", attn_mask_type="no_mask",
         if bias_type == "alibi":
             slopes = alibi_slopes.to(f64)
             slopes = slopes[b] if slopes.dim() == 2 else slopes
-            i = torch.arange(lq, dtype=f64)[:, None]
-            j = torch.arange(lkv, dtype=f64)[None, :]
+            i = torch.arange(lq, dtype=f64, device=dev)[:, None]
+            j = torch.arange(lkv, dtype=f64, device=dev)[None, :]
             s = s - slopes[:, None, None] * (i + off - j).abs()
-        keep = _keep(lq, lkv, attn_mask_type, window_size, off).expand(h, lq, lkv)
+        keep = _keep(lq, lkv, attn_mask_type, window_size, off, dev).expand(h, lq, lkv)
         if arb is not None:
             keep = keep & ~arb
         s = s.masked_fill(~keep, float("-inf"))
@@ -149,28 +149,28 @@ def k_len(k, fmt):
 
 
 def _assemble(q, fmt, outs, lses, q_starts, h, dv):
-    f64 = torch.float64
+    f64, dev = torch.float64, q.device
     if fmt == "thd":
         t = q.shape[0]
-        out = torch.zeros(t, h, dv, dtype=f64)
-        lse = torch.full((h, t), float("-inf"), dtype=f64)
+        out = torch.zeros(t, h, dv, dtype=f64, device=dev)
+        lse = torch.full((h, t), float("-inf"), dtype=f64, device=dev)
         pieces_out, pieces_lse, index = [], [], []
         for start, o, l in zip(q_starts, outs, lses):
             index.extend(range(start, start + o.shape[0]))
             pieces_out.append(o)
             pieces_lse.append(l)
-        idx = torch.tensor(index, dtype=torch.long)
+        idx = torch.tensor(index, dtype=torch.long, device=dev)
         if len(index):
             out = out.index_put((idx,), torch.cat(pieces_out))
-            lse = lse.index_put((torch.arange(h)[:, None], idx[None, :]), torch.cat(pieces_lse, dim=1))
+            lse = lse.index_put((torch.arange(h, device=dev)[:, None], idx[None, :]), torch.cat(pieces_lse, dim=1))
         return out, lse
     b = len(outs)
     sq = q_len(q, fmt)
     out_b, lse_b = [], []
     for o, l in zip(outs, lses):
         pad = sq - o.shape[0]
-        out_b.append(torch.cat([o, torch.zeros(pad, h, dv, dtype=f64)]) if pad else o)
-        lse_b.append(torch.cat([l, torch.full((h, pad), float("-inf"), dtype=f64)], dim=1) if pad else l)
+        out_b.append(torch.cat([o, torch.zeros(pad, h, dv, dtype=f64, device=dev)]) if pad else o)
+        lse_b.append(torch.cat([l, torch.full((h, pad), float("-inf"), dtype=f64, device=dev)], dim=1) if pad else l)
     out = torch.stack(out_b)   # [b, sq, h, dv]
     lse = torch.stack(lse_b)   # [b, h, sq]
     assert out.shape[0] == b

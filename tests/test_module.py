@@ -238,11 +238,25 @@ def test_plans_are_cached_per_signature():
     dpa(q, k, v)
     first = dpa.last_decision
     dpa(*qkv(seed=5))
-    assert len(dpa._plans) == 1 and dpa.last_decision is first
+    assert n_plans(dpa) == 1 and dpa.last_decision is first
     dpa(*qkv(sq=7, skv=7))
     dpa.eval()
     dpa(q, k, v)
-    assert len(dpa._plans) == 3 and dpa.last_decision.params["is_training"] is False
+    assert n_plans(dpa) == 3 and dpa.last_decision.params["is_training"] is False
+
+
+def n_plans(dpa):
+    return sum(len(entry.plans) for entry in dpa._entries.values())
+
+
+def test_thd_plans_follow_the_derived_max_seqlen():
+    """thd without max_seqlen: the plan depends on cu_seqlens contents, so new lengths give a new decision."""
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding")
+    q, k, v = qkv("thd", sq=10, skv=10)
+    dpa(q, k, v, cu_seqlens_q=cu([4, 6]), cu_seqlens_kv=cu([4, 6]))
+    assert dpa.last_decision.params["max_seqlen_q"] == 6
+    dpa(q, k, v, cu_seqlens_q=cu([9, 1]), cu_seqlens_kv=cu([9, 1]))
+    assert dpa.last_decision.params["max_seqlen_q"] == 9 and n_plans(dpa) == 2 and len(dpa._entries) == 1
 
 
 def test_deterministic_flag_from_environment(monkeypatch):

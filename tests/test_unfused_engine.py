@@ -40,7 +40,7 @@ class Case:
 
     def __init__(self, fmt="bshd", mask_type="no_mask", heads=(4, 4), bias_type="no_bias", window=None,
                  bias_shape="1hss", softmax_type="vanilla", dtype=torch.float32, sq=5, skv=7, b=2, d=8, dv=6,
-                 padded_thd=False, dropout_p=0.0, seed=0):
+                 padded_thd=False, dropout_p=0.0, seed=0, device="cpu"):
         g = torch.Generator().manual_seed(seed)
         h, hk = heads
         if window is not None and "causal" in mask_type:
@@ -63,22 +63,25 @@ class Case:
             if mask_type.startswith("padding"):
                 self.aux.cu_seqlens_q, self.aux.cu_seqlens_kv = cu([sq, 3]), cu([skv, 2])
         self.aux.max_seqlen_q, self.aux.max_seqlen_kv = sq, skv
-        self.q = torch.randn(shape_q, generator=g).to(dtype).requires_grad_()
-        self.k = torch.randn(shape_k, generator=g).to(dtype).requires_grad_()
-        self.v = torch.randn(shape_v, generator=g).to(dtype).requires_grad_()
-        self.dout = torch.randn(*shape_q[:-1], dv, generator=g).to(dtype)
+        self.q = torch.randn(shape_q, generator=g).to(device, dtype).requires_grad_()
+        self.k = torch.randn(shape_k, generator=g).to(device, dtype).requires_grad_()
+        self.v = torch.randn(shape_v, generator=g).to(device, dtype).requires_grad_()
+        self.dout = torch.randn(*shape_q[:-1], dv, generator=g).to(device, dtype)
         if mask_type == "arbitrary":
             mask = torch.rand(b, 1, sq, skv, generator=g) < 0.3
             mask[0, 0, 1] = True  # one fully masked row
-            self.aux.attention_mask = mask
+            self.aux.attention_mask = mask.to(device)
         if bias_type in ("pre_scale_bias", "post_scale_bias"):
             bb = b if bias_shape[0] == "b" else 1
             bh = h if bias_shape[1] == "h" else 1
-            self.aux.bias = torch.randn(bb, bh, sq, skv, generator=g).to(dtype).requires_grad_()
+            self.aux.bias = torch.randn(bb, bh, sq, skv, generator=g).to(device, dtype).requires_grad_()
         if bias_type == "alibi":
-            self.aux.alibi_slopes = torch.rand(h, generator=g) + 0.1
+            self.aux.alibi_slopes = (torch.rand(h, generator=g) + 0.1).to(device)
         if softmax_type == "learnable":
-            self.aux.softmax_offset = torch.randn(h, generator=g).requires_grad_()
+            self.aux.softmax_offset = torch.randn(h, generator=g).to(device).requires_grad_()
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            if getattr(self.aux, name) is not None:
+                setattr(self.aux, name, getattr(self.aux, name).to(device))
         self.cfg = AttnConfig(qkv_format=fmt, attn_mask_type=mask_type, window_size=normalize_window(window, mask_type),
                               softmax_scale=1.0 / math.sqrt(d), dropout_p=dropout_p, bias_type=bias_type,
                               softmax_type=softmax_type, return_max_logit=True)
@@ -342,3 +345,53 @@ def test_dropout_in_backward_needs_the_forward_state():
     res = engine.forward(case.q.detach(), case.k.detach(), case.v.detach(), case.aux, case.cfg)
     with pytest.raises(ValueError, match="dropout seed"):
         engine.backward(case.dout, case.q, case.k, case.v, res.out, res.lse, None, case.aux, case.cfg)
+
+
+# -------------------------------------------------------------------------------------------------
+# On a GPU (run: python -m pytest -m gpu tests/test_unfused_engine.py)
+# -------------------------------------------------------------------------------------------------
+GPU_CASES = [("bshd", "causal", "post_scale_bias"), ("sbhd", "causal_bottom_right", "alibi"),
+             ("bshd", "arbitrary", "pre_scale_bias"), ("thd", "padding_causal", "alibi"),
+             ("thd", "padding_causal_bottom_right", "post_scale_bias"), ("sbhd", "padding", "no_bias")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt,mask_type,bias_type", GPU_CASES, ids=["-".join(c) for c in GPU_CASES])
+def test_gpu_matches_reference(fmt, mask_type, bias_type, dtype, tol):
+    check(Case(fmt, mask_type, (4, 2), bias_type, (3, 1), softmax_type="learnable", dtype=dtype, device="cuda",
+               sq=37, skv=45, d=16, dv=16), tol)
+    check(Case(fmt, mask_type, (4, 2), bias_type, (3, 1), dtype=dtype, device="cuda", sq=37, skv=45, d=16, dv=16),
+          tol, engine=UnfusedEngine(max_block_elems=4096))
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_matches_reference_with_the_same_keep_mask():
+    case = Case("bshd", "causal", (4, 2), "post_scale_bias", (3, 0), dropout_p=0.2, device="cuda", sq=33, skv=33)
+    case.aux.dropout_generator = torch.Generator(device="cuda").manual_seed(77)
+    out, _, _, grads = case.run()
+    seed = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device="cuda",
+                         generator=torch.Generator(device="cuda").manual_seed(77))
+    keep = dropout_keep_mask(seed, case.b, case.h, case.sq, case.skv, 0.2)
+    # the hash is integer arithmetic, so the GPU mask equals the CPU one bit for bit
+    assert torch.equal(keep.cpu(), dropout_keep_mask(seed.cpu(), case.b, case.h, case.sq, case.skv, 0.2))
+    ref_out, _, ref_grads = case.reference(dropout_keep=keep)
+    assert rel_err(out, ref_out) <= FP32_TOL
+    assert all(rel_err(g, r) <= FP32_TOL for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.gpu
+def test_gpu_memory_stays_blockwise():
+    """Forward + backward at S = 8192 uses a small fraction of one [b, h, S, S] float32 score matrix."""
+    b, h, s, d = 1, 8, 8192, 64
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cfg = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=d ** -0.5)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, _, _ = get_engine("unfused:pytorch")(q, k, v, AttnAux(), cfg)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    score_matrix = b * h * s * s * 4
+    assert extra < score_matrix / 8, f"peak extra {extra / 2**20:.0f} MiB vs score matrix {score_matrix / 2**20:.0f} MiB"
