@@ -16,7 +16,7 @@ from attn_dispatch.backends import EngineUnavailableError, get_engine
 from attn_dispatch.backends._flash_io import FlashEngineBase, KernelCall, Varlen, bind_supported
 from attn_dispatch.backends.base import AttnAux, AttnConfig
 from attn_dispatch.params import normalize_window
-from tests.reference import reference_attention
+from reference import reference_attention
 
 F64 = torch.float64
 

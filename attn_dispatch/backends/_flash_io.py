@@ -233,6 +233,7 @@ class FlashEngineBase(Engine):
     supports_dropout = False
     supports_alibi = False
     supports_sink = False
+    same_head_dims = False             # q, k, v must share one head dim (FA2)
     takes_out_buffer = False           # the kernel writes into a caller-provided output
     empty_rows_lse_positive_inf = False  # FA2 writes +inf as an empty row's lse
 
@@ -260,6 +261,9 @@ class FlashEngineBase(Engine):
                                  "dropout_generator is not supported")
         if q.dtype != k.dtype or q.dtype != v.dtype:
             raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if self.same_head_dims and q.shape[-1] != v.shape[-1]:
+            raise ValueError(f"head_dim_qk={q.shape[-1]} != head_dim_v={v.shape[-1]}: {name} takes one head dim "
+                             "for q, k and v")
         if cfg.qkv_format != "thd" and not has_padding(cfg.attn_mask_type) and needs_top_left(cfg):
             sq, skv = (q.shape[0], k.shape[0]) if cfg.qkv_format == "sbhd" else (q.shape[1], k.shape[1])
             if sq != skv:
@@ -277,7 +281,8 @@ class FlashEngineBase(Engine):
         slopes = aux.alibi_slopes
         heads = q.shape[-2]
         if slopes is None:
-            raise ValueError("core_attention_bias_type='alibi' needs aux.alibi_slopes (float32 [h] or [b, h]); got None")
+            raise ValueError("core_attention_bias_type='alibi' needs aux.alibi_slopes (float32 [h] or [b, h]); "
+                             "got None")
         if slopes.dim() not in (1, 2) or slopes.shape[-1] != heads:
             raise ValueError(f"alibi_slopes has shape {list(slopes.shape)}; it must be [h] or [b, h] with h={heads}")
         return slopes.to(device=q.device, dtype=torch.float32).contiguous()
@@ -290,7 +295,8 @@ class FlashEngineBase(Engine):
             return torch.zeros(heads, dtype=torch.float32, device=q.device)
         offset = aux.softmax_offset
         if offset is None:
-            raise ValueError("softmax_type='learnable' needs aux.softmax_offset (float32 [h], the sink logit); got None")
+            raise ValueError("softmax_type='learnable' needs aux.softmax_offset (float32 [h], the sink logit); "
+                             "got None")
         if offset.dim() != 1 or offset.shape[0] != heads:
             raise ValueError(f"softmax_offset has shape {list(offset.shape)}; it must be [h] with h={heads}")
         return offset.detach().to(device=q.device, dtype=torch.float32).contiguous()
@@ -407,7 +413,8 @@ def _neutral(value: Any) -> bool:
     return value is None or value is False or value == 0 or value == (UNBOUNDED, UNBOUNDED)
 
 
-def bind_supported(fn: Any, values: dict[str, Any], aliases: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
+def bind_supported(fn: Any, values: dict[str, Any],
+                   aliases: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
     """Keyword arguments for `fn` from `values`, across releases whose internal signatures differ.
 
     A value is passed under the first of its aliases that `fn` accepts; a value the function has no parameter

@@ -41,6 +41,7 @@ class TorchFlashEngine(FlashEngineBase):
     provider = "torch"
     supports_dropout = True
     supports_alibi = True
+    same_head_dims = True
     empty_rows_lse_positive_inf = True
 
     def __init__(self) -> None:
@@ -123,6 +124,7 @@ class FlashAttn2PackageEngine(FlashEngineBase):
     provider = "package"
     supports_dropout = True
     supports_alibi = True
+    same_head_dims = True
     empty_rows_lse_positive_inf = True
 
     def __init__(self) -> None:

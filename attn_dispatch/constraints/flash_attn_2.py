@@ -1,4 +1,4 @@
-"""FlashAttention 2: the flash-attn 2.x package, and the FA2 kernels vendored in torch. Provider order: package, torch."""
+"""FlashAttention 2: the flash-attn 2.x package, then the FA2 kernels vendored in torch (provider order)."""
 from __future__ import annotations
 
 from packaging.version import Version
@@ -15,7 +15,8 @@ FA2_API = "flash-attn csrc/flash_attn/flash_api.cpp (mha_fwd, mha_varlen_fwd, mh
 TORCH_FLASH_API = "pytorch aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp (vendored FA2)"
 TORCH_SDP_UTILS = "pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp"
 TORCH_BWD = "pytorch aten/src/ATen/native/transformers/cuda/attention_backward.cu (_flash_attention_backward)"
-TESTED_MAX = "2.8.3"  # Transformer Engine's FlashAttentionUtils.max_version; flash-attn 2.x cannot be built on our GPU lease
+# Transformer Engine's FlashAttentionUtils.max_version: flash-attn 2.x cannot be built within our GPU lease
+TESTED_MAX = "2.8.3"
 
 # ---------------------------------------------------------------------------------------------------------------
 PACKAGE_TABLE = Table("flash_attn_2", "package",
@@ -161,8 +162,9 @@ T.add(
     common.dtypes(T, ("float16", "bfloat16"), source=TORCH_FLASH_API + " 'FlashAttention only support fp16 and bf16'"),
     common.no_fp8(T, source="aten::_flash_attention_forward runs FA2 kernels only (fp16/bf16)"),
     common.head_dim_limit(T, max_qk=256, multiple=8, same_qk_v=True,
-                          source=TORCH_FLASH_API + " mha_fwd: head_size <= 256, a multiple of 8 ('ensured by padding' "
-                          "in SDPA, not in the op), v shaped like k; " + TORCH_SDP_UTILS + " check_head_dim_size_flash"),
+                          source=TORCH_FLASH_API + " mha_fwd: head_size <= 256, a multiple of 8 ('ensured by "
+                          "padding' in SDPA, not in the op), v shaped like k; " + TORCH_SDP_UTILS
+                          + " check_head_dim_size_flash"),
     check(T, "head_dim_backward", "training on sm86-89/sm120-121: head_dim <= 192, or > 224 without dropout",
           "head_dim", TORCH_SDP_UTILS + " check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120",
           _torch_consumer_backward),

@@ -27,7 +27,7 @@ Predicate = Callable[[AttentionParams, EnvFlags], bool]
 
 
 def deterministic_backward(p: AttentionParams, env: EnvFlags) -> bool:
-    """The call needs a deterministic backward: training, and deterministic=True or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0."""
+    """A deterministic backward is needed: training with deterministic=True or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0."""
     return p.is_training and (p.deterministic or not env.allow_nondeterministic)
 
 
@@ -42,7 +42,8 @@ def top_left_alignment(table: Table, *, source: str) -> Check:
             return fail(f"attn_mask_type={p.attn_mask_type!r} aligns the diagonal top-left, but {table.id} aligns it "
                         f"bottom-right; the two agree only when max_seqlen_q == max_seqlen_kv (got {p.max_seqlen_q} "
                         f"and {p.max_seqlen_kv})",
-                        f"use attn_mask_type={p.attn_mask_type + '_bottom_right'!r} if a bottom-right diagonal is meant")
+                        f"use attn_mask_type={p.attn_mask_type + '_bottom_right'!r} if a bottom-right diagonal "
+                        "is meant")
         return None
     return Check(f"{table.family}.causal_alignment",
                  "top-left causal masks need max_seqlen_q == max_seqlen_kv (per sequence for thd/padding: checked "
