@@ -2,8 +2,11 @@
 attn_dispatch.selection and the reasons kept in `last_decision` / `explain()`.
 
 Differences from Transformer Engine, on purpose: `backend=` forces an engine (our extension); bad input
-raises ValueError (not AssertionError); a padding attention_mask must put padding after the real tokens;
-what is not built yet (context parallelism, FP8 output, KV-cache inference) raises NotImplementedError.
+raises ValueError (not AssertionError); a padding attention_mask must put padding after the real tokens,
+and is not accepted together with cu_seqlens; a window (-1, 0) on a non-causal mask is a real window
+(Transformer Engine resets it to (-1, -1)); with thd and no max_seqlen the exact longest sequence is used
+(Transformer Engine rounds up to a multiple of 64); in eval mode the call is described with dropout 0.
+What is not built yet (context parallelism, FP8 output, KV-cache inference) raises NotImplementedError.
 """
 from __future__ import annotations
 
