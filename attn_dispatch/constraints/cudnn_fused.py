@@ -14,13 +14,14 @@ compared as cudnnGetVersion() integers, as TE does (8907 = 8.9.7, 91002 = 9.10.2
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams, has_padding
-from ..platform import Platform
+from ..platform import Platform, parse_version
 from . import common
 from .base import Check, Failure, Table, fail
 
@@ -43,11 +44,21 @@ Rule = Callable[[AttentionParams, Platform, EnvFlags], "Failure | None"]
 # --------------------------------------------------------------------------------------------
 def cudnn_int(plat: Platform) -> int | None:
     """cuDNN as cudnnGetVersion() reports it: 8.9.7 -> 8907, 9.10.2 -> 91002; None when absent."""
-    v = plat.cudnn
+    return _cudnn_int_of(plat.cudnn_version)
+
+
+@functools.lru_cache(maxsize=256)
+def _cudnn_int_of(text: str | None) -> int | None:
+    v = parse_version(text)  # parsed once per distinct string: a fresh decision runs dozens of these checks
     if v is None:
         return None
     major, minor, patch = (list(v.release) + [0, 0, 0])[:3]
     return major * 1000 + minor * 100 + patch if major < 9 else major * 10000 + minor * 100 + patch
+
+
+@functools.lru_cache(maxsize=256)
+def _version_of(text: str | None) -> Version | None:
+    return parse_version(text)
 
 
 def version_text(number: int) -> str:
@@ -565,8 +576,10 @@ def _thd_ragged_stats(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
 @FRONTEND_TABLE.check("frontend_sink", requires="softmax sinks: cudnn-frontend >= 1.14.1", topic="softmax",
                       source="cudnn-frontend 1.14.1 release notes (sink token for SDPA)")
 def _frontend_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    fe = plat.package_version("cudnn-frontend")
-    if p.softmax_type != "vanilla" and fe is not None and fe < Version("1.14.1"):
+    if p.softmax_type == "vanilla":
+        return None
+    fe = _version_of(plat.package("cudnn-frontend").version)
+    if fe is not None and fe < Version("1.14.1"):
         return fail(f"softmax_type={p.softmax_type!r} needs cudnn-frontend >= 1.14.1 (sink_token); found {fe}",
                     "pip install -U 'nvidia-cudnn-frontend>=1.14.1'")
     return None
@@ -596,6 +609,8 @@ def _dropout_bug_note(p: AttentionParams, plat: Platform) -> str | None:
 
 
 # --- provider 2: torch's built-in cuDNN SDPA ---------------------------------------------------
+_TORCH_MIN = Version("2.5")
+
 TORCH_TABLE = Table("cudnn_fused", "torch",
                     "cuDNN SDPA through torch's aten._scaled_dot_product_cudnn_attention (no extra package)",
                     detail=lambda p, plat, env: {"sub_backend": SUB_ARBITRARY})
@@ -630,7 +645,8 @@ def _torch_cudnn_sdpa(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
     if not plat.torch_cudnn_sdpa:
         return fail(f"torch {plat.torch_version} on this platform has no cuDNN SDPA (needs a CUDA build with cuDNN >= 9)",
                     "install a CUDA build of torch >= 2.5, or nvidia-cudnn-frontend for the frontend provider")
-    if plat.torch < Version("2.5"):
+    torch_version = _version_of(plat.torch_version)
+    if torch_version is None or torch_version < _TORCH_MIN:
         return fail(f"torch {plat.torch_version} predates the attn_bias argument of _scaled_dot_product_cudnn_attention "
                     "(torch >= 2.5)", "pip install -U 'torch>=2.5'")
     return None
