@@ -394,3 +394,10 @@ def test_torch_engine_validation_names_what_is_unsupported():
                        (AttnConfig(softmax_type="learnable"), "sink"), (AttnConfig(bias_type="alibi"), "post-scale")):
         with pytest.raises(ValueError, match=words):
             eng.TorchCudnnEngine._validate(q, AttnAux(), cfg)
+
+
+def test_alibi_with_padding_is_not_offered_by_the_frontend_engine():
+    p = params(bias_type="alibi", attn_mask_type="padding_causal_bottom_right", max_seqlen_kv=2048)
+    assert "cudnn_fused.alibi_padding" in codes(FRONTEND, p, plat("h100-cudnn9"))
+    assert "cudnn_fused.alibi_padding" not in codes(FRONTEND, params(bias_type="alibi", attn_mask_type="causal"),
+                                                    plat("h100-cudnn9"))

@@ -573,6 +573,15 @@ def _thd_ragged_stats(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
     return None
 
 
+@FRONTEND_TABLE.check("alibi_padding", requires="ALiBi without padding masks", topic="bias",
+                      source=OURS + " (ALiBi as a bias tensor needs one alignment for the whole batch)")
+def _alibi_padding(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.bias_type == "alibi" and has_padding(effective_mask(p)):
+        return fail(f"ALiBi with attn_mask_type={p.attn_mask_type!r} (per-sequence alignment) is not implemented by "
+                    "the cuDNN engine", "use a mask without padding, or the unfused backend")
+    return None
+
+
 @FRONTEND_TABLE.check("frontend_sink", requires="softmax sinks: cudnn-frontend >= 1.14.1", topic="softmax",
                       source="cudnn-frontend 1.14.1 release notes (sink token for SDPA)")
 def _frontend_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
