@@ -1,0 +1,147 @@
+"""torch.distributed plumbing for context parallelism: who the neighbours are, ring exchanges, collective checks.
+
+Transport is always torch.distributed (gloo on CPU, NCCL on GPUs); nothing here moves bytes by itself.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Set ATTN_DISPATCH_CP_CHECKS=0 to skip the per-call collective agreement check (one tiny all-gather and,
+# on GPUs, one host sync per call). Local checks always run.
+CHECKS_ENV = "ATTN_DISPATCH_CP_CHECKS"
+
+# Tags keep k, v, dk and dv apart on gloo, which matches messages by (peer, tag); NCCL ignores tags and
+# matches in issue order, which is the same order on every rank.
+TAG_K, TAG_V, TAG_DK, TAG_DV = 11, 12, 13, 14
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    group: dist.ProcessGroup
+    size: int
+    rank: int                   # rank within the group
+    global_ranks: tuple[int, ...]  # global rank of each group rank
+
+    @property
+    def next_global(self) -> int:
+        return self.global_ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_global(self) -> int:
+        return self.global_ranks[(self.rank - 1) % self.size]
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
+
+def group_info(group, cp_global_ranks=None, *, name: str = "cp_group", min_size: int = 2) -> GroupInfo:
+    """Validate one process group and describe this rank's place in it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{name}={group!r}: torch.distributed is not initialized; call "
+                         "torch.distributed.init_process_group first")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name}={group!r} must be a torch.distributed.ProcessGroup "
+                         "(for cp_comm_type='a2a+p2p', a list [a2a_group, p2p_group])")
+    size = dist.get_world_size(group)
+    if size < min_size:
+        raise ValueError(f"{name} has size {size}; context parallelism needs at least {min_size} ranks. "
+                         "With one rank, call attention without cp_group")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member of the group")
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if cp_global_ranks is not None and tuple(int(r) for r in cp_global_ranks) != ranks:
+        raise ValueError(f"cp_global_ranks={list(cp_global_ranks)!r} does not match {name}'s global ranks "
+                         f"{list(ranks)!r}; pass the group's ranks in group-rank order, or None")
+    return GroupInfo(group, size, rank, ranks)
+
+
+def checks_enabled() -> bool:
+    raw = os.environ.get(CHECKS_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"environment variable {CHECKS_ENV}={raw!r} is not accepted; use 0 or 1")
+    return raw == "1"
+
+
+def _check_device(info: GroupInfo, like: torch.device) -> torch.device:
+    return torch.device("cpu") if info.backend == "gloo" or like.type != "cuda" else like
+
+
+def agree(info: GroupInfo, signature: list[int], describe, local_error: str | None, device: torch.device) -> None:
+    """Collective: every rank learns whether any rank failed its local checks or holds a different call.
+    Raises the same ValueError on every rank, so no rank is left waiting in a later exchange.
+    `describe(row)` renders one rank's signature for the message."""
+    dev = _check_device(info, device)
+    row = torch.tensor([1 if local_error else 0, *signature], dtype=torch.int64, device=dev)
+    table = all_gather_seq(row, info).cpu().tolist()
+    failed = [r for r, t in enumerate(table) if t[0]]
+    if failed:
+        messages: list[str | None] = [None] * info.size
+        dist.all_gather_object(messages, local_error, group=info.group)
+        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise ValueError(f"context parallelism: invalid call on {len(failed)} of {info.size} ranks of cp_group: "
+                         f"{detail}")
+    if any(t[1:] != table[0][1:] for t in table):
+        per_rank = "; ".join(f"rank {r}: {describe(t[1:])}" for r, t in enumerate(table))
+        raise ValueError("context parallelism: the ranks of cp_group disagree on the call (" + per_rank +
+                         "); every rank must hold an equal slice of the same sequences (the global length / "
+                         "cp_size tokens each), with the same batch, heads, head dims, dtype and options")
+
+
+class Ring:
+    """Batched isend/irecv to the next rank / from the previous one. On GPUs the batch is issued from
+    cp_stream (when given) after it waits for the compute stream, so the transfer overlaps the next
+    compute; NCCL runs it on its own stream either way. On CPU, gloo runs it on its own threads."""
+
+    def __init__(self, info: GroupInfo, stream=None):
+        self.info = info
+        self.stream = stream
+
+    def start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+        if not sends and not recvs:
+            return []
+        ops = [dist.P2POp(dist.isend, t, self.info.next_global, self.info.group, tag) for t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.info.prev_global, self.info.group, tag) for t, tag in recvs]
+        use_stream = self.stream is not None and any(t.is_cuda for t, _ in sends + recvs)
+        if use_stream:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                return dist.batch_isend_irecv(ops)
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+def all_gather_seq(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """[P, *x.shape]: every rank's x, in group-rank order. (gloo wants the output concatenated along dim 0.)"""
+    out = torch.empty((info.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with warnings.catch_warnings():  # torch >= 2.13 renames all_gather_into_tensor; 2.11 has only the old name
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=info.group)
+    return out.view(info.size, *x.shape)
+
+
+def reduce_scatter_seq(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """x is [P, *shape]; returns sum over ranks of x[my rank]."""
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.reduce_scatter_tensor(out, x.contiguous().flatten(0, 1), group=info.group)
+    return out
+
+
+def all_to_all_dim0(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """x is [P, ...]: slice p goes to rank p; returns [P, ...] with slice p from rank p."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=info.group)
+    return out

@@ -1,0 +1,91 @@
+"""DotProductAttention's context-parallel forward: validate like the module does, select an engine that can
+serve the per-block calls of this CP mode, then run attention() over cp_group.
+
+Kept here (not in module.py) so the module needs only a one-line branch; tested by
+tests/test_context_parallel.py. The module's tensors are this rank's shards; for thd, cu_seqlens_* describe
+the whole sequences (Transformer Engine's convention) and max_seqlen_* (if given) the whole-sequence maximum.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .. import inputs
+from .api import attention, fail_collectively
+from .sharding import cp_size_of, local_cu_seqlens
+
+
+def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask=None, qkv_format=None,
+            cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+            max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None, window_size=None,
+            checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
+            core_attention_bias=None, alibi_slopes=None, pad_between_seqs=None) -> Any:
+    """The module's output ([s, b, h*dv] / [b, s, h*dv] / [t, h*dv]) for this rank's shard."""
+    group = module.cp_group
+    try:
+        plan, aux = _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                             cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type,
+                             window_size, checkpoint_core_attention, core_attention_bias_type, core_attention_bias,
+                             alibi_slopes, pad_between_seqs)
+    except Exception as exc:  # noqa: BLE001 - any error here would leave the other ranks waiting in attention()
+        fail_collectively(exc, cp_group=group, cp_global_ranks=module.cp_global_ranks,
+                          cp_comm_type=module.cp_comm_type, device=q.device)
+    module.last_decision = plan.decision
+    out = attention(plan.engine, q, k, v, aux, plan.cfg, cp_group=group, cp_global_ranks=module.cp_global_ranks,
+                    cp_stream=module.cp_stream, cp_comm_type=module.cp_comm_type)
+    return out.reshape(*out.shape[:-2], -1)
+
+
+def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+             cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+             checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
+    cp_size = cp_size_of(module.cp_group)
+    fmt, mask_type, window = module._resolve(qkv_format, attn_mask_type, window_size)
+    if checkpoint_core_attention:
+        raise ValueError("checkpoint_core_attention=True is not supported under context parallelism; the ring "
+                         "already recomputes nothing it does not need (pass False)")
+    thd = fmt == "thd"
+    # The module's checks see this rank's tensors: for thd, the per-rank cu_seqlens (global / cp_size).
+    local = {}
+    if thd:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
+                         ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
+            local[name] = _local_cu(name, cu, cp_size)
+        local["max_seqlen_q"] = None if max_seqlen_q is None else max(1, max_seqlen_q // cp_size)
+        local["max_seqlen_kv"] = None if max_seqlen_kv is None else max(1, max_seqlen_kv // cp_size)
+    else:
+        local = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+    seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, local["cu_seqlens_q"], local["cu_seqlens_kv"],
+                               local["cu_seqlens_q_padded"], local["cu_seqlens_kv_padded"], local["max_seqlen_q"],
+                               local["max_seqlen_kv"], pad_between_seqs)
+    params = inputs.build_params(module._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes, attention_mask, module.training)
+    params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type)
+    plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
+    plan = plans.get(params)
+    if plan is None:
+        if len(plans) >= 64:
+            plans.clear()
+        plan = plans[params] = inputs.make_plan(module._spec, params)
+    aux = inputs.make_aux(seq, mask_type, attention_mask, core_attention_bias, alibi_slopes, module.softmax_offset)
+    if thd:  # attention() takes the whole-sequence cu_seqlens
+        aux = dataclasses.replace(aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                  cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                                  max_seqlen_q=seq.max_q * cp_size, max_seqlen_kv=seq.max_kv * cp_size)
+    return plan, aux
+
+
+def _local_cu(name: str, cu, cp_size: int):
+    if cu is None:
+        return None
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be an int32 tensor of whole-sequence offsets [b+1]; got {cu!r}")
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    bad = [i for i, n in enumerate(lengths) if n % (2 * cp_size)]
+    if bad:
+        raise ValueError(f"{name}={cu.tolist()}: under context parallelism every sequence length must be a multiple "
+                         f"of 2*cp_size={2 * cp_size}; sequence(s) {bad} are not (pad them)")
+    return local_cu_seqlens(cu, cp_size)

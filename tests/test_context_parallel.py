@@ -1,0 +1,471 @@
+"""Context parallelism over gloo: 2 and 4 CPU processes against a single-process run of the whole sequence.
+
+One spawn per world size runs every case (process groups are shared); rank 0 writes the measured errors
+to JSON and the parametrised tests read them. Each case compares, on every rank, the local output and the
+gradients of q, k, v (and the sink, summed over ranks) with (a) the unfused engine on the whole sequence in
+one process and (b) a float64 reference written here. Error cases check that every rank raises.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import time
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attn_dispatch import context_parallel as cp
+from attn_dispatch.backends import AttnAux, AttnConfig, get_engine
+
+FP32_TOL = 1e-5
+BF16_TOL = 2e-2
+SPAWN_DEADLINE_S = 240
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------
+def _case(name, comm, fmt="bshd", mask="causal", h=4, hkv=4, softmax="vanilla", b=2, s=16, skv=None, d=8,
+          lens=None, dtype="float32", module=False):
+    return dict(name=name, comm=comm, fmt=fmt, mask=mask, h=h, hkv=hkv, softmax=softmax, b=b, s=s,
+                skv=skv or s, d=d, lens=lens, dtype=dtype, module=module)
+
+
+def _cases(world: int) -> list[dict]:
+    h = 2 * world          # a2a needs heads divisible by the group size
+    cases = []
+    for comm in ("p2p", "all_gather", "a2a"):
+        for fmt in ("bshd", "sbhd"):
+            for mask in ("causal", "no_mask"):
+                for hkv in (h, h // 2 if comm != "a2a" or world == 2 else world):
+                    gqa = "gqa" if hkv != h else "mha"
+                    cases.append(_case(f"{comm}-{fmt}-{mask}-{gqa}", comm, fmt, mask, h, hkv))
+    gqa_kv = world  # divisible by world, and a GQA ratio of 2
+    for comm in ("p2p", "all_gather", "a2a"):
+        cases.append(_case(f"{comm}-bshd-causal-learnable-sink", comm, "bshd", "causal", h, gqa_kv, "learnable"))
+    cases.append(_case("p2p-sbhd-causal-off-by-one", "p2p", "sbhd", "causal", h, gqa_kv, "off-by-one"))
+    cases.append(_case("a2a-sbhd-no_mask-learnable-sink", "a2a", "sbhd", "no_mask", h, gqa_kv, "learnable"))
+    for comm in ("p2p", "all_gather"):  # cross attention: kv twice as long as q
+        cases.append(_case(f"{comm}-bshd-no_mask-cross", comm, "bshd", "no_mask", h, gqa_kv, skv=32))
+    lens = [4 * world, 8 * world, 2 * world * 3]  # every sequence a multiple of 2 * cp_size
+    for comm in ("p2p", "a2a"):
+        cases.append(_case(f"{comm}-thd-padding_causal", comm, "thd", "padding_causal", h, gqa_kv, lens=lens))
+        cases.append(_case(f"{comm}-thd-padding", comm, "thd", "padding", h, gqa_kv, lens=lens))
+    cases.append(_case("p2p-thd-padding_causal-learnable-sink", "p2p", "thd", "padding_causal", h, gqa_kv,
+                       "learnable", lens=lens))
+    cases.append(_case("p2p-bshd-causal-bf16", "p2p", "bshd", "causal", h, gqa_kv, dtype="bfloat16", s=32))
+    cases.append(_case("module-p2p-bshd-causal-learnable", "p2p", "bshd", "causal", h, gqa_kv, "learnable",
+                       module=True))
+    cases.append(_case("module-a2a-sbhd-no_mask", "a2a", "sbhd", "no_mask", h, gqa_kv, module=True))
+    cases.append(_case("module-p2p-thd-padding_causal", "p2p", "thd", "padding_causal", h, gqa_kv, lens=lens,
+                       module=True))
+    if world == 4:
+        for fmt, mask, softmax in (("bshd", "causal", "vanilla"), ("sbhd", "no_mask", "vanilla"),
+                                   ("bshd", "causal", "learnable"), ("thd", "padding_causal", "vanilla")):
+            cases.append(_case(f"a2a+p2p-{fmt}-{mask}-{softmax}", "a2a+p2p", fmt, mask, h, gqa_kv, softmax,
+                               lens=lens if fmt == "thd" else None))
+    return cases
+
+
+ERROR_CASES = ("group_of_one", "seq_mismatch", "a2a_heads", "one_rank_bad_window", "unsupported_mask",
+               "list_group_for_p2p", "module_one_rank_bad_arg")
+
+
+# ----------------------------------------------------------------------------------------------
+# Float64 reference (independent of the engine): softmax(q k^T * scale [+ causal mask]) v, with a sink
+# ----------------------------------------------------------------------------------------------
+def _ref_bhsd(q, k, v, causal, scale, sink):
+    """q [b, h, sq, d], k/v [b, hkv, skv, d] in float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        sq, skv = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, skv, dtype=torch.bool).triu(1), float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+        return torch.softmax(s, -1)[..., :-1] @ v
+    return torch.softmax(s, -1) @ v
+
+
+def _reference(q, k, v, fmt, causal, scale, sink, cu_q=None, cu_kv=None):
+    if fmt == "thd":
+        outs = []
+        for i in range(len(cu_q) - 1):
+            qi, ki, vi = (t[a:b].unsqueeze(0) for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_kv[i], cu_kv[i + 1]),
+                                                               (v, cu_kv[i], cu_kv[i + 1])))
+            outs.append(_reference(qi, ki, vi, "bshd", causal, scale, sink)[0])
+        return torch.cat(outs)
+    perm = (0, 2, 1, 3) if fmt == "bshd" else (1, 2, 0, 3)
+    out = _ref_bhsd(*(t.permute(*perm) for t in (q, k, v)), causal, scale, sink)
+    return out.permute(0, 2, 1, 3) if fmt == "bshd" else out.permute(2, 0, 1, 3)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker
+# ----------------------------------------------------------------------------------------------
+class Groups:
+    def __init__(self, world: int):
+        self.world = dist.new_group(list(range(world)))
+        self.singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+        self.a2a = self.p2p = None
+        if world == 4:  # a2a groups {0,1},{2,3}; p2p groups {0,2},{1,3}: layout rank = p2p_rank * 2 + a2a_rank
+            a2a = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            p2p = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            rank = dist.get_rank()
+            self.a2a, self.p2p = a2a[rank // 2], p2p[rank % 2]
+
+    def for_comm(self, comm):
+        return [self.a2a, self.p2p] if comm == "a2a+p2p" else self.world
+
+
+def _inputs(case, gen):
+    dt = getattr(torch, case["dtype"])
+    b, s, skv, h, hkv, d, fmt = (case[k] for k in ("b", "s", "skv", "h", "hkv", "d", "fmt"))
+    if fmt == "thd":
+        cu = torch.tensor([0, *torch.tensor(case["lens"]).cumsum(0).tolist()], dtype=torch.int32)
+        shapes = [(int(cu[-1]), h, d), (int(cu[-1]), hkv, d), (int(cu[-1]), hkv, d), (int(cu[-1]), h, d)]
+    else:
+        cu = None
+        lay = (lambda n, heads: (b, n, heads, d)) if fmt == "bshd" else (lambda n, heads: (n, b, heads, d))
+        shapes = [lay(s, h), lay(skv, hkv), lay(skv, hkv), lay(s, h)]
+    q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=torch.float64).to(dt) for shape in shapes)
+    sink = torch.randn(h, generator=gen, dtype=torch.float64).float() if case["softmax"] == "learnable" else None
+    return q, k, v, dout, sink, cu
+
+
+def _engine_mask(case):
+    return case["mask"]
+
+
+def _whole_sequence(case, engine, q, k, v, dout, sink, cu, scale):
+    """The single-process run of the whole sequence, through the engine's autograd wrapper."""
+    fmt = case["fmt"]
+    window = (-1, 0) if "causal" in case["mask"] else (-1, -1)
+    cfg = AttnConfig(qkv_format=fmt, attn_mask_type=case["mask"], window_size=window, softmax_scale=scale,
+                     softmax_type=case["softmax"])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.clone().requires_grad_() if sink is not None else None
+    if fmt == "thd":
+        longest = int((cu[1:] - cu[:-1]).max())
+        aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                      softmax_offset=sink_leaf)
+    else:
+        aux = AttnAux(max_seqlen_q=case["s"], max_seqlen_kv=case["skv"], softmax_offset=sink_leaf)
+    out, _, _ = engine(*leaves, aux, cfg)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves] + [sink_leaf.grad if sink_leaf is not None else None], cfg
+
+
+def _float64_reference(case, q, k, v, dout, sink, cu, scale):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.double().requires_grad_() if sink is not None else None
+    if case["softmax"] == "off-by-one":
+        sink_leaf = torch.zeros(case["h"], dtype=torch.float64)
+    cu_list = cu.tolist() if cu is not None else None
+    out = _reference(*leaves, case["fmt"], "causal" in case["mask"], scale, sink_leaf, cu_list, cu_list)
+    out.backward(dout.double())
+    grads = [t.grad for t in leaves]
+    grads.append(sink_leaf.grad if case["softmax"] == "learnable" else None)
+    return out.detach(), grads
+
+
+def _run_case(case, groups: Groups):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
+    engine = get_engine("unfused:pytorch")
+    q, k, v, dout, sink, cu = _inputs(case, gen)
+    fmt, comm = case["fmt"], case["comm"]
+    scale = 1.0 / math.sqrt(case["d"])
+    out_w, grads_w, cfg = _whole_sequence(case, engine, q, k, v, dout, sink, cu, scale)
+    out_r, grads_r = _float64_reference(case, q, k, v, dout, sink, cu, scale)
+    cp_group = groups.for_comm(comm)
+    size, rank = cp.cp_size_of(cp_group), cp.cp_rank_of(cp_group)
+
+    def local(x):
+        return cp.shard(x, fmt, size, rank, cu_seqlens=cu)
+    leaves = [local(t).requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.clone().requires_grad_() if sink is not None else None
+    if case["module"]:
+        out, sink_grad = _run_module(case, leaves, sink, cu, cp_group, dout, local)
+    else:
+        aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, softmax_offset=sink_leaf)
+        out = cp.attention(engine, *leaves, aux, cfg, cp_group=cp_group, cp_comm_type=comm)
+        out.backward(local(dout))
+        sink_grad = sink_leaf.grad if sink_leaf is not None else None
+    metrics = {}
+    for label, ref_out, ref_grads in (("engine", out_w, grads_w), ("float64", out_r, grads_r)):
+        metrics[f"out_vs_{label}"] = _rel(out, local(ref_out).reshape(out.shape))
+        for name, got, want in zip(("dq", "dk", "dv"), leaves, ref_grads):
+            metrics[f"{name}_vs_{label}"] = _rel(got.grad, local(want))
+        if case["softmax"] == "learnable":
+            total = sink_grad.clone()
+            dist.all_reduce(total, group=groups.world)  # per-rank sink gradients sum to the whole one
+            metrics[f"dsink_vs_{label}"] = _rel(total, ref_grads[3])
+    return metrics
+
+
+def _run_module(case, leaves, sink, cu, cp_group, dout, local):
+    """DotProductAttention with cp_group (through module_glue until module.forward routes there itself)."""
+    from attn_dispatch import DotProductAttention
+    from attn_dispatch.context_parallel import module_glue
+
+    fmt, h, hkv, d = case["fmt"], case["h"], case["hkv"], case["d"]
+    module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=case["mask"],
+                                 softmax_type=case["softmax"], cp_group=cp_group, cp_comm_type=case["comm"])
+    if sink is not None:
+        with torch.no_grad():
+            module.softmax_offset.copy_(sink)
+    kwargs = {}
+    if fmt == "thd":
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    try:
+        out = module(*leaves, **kwargs)
+    except NotImplementedError:
+        out = module_glue.forward(module, *leaves, **kwargs)
+    assert module.last_decision is not None and module.last_decision.chosen == "unfused:pytorch", \
+        module.last_decision
+    out.backward(local(dout).reshape(out.shape))
+    return out.unflatten(-1, (h, -1)), module.softmax_offset.grad if sink is not None else None
+
+
+def _expect_error(fn, *needles):
+    """Run fn; return {'raised': type, 'message': ...}; record whether every needle is in the message."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        msg = str(exc)
+        return {"raised": type(exc).__name__, "message": msg[:600], "needles_found": all(n in msg for n in needles)}
+    return {"raised": None, "message": "", "needles_found": False}
+
+
+def _error_cases(groups: Groups, world: int) -> dict:
+    rank = dist.get_rank()
+    engine = get_engine("unfused:pytorch")
+    causal = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=0.3)
+    h = 2 * world
+
+    def qkv(s, heads=h, hkv=h):
+        g = torch.Generator().manual_seed(rank)
+        return (torch.randn(2, s, heads, 8, generator=g), torch.randn(2, s, hkv, 8, generator=g),
+                torch.randn(2, s, hkv, 8, generator=g))
+    res = {}
+    res["group_of_one"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8), AttnAux(), causal, cp_group=groups.singles[rank]),
+        "size 1", "at least 2")
+    res["seq_mismatch"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8 if rank == 0 else 6), AttnAux(), causal, cp_group=groups.world),
+        "disagree", "sq=8", "sq=6")
+    odd = 2 * world - 1
+    res["a2a_heads"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8, odd, odd), AttnAux(), causal, cp_group=groups.world, cp_comm_type="a2a"),
+        f"num_heads={odd}", f"divisible by {world}")
+    windowed = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(2, 0), softmax_scale=0.3)
+    res["one_rank_bad_window"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8), AttnAux(), windowed if rank == 0 else causal, cp_group=groups.world),
+        "window_size=(2, 0)")
+    padding = AttnConfig(qkv_format="bshd", attn_mask_type="padding_causal", window_size=(-1, 0))
+    res["unsupported_mask"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8), AttnAux(), padding, cp_group=groups.world),
+        "attn_mask_type='padding_causal'", "not supported")
+    res["list_group_for_p2p"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8), AttnAux(), causal, cp_group=[groups.world, groups.world]),
+        "only cp_comm_type='a2a+p2p'")
+
+    def module_call():
+        from attn_dispatch import DotProductAttention
+        from attn_dispatch.context_parallel import module_glue
+        module = DotProductAttention(h, 8, qkv_format="bshd", attn_mask_type="causal", cp_group=groups.world)
+        module_glue.forward(module, *qkv(8), checkpoint_core_attention=(rank == 0))
+    res["module_one_rank_bad_arg"] = _expect_error(module_call, "checkpoint_core_attention")
+    return res
+
+
+def _worker(rank: int, world: int, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        groups = Groups(world)
+        results: dict = {}
+        for case in _cases(world):
+            start = time.perf_counter()
+            try:
+                results[case["name"]] = _run_case(case, groups)
+            except Exception:  # noqa: BLE001 - reported per case
+                results[case["name"]] = {"error": traceback.format_exc()[-3000:]}
+            results[case["name"]]["seconds"] = time.perf_counter() - start
+        for name, value in _error_cases(groups, world).items():
+            results["error:" + name] = value
+        # the group still works after the errors: one more case on the same group
+        results["after_errors"] = _run_case(_case("after_errors", "p2p", h=2 * world, hkv=world), groups)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, results)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(everyone, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RESULTS: dict[int, list] = {}
+
+
+def _results(world: int, tmp_path_factory) -> list[dict]:
+    """Spawn once per world size (a failed or hung spawn is not retried by the next test)."""
+    if world not in _RESULTS:
+        _RESULTS[world] = _spawn(world, str(tmp_path_factory.mktemp(f"cp{world}") / "results.json"))
+    if isinstance(_RESULTS[world], str):
+        pytest.fail(_RESULTS[world])
+    return _RESULTS[world]
+
+
+def _spawn(world: int, out_path: str):
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), out_path), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                return f"context-parallel workers (world={world}) did not finish in {SPAWN_DEADLINE_S} s"
+    except Exception as exc:  # noqa: BLE001 - a worker died: report it for every test of this world size
+        return f"a context-parallel worker (world={world}) failed: {exc}"
+    with open(out_path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+def _params(world):
+    return [pytest.param(world, c["name"], id=f"cp{world}-{c['name']}") for c in _cases(world)]
+
+
+@pytest.mark.parametrize("world,name", _params(2) + _params(4) +
+                         [pytest.param(w, "after_errors", id=f"cp{w}-after_errors") for w in (2, 4)])
+def test_matches_whole_sequence(world, name, tmp_path_factory):
+    per_rank = _results(world, tmp_path_factory)
+    case = next((c for c in _cases(world) if c["name"] == name), None)
+    tol = BF16_TOL if case and case["dtype"] == "bfloat16" else FP32_TOL
+    for rank, results in enumerate(per_rank):
+        metrics = results[name]
+        assert "error" not in metrics, f"rank {rank}:\n{metrics.get('error')}"
+        worst = {k: v for k, v in metrics.items() if k != "seconds" and v > tol}
+        assert not worst, f"rank {rank}: relative errors above {tol}: {worst}"
+        expected = {"out_vs_engine", "dq_vs_engine", "dk_vs_engine", "dv_vs_engine", "out_vs_float64"}
+        assert expected <= metrics.keys()
+        if case and case["softmax"] == "learnable":
+            assert {"dsink_vs_engine", "dsink_vs_float64"} <= metrics.keys()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ERROR_CASES)
+def test_bad_setups_raise_on_every_rank(world, name, tmp_path_factory):
+    per_rank = _results(world, tmp_path_factory)
+    for rank, results in enumerate(per_rank):
+        outcome = results["error:" + name]
+        assert outcome["raised"] in ("ValueError",), f"rank {rank}: {outcome}"
+        if name in ("one_rank_bad_window", "module_one_rank_bad_arg") and rank != 0:
+            # the other ranks learn of rank 0's problem through the collective check
+            assert "rank 0" in outcome["message"] and outcome["needles_found"], f"rank {rank}: {outcome}"
+        else:
+            assert outcome["needles_found"], f"rank {rank}: {outcome}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Single-process tests: sharding helpers and the support table
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(fmt, cp_size):
+    lens = [2 * cp_size * n for n in (1, 3, 2)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    x = {"bshd": torch.randn(2, total, 3, 4), "sbhd": torch.randn(total, 2, 3, 4), "thd": torch.randn(total, 3, 4)}[fmt]
+    shards = [cp.shard(x, fmt, cp_size, r, cu_seqlens=cu if fmt == "thd" else None) for r in range(cp_size)]
+    assert all(s.shape == shards[0].shape for s in shards)
+    back = cp.unshard(shards, fmt, cu_seqlens=cu if fmt == "thd" else None)
+    assert torch.equal(back, x)
+
+
+def test_load_balanced_layout_matches_transformer_engine():
+    """Rank r holds chunks r and 2*cp-1-r of 2*cp chunks."""
+    x = torch.arange(16).view(1, 16, 1, 1).float()
+    got = [cp.shard(x, "bshd", 4, r).flatten().tolist() for r in range(4)]
+    assert got == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    t = torch.arange(24).view(24, 1, 1).float()
+    assert cp.shard(t, "thd", 2, 0, cu_seqlens=cu).flatten().tolist() == [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
+    assert cp.local_cu_seqlens(cu, 2).tolist() == [0, 4, 12]
+
+
+def test_rank_order_round_trip():
+    x = torch.randn(2, 24, 3, 4)
+    shards = [cp.shard(x, "bshd", 3, r) for r in range(3)]
+    order = cp.RankOrder("bshd", 3, x.device)
+    rank_cat = torch.cat(shards, 1)
+    assert torch.equal(order.to_natural(rank_cat), x)
+    assert torch.equal(order.to_ranks(x), rank_cat)
+
+
+def test_shard_errors_name_the_problem():
+    with pytest.raises(ValueError, match="sequence length=10 is not divisible by 4"):
+        cp.shard(torch.randn(1, 10, 1, 1), "bshd", 2, 0)
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        cp.shard(torch.randn(8, 1, 1), "thd", 2, 0)
+    with pytest.raises(ValueError, match="cp_rank=2 must be in"):
+        cp.shard(torch.randn(1, 8, 1, 1), "bshd", 2, 2)
+
+
+def test_support_table_and_params_failures():
+    from attn_dispatch import AttentionParams
+
+    ok = AttentionParams(dtype="bf16", num_heads=8, num_gqa_groups=2, max_seqlen_q=4096, attn_mask_type="causal",
+                         cp_size=4, cp_comm_type="p2p", softmax_type="learnable")
+    assert cp.params_failures(ok) == []
+    a2a = ok.replace(cp_comm_type="a2a", num_heads=6, num_gqa_groups=6)
+    (code, message, fix), = cp.params_failures(a2a)
+    assert code == "cp_heads" and "num_heads=6" in message and fix
+    thd_ag = ok.replace(qkv_format="thd", attn_mask_type="padding_causal", cp_comm_type="all_gather")
+    assert any("qkv_format='thd'" in m for _, m, _ in cp.params_failures(thd_ag))
+    windowed = ok.replace(window_size=(128, 0))
+    assert any("sliding windows" in m for _, m, _ in cp.params_failures(windowed))
+    biased = ok.replace(bias_type="post_scale_bias", bias_shape="1hss", dropout=0.1)
+    messages = " ".join(m for _, m, _ in cp.params_failures(biased))
+    assert "post_scale_bias" in messages and "attention_dropout=0.1" in messages
+    blocks = cp.engine_block_params(ok)
+    assert [(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type) for b in blocks] == \
+        [(4096, 4096, "causal"), (4096, 2048, "no_mask"), (2048, 4096, "no_mask")]
+    assert all(b.cp_size == 1 and b.softmax_type == "vanilla" for b in blocks)
+    gathered = cp.engine_block_params(ok.replace(cp_comm_type="all_gather"))
+    assert {b.attn_mask_type for b in gathered} == {"causal_bottom_right"}
+    assert max(b.max_seqlen_kv for b in gathered) == 4 * 4096
+
+
+def test_collective_checks_env_is_validated(monkeypatch):
+    from attn_dispatch.context_parallel._comm import checks_enabled
+
+    monkeypatch.setenv("ATTN_DISPATCH_CP_CHECKS", "yes")
+    with pytest.raises(ValueError, match="ATTN_DISPATCH_CP_CHECKS='yes'"):
+        checks_enabled()
