@@ -31,6 +31,16 @@ from attn_dispatch.policy.timing import attended_pairs, attention_flops, build_i
 FAST = TimerSettings(warmup=1, reps=3, max_reps=5, target_ms=0.0)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Timing tests compare engines: on a busy CI machine, intra-op threads waiting on each other turn a 0.5 ms
+    call into tens of ms. One thread keeps the timings steady."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def cpu_params(**kw) -> AttentionParams:
     base = dict(dtype="float32", batch_size=2, num_heads=2, head_dim_qk=16, max_seqlen_q=32, device_type="cpu")
     return AttentionParams(**{**base, **kw})
