@@ -146,7 +146,8 @@ def summary_lines(result: dict) -> list[str]:
         if s.get("rated"):
             lines.append(f"{policy} policy: worst time(pick)/time(fastest) = {s['worst_ratio']:.3f} "
                          f"({s['worst_shape']}); mean {s['mean_ratio']:.3f}; {s['over_target']} of {s['rated']} "
-                         f"rows over {s['target']}")
+                         f"rows over {s['target']}" + (f"; {s['unrated']} rows unrated (pick not timed)"
+                                                       if s.get("unrated") else ""))
     for name, hot in result.get("hot_path", {}).items():
         if isinstance(hot, dict) and "module_over_engine_us" in hot:
             added = hot["module_over_engine_us"]
