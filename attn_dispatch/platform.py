@@ -16,7 +16,9 @@ from packaging.version import InvalidVersion, Version
 
 # Engine packages we know how to use: spec key -> (distribution name, import name).
 ENGINE_PACKAGES: dict[str, tuple[str, str]] = {
-    "flash-attn": ("flash-attn", "flash_attn"),
+    # flash-attn 2.x is probed by its compiled extension: with only flash-attn-4 installed,
+    # `flash_attn` is a namespace package holding nothing but `flash_attn.cute`.
+    "flash-attn": ("flash-attn", "flash_attn_2_cuda"),
     "flash-attn-3": ("flash-attn-3", "flash_attn_interface"),
     "flash-attn-4": ("flash-attn-4", "flash_attn.cute"),
     "cudnn-frontend": ("nvidia-cudnn-frontend", "cudnn"),
@@ -55,6 +57,10 @@ class Platform:
         object.__setattr__(self, "_hash", hash((self.device_type, self.compute_capability, self.device_name,
                                                 self.cuda_version, self.cudnn_version, self.torch_version,
                                                 self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa)))
+        # Answers the tables ask for on every fresh decision, computed once.
+        cc = self.compute_capability
+        object.__setattr__(self, "_sm", cc[0] * 10 + cc[1] if cc else 0)
+        object.__setattr__(self, "_packages", {p.name: p for p in self.packages})
 
     def __hash__(self) -> int:
         return self._hash
@@ -63,15 +69,11 @@ class Platform:
     @property
     def sm(self) -> int:
         """Compute capability as one number (sm90 -> 90); 0 off the GPU."""
-        if self.compute_capability is None:
-            return 0
-        return self.compute_capability[0] * 10 + self.compute_capability[1]
+        return self._sm  # type: ignore[attr-defined]
 
     def package(self, key: str) -> PackageStatus:
-        for status in self.packages:
-            if status.name == key:
-                return status
-        return PackageStatus(key, None, "not installed")
+        status = self._packages.get(key)  # type: ignore[attr-defined]
+        return status if status is not None else PackageStatus(key, None, "not installed")
 
     def package_version(self, key: str) -> Version | None:
         return parse_version(self.package(key).version)
@@ -130,6 +132,7 @@ class Platform:
         return PROFILES[name]
 
 
+@functools.lru_cache(maxsize=512)
 def parse_version(text: str | None) -> Version | None:
     if text is None:
         return None

@@ -51,6 +51,9 @@ def package(table: Table, key: str, *, minimum: str | None, tested_max: str | No
     if tested_max:
         bounds += f", tested up to {tested_max}"
 
+    minimum_version = Version(minimum) if minimum else None
+    tested_release = Version(tested_max).release if tested_max else None
+
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         status = plat.package(key)
         if not status.installed:
@@ -59,10 +62,10 @@ def package(table: Table, key: str, *, minimum: str | None, tested_max: str | No
         version = plat.package_version(key)
         if version is None:
             return None  # 'unknown' version: the import check decides
-        if minimum and version < Version(minimum):
+        if minimum_version is not None and version < minimum_version:
             return fail(f"{distribution} {status.version} is installed; {table.id} needs >= {minimum}",
                         f"pip install -U '{distribution}>={minimum}'")
-        if tested_max and version.release > Version(tested_max).release and not env.allow_untested_versions:
+        if tested_release and version.release > tested_release and not env.allow_untested_versions:
             return fail(f"{distribution} {status.version} is newer than the newest release tested here "
                         f"({tested_max}); it is not used unless allowed",
                         "set ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS=1 to use it anyway, "
@@ -74,10 +77,12 @@ def package(table: Table, key: str, *, minimum: str | None, tested_max: str | No
 def loads(table: Table) -> Check:
     """The engine's package imported without error in this process (checked once it was first tried)."""
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+        if plat.name != "live":
+            return None
         from ..backends import LOAD_FAILURES
 
         error = LOAD_FAILURES.get(table.id)
-        if error and plat.name == "live":
+        if error:
             return fail(f"{table.id} failed to load in this process: {error}",
                         "reinstall the package; `attn-dispatch platform` shows what was found")
         return None
