@@ -136,6 +136,9 @@ def test_timing_runs_the_engine_warmup_plus_reps_and_leaves_the_random_state_alo
     inference = CountingEngine()
     time_engine(inference, cpu_params(is_training=False), None, TimerSettings(warmup=1, reps=2, max_reps=2))
     assert (inference.forwards, inference.backwards) == (3, 0)
+    cut = CountingEngine(delay_s=0.01)
+    timing = time_engine(cut, cpu_params(is_training=False), None, TimerSettings(warmup=3, reps=5), cutoff_ms=5.0)
+    assert timing.cut_short and timing.reps == 1 and timing.median_ms >= 10.0 and cut.forwards == 2
     with pytest.raises(ValueError, match="max_reps=2 must be >= reps=3"):
         TimerSettings(reps=3, max_reps=2)
 

@@ -23,6 +23,7 @@ from .timing import MODES, TimerSettings, attention_flops, check_mode, time_engi
 POLICIES = ("order", "measured")
 RATIO_TARGET = 1.03
 EVAL_SETTINGS = TimerSettings(warmup=3, reps=10, max_reps=100, target_ms=60.0)
+CUTOFF_RATIO = 3.0  # an engine 3x slower than the best so far is timed once: it cannot be the fastest
 _SHORT_FAMILY = {"flash_attn_4": "fa4", "flash_attn_3": "fa3", "flash_attn_2": "fa2", "cudnn_fused": "cudnn",
                  "unfused": "unfused"}
 
@@ -89,15 +90,18 @@ def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config
             row["picks"]["measured"], row["measured"] = _measured_pick(params, platform, env, measured)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the evaluation still runs
             row["picks"]["measured"], row["measured"] = None, {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    best = None
     for pid in row["eligible"]:
         if not config.wants(pid):
             continue
         try:
-            timing = time_engine(get_engine(pid), params, mode, config.settings)
+            timing = time_engine(get_engine(pid), params, mode, config.settings,
+                                 cutoff_ms=None if best is None else CUTOFF_RATIO * best)
         except Exception as exc:  # noqa: BLE001 - one engine failing is a result, not the end of the run
             row["engines"][pid] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             continue
         row["engines"][pid] = {**timing.to_dict(), "tflops": row["flops"] / timing.median_ms / 1e9}
+        best = timing.median_ms if best is None else min(best, timing.median_ms)
     _rate(row)
     return row
 

@@ -25,7 +25,8 @@ BACKWARD_FLOP_FACTOR = 2.5  # backward ~ 2.5x forward flops (FlashAttention's ac
 
 @dataclass(frozen=True)
 class TimerSettings:
-    """warmup calls (untimed), then at least `reps` timed ones, more (up to max_reps) until target_ms is covered."""
+    """warmup calls (untimed; at least one), then at least `reps` timed ones, more (up to max_reps) until
+    target_ms is covered."""
 
     warmup: int = 3
     reps: int = 10
@@ -52,9 +53,13 @@ class Timing:
     min_ms: float
     reps: int
     samples_ms: list[float] = field(default_factory=list, repr=False)
+    cut_short: bool = False  # stopped after one call: far slower than the cutoff
 
     def to_dict(self) -> dict[str, Any]:
-        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "reps": self.reps}
+        result = {"median_ms": self.median_ms, "min_ms": self.min_ms, "reps": self.reps}
+        if self.cut_short:
+            result["cut_short"] = True
+        return result
 
 
 def mode_of(params: AttentionParams) -> str:
@@ -189,13 +194,26 @@ def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[]
 
 # --- timing --------------------------------------------------------------------------------------------
 
-def time_fn(fn: Callable[[], None], device_type: str, settings: TimerSettings = TimerSettings()) -> Timing:
+def time_fn(fn: Callable[[], None], device_type: str, settings: TimerSettings = TimerSettings(), *,
+            cutoff_ms: float | None = None) -> Timing:
+    """Call fn once untimed (it may JIT-compile), time one call as an estimate, finish the warm-up, then time
+    enough calls (settings) and return the median. With warmup <= 1 the estimate is the first sample.
+    cutoff_ms: an engine whose estimate exceeds it is reported from that one call (cut_short), which keeps a
+    benchmark from spending minutes on an engine that is far behind."""
     import torch
 
+    timer = _CudaTimer() if device_type == "cuda" else _CpuTimer()
     with torch.no_grad():
-        if device_type == "cuda":
-            return _time_cuda(fn, settings)
-        return _time_cpu(fn, settings)
+        fn()
+        estimate = timer.time([fn])[0]
+        if cutoff_ms is not None and estimate > cutoff_ms:
+            return Timing(estimate, estimate, 1, [estimate], cut_short=True)
+        for _ in range(settings.warmup - 2):  # the estimate call was the second warm-up call
+            fn()
+        samples = [estimate] if settings.warmup <= 1 else []
+        reps = _reps_for(estimate, settings)
+        samples += timer.time([fn] * (reps - len(samples)))
+    return Timing(statistics.median(samples), min(samples), len(samples), samples)
 
 
 def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
@@ -204,47 +222,36 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
     return max(settings.reps, min(settings.max_reps, math.ceil(settings.target_ms / estimate_ms)))
 
 
-def _time_cpu(fn: Callable[[], None], settings: TimerSettings) -> Timing:
-    for _ in range(settings.warmup):
-        fn()
-    samples: list[float] = []
-    reps = settings.reps
-    while len(samples) < reps:
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-        if len(samples) == 1:
-            reps = _reps_for(samples[0], settings)
-    return _summary(samples)
+class _CpuTimer:
+    @staticmethod
+    def time(fns: list[Callable[[], None]]) -> list[float]:
+        samples = []
+        for fn in fns:
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return samples
 
 
-def _time_cuda(fn: Callable[[], None], settings: TimerSettings) -> Timing:
-    import torch
+class _CudaTimer:
+    """A CUDA event pair around each call, launched back to back; one synchronisation at the end."""
 
-    for _ in range(max(1, settings.warmup)):  # the first call may JIT-compile: never timed
-        fn()
-    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    probe_start.record()
-    fn()
-    probe_end.record()
-    torch.cuda.synchronize()
-    reps = _reps_for(probe_start.elapsed_time(probe_end), settings)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])
+    @staticmethod
+    def time(fns: list[Callable[[], None]]) -> list[float]:
+        import torch
 
-
-def _summary(samples: list[float]) -> Timing:
-    return Timing(statistics.median(samples), min(samples), len(samples), samples)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+        for fn, (start, end) in zip(fns, events):
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
 
 
 def time_engine(engine: "Engine", params: AttentionParams, mode: str | None = None,
-                settings: TimerSettings = TimerSettings(), *, seed: int = 0) -> Timing:
+                settings: TimerSettings = TimerSettings(), *, seed: int = 0,
+                cutoff_ms: float | None = None) -> Timing:
     """Median time of one call of `engine` at params' shape, in `mode` (default: what the params' call costs).
     The caller's random state is left as it was (dropout draws from the default generator)."""
     import torch
@@ -253,4 +260,4 @@ def time_engine(engine: "Engine", params: AttentionParams, mode: str | None = No
     call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd")
     devices = [call.q.device.index] if call.q.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return time_fn(engine_step(engine, call, mode), params.device_type, settings)
+        return time_fn(engine_step(engine, call, mode), params.device_type, settings, cutoff_ms=cutoff_ms)
