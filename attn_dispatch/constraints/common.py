@@ -29,7 +29,7 @@ def env_enabled(table: Table) -> Check:
 
 def on_cuda(table: Table, *, min_sm: int, max_sm: int | None = None, source: str, why: str = "") -> Check:
     """A CUDA call on a GPU with min_sm <= compute capability <= max_sm."""
-    span = f"sm{min_sm}" + (f"..sm{max_sm}" if max_sm is not None else "+")
+    span = f"sm{min_sm}" if max_sm == min_sm else f"sm{min_sm}" + (f"..sm{max_sm}" if max_sm is not None else "+")
 
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         if p.device_type != "cuda" or plat.device_type != "cuda":
