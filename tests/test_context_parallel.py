@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import socket
 import time
 import traceback
@@ -144,10 +143,6 @@ def _inputs(case, gen):
     q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=torch.float64).to(dt) for shape in shapes)
     sink = torch.randn(h, generator=gen, dtype=torch.float64).float() if case["softmax"] == "learnable" else None
     return q, k, v, dout, sink, cu
-
-
-def _engine_mask(case):
-    return case["mask"]
 
 
 def _whole_sequence(case, engine, q, k, v, dout, sink, cu, scale):
@@ -459,8 +454,9 @@ def test_support_table_and_params_failures():
         [(4096, 4096, "causal"), (4096, 2048, "no_mask"), (2048, 4096, "no_mask")]
     assert all(b.cp_size == 1 and b.softmax_type == "vanilla" for b in blocks)
     gathered = cp.engine_block_params(ok.replace(cp_comm_type="all_gather"))
-    assert {b.attn_mask_type for b in gathered} == {"causal_bottom_right"}
-    assert max(b.max_seqlen_kv for b in gathered) == 4 * 4096
+    assert [(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type) for b in gathered[:2]] == \
+        [(2048, 2048, "causal"), (2048, 2048, "no_mask")]
+    assert max(b.max_seqlen_kv for b in gathered) == 7 * 2048
 
 
 def test_collective_checks_env_is_validated(monkeypatch):

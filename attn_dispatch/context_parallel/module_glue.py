@@ -11,10 +11,13 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .. import inputs
+from .. import inputs, selection
+from ..backends import get_engine
 from .api import attention, fail_collectively
 from .sharding import cp_size_of, local_cu_seqlens
+from .support import cp_engine
 
 
 def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask=None, qkv_format=None,
@@ -69,13 +72,27 @@ def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqle
     if plan is None:
         if len(plans) >= 64:
             plans.clear()
-        plan = plans[params] = inputs.make_plan(module._spec, params)
+        plan = plans[params] = _plan(module._spec, params, module.cp_group)
     aux = inputs.make_aux(seq, mask_type, attention_mask, core_attention_bias, alibi_slopes, module.softmax_offset)
     if thd:  # attention() takes the whole-sequence cu_seqlens
         aux = dataclasses.replace(aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                                   cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
                                   max_seqlen_q=seq.max_q * cp_size, max_seqlen_kv=seq.max_kv * cp_size)
     return plan, aux
+
+
+def _plan(spec, params, cp_group) -> inputs.Plan:
+    """Like inputs.make_plan, but the engine is picked by support.cp_engine: it must serve every per-block
+    call of this comm type (Transformer Engine's own CP rules do not apply to this implementation)."""
+    a2a_size = dist.get_world_size(cp_group[0]) if isinstance(cp_group, (list, tuple)) else 2
+    provider, rejected = cp_engine(params, force=spec.backend, a2a_size=a2a_size)
+    if provider is None:
+        reasons = "; ".join(f"{who}: {' | '.join(why)}" for who, why in rejected.items())
+        raise ValueError(f"no engine can run this call under context parallelism ({params.describe()}): {reasons}")
+    decision = selection.explain(params, force=spec.backend)
+    note = f"context parallelism: {provider} serves every per-block call of cp_comm_type={params.cp_comm_type!r}"
+    decision = decision.model_copy(update={"chosen": provider, "order_reason": f"{decision.order_reason}; {note}"})
+    return inputs.Plan(params, decision, get_engine(provider), inputs.build_config(spec, params))
 
 
 def _local_cu(name: str, cu, cp_size: int):

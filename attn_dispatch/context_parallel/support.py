@@ -44,8 +44,9 @@ SUPPORT: dict[str, CommTypeSupport] = {
         notes="ring of batched isend/irecv; causal needs the load-balanced layout; sink merged once at the end"),
     "all_gather": CommTypeSupport(
         "all_gather", ("bshd", "sbhd"), {"bshd": _BSHD_MASKS, "sbhd": _BSHD_MASKS},
-        engine_block_masks=("no_mask", "causal_bottom_right"),
-        notes="thd is not supported (nor in Transformer Engine); causal blocks are bottom-right with sq < skv"),
+        engine_block_masks=("no_mask", "causal"),
+        notes="thd is not supported (nor in Transformer Engine); causal: square causal diagonal chunks plus "
+              "unmasked key prefixes, merged with the lse"),
     "a2a": CommTypeSupport(
         "a2a", ("bshd", "sbhd", "thd"), {"bshd": _BSHD_MASKS, "sbhd": _BSHD_MASKS, "thd": _THD_MASKS},
         cross_attention="no (local q and kv lengths must be equal)", heads_divisible_by_group=True,
@@ -122,12 +123,11 @@ def params_failures(p) -> list[tuple[str, str, str | None]]:
     return failures
 
 
-def engine_block_params(p) -> list:
+def engine_block_params(p, a2a_size: int = 2) -> list:
     """The plain (cp_size=1) calls the engine will receive for this CP call, as AttentionParams.
 
     Convention: under CP, p.max_seqlen_q / max_seqlen_kv are the LOCAL lengths (tokens on this rank) and p is
-    for one rank of p.cp_size. For a2a+p2p the a2a group size is not in AttentionParams; 2 is assumed
-    (pass a params with cp_size = a2a size * p2p size)."""
+    for one rank of p.cp_size. For a2a+p2p the a2a group size is not in AttentionParams: pass a2a_size."""
     plain = dict(cp_size=1, cp_comm_type="p2p", softmax_type="vanilla", return_max_logit=False,
                  dropout=0.0, bias_type="no_bias", bias_shape=None, alibi_slopes_shape=None)
     sq, skv, size, thd = p.max_seqlen_q, p.max_seqlen_kv, p.cp_size, p.qkv_format == "thd"
@@ -150,10 +150,47 @@ def engine_block_params(p) -> list:
         if not p.is_causal:
             return [blk(sq, skv * size, "no_mask")]
         half = sq // 2
-        return [blk(half, (c + 1) * half, "causal_bottom_right") for c in range(2 * size)]
+        return [blk(half, half, "causal")] + [blk(half, c * half, "no_mask") for c in range(1, 2 * size)]
     if p.cp_comm_type == "a2a":
         return [blk(sq * size, skv * size, diag_mask if p.is_causal else full_mask,
                     num_heads=max(p.num_heads // size, 1), num_gqa_groups=max(p.num_gqa_groups // size, 1))]
-    a2a = 2
+    a2a = a2a_size
     return ring(sq * a2a, skv * a2a, num_heads=max(p.num_heads // a2a, 1),
                 num_gqa_groups=max(p.num_gqa_groups // a2a, 1))
+
+
+def cp_engine(params, platform=None, env=None, *, force: str | None = None,
+              a2a_size: int = 2) -> tuple[str | None, dict[str, list[str]]]:
+    """The provider to run a context-parallel call with, and why the others were passed over.
+
+    A provider qualifies when (1) this implementation supports the call (params_failures), (2) its table
+    declares the comm type (its '<family>.cp_comm_type' check passes on `params`), and (3) it is eligible for
+    every per-block call (engine_block_params: cp_size=1, softmax 'vanilla'). Other rules a table applies to
+    cp_size > 1 describe Transformer Engine's CP code (e.g. sinks only with a2a), not this one, so they are
+    not consulted. Providers are tried in selection's preference order."""
+    from ..selection import explain
+
+    ours = params_failures(params)
+    if ours:
+        return None, {"context_parallel": [m for _, m, _ in ours]}
+    decision = explain(params, platform, env, force=force)
+    rejected: dict[str, list[str]] = {}
+    for verdict in decision.verdicts:  # sorted by preference
+        if force and not (verdict.id == force or verdict.backend == force):
+            continue
+        no_comm = [r.message for r in verdict.reasons if r.code.endswith(".cp_comm_type")]
+        if no_comm:
+            rejected[verdict.id] = no_comm
+            continue
+        problems = []
+        for block in engine_block_params(params, a2a_size):
+            sub = explain(block, platform, env, force=verdict.id)
+            if sub.chosen != verdict.id:
+                why = [r.message for v in sub.verdicts if v.id == verdict.id for r in v.reasons
+                       if r.code != "selection.not_forced"]
+                problems.append(f"per-block call (sq={block.max_seqlen_q}, skv={block.max_seqlen_kv}, "
+                                f"{block.attn_mask_type}): " + "; ".join(why))
+        if not problems:
+            return verdict.id, rejected
+        rejected[verdict.id] = problems
+    return None, rejected
