@@ -123,6 +123,18 @@ class DotProductAttention(torch.nn.Module):
         _reject_unbuilt(inference_params, fp8_output)
         if self.cp_group is not None:
             return self._forward_context_parallel()
+        return self._dispatch(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q,
+                              cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
+                              attn_mask_type, window_size, checkpoint_core_attention, core_attention_bias_type,
+                              core_attention_bias, alibi_slopes, pad_between_seqs)
+
+    # torch.compile keeps the dispatcher out of its graph: selection, caches and engines run eagerly, so a compiled
+    # model neither traces the decision nor recompiles per call (the engines are opaque kernels anyway).
+    @torch.compiler.disable
+    def _dispatch(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                  cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                  checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes,
+                  pad_between_seqs):
         plan, aux = self._prepare(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q,
                                   cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
                                   max_seqlen_kv, attn_mask_type, window_size, core_attention_bias_type,

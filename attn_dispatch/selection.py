@@ -105,8 +105,13 @@ def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: s
     order = _apply_order_rules(order, verdicts, platform)
     policy = policy or env.policy
     chosen = None
-    if policy == "measured" and measured_policy_hook is not None:
-        chosen = measured_policy_hook(params, platform, [v for v in verdicts if v.eligible])
+    if policy == "measured" and not forced:
+        hook = measured_policy_hook
+        if hook is None:
+            from .policy import install  # attaches the measured policy on first use (it loads torch)
+
+            hook = install()
+        chosen = hook(params, platform, [v for v in verdicts if v.eligible])
     if chosen is None:
         chosen = next((v.id for family in order for v in verdicts if v.backend == family and v.eligible), None)
     rank = {family: i for i, family in enumerate(order)}
