@@ -465,3 +465,22 @@ def test_collective_checks_env_is_validated(monkeypatch):
     monkeypatch.setenv("ATTN_DISPATCH_CP_CHECKS", "yes")
     with pytest.raises(ValueError, match="ATTN_DISPATCH_CP_CHECKS='yes'"):
         checks_enabled()
+
+
+def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
+    """benchmarks/bench_cp.py runs its whole pipeline (spawn, checks, timings, JSON, table) over gloo."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cp.py"
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", str(out), "--world-size", "2",
+                           "--seqlens", "256", "--comm", "p2p,a2a", "--iters", "2", "--warmup", "1",
+                           "--check-seqlen", "128"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["checks_ok"] is True
+    assert {(p["world_size"], p["comm"]) for p in report["summary"]} == {(1, "none"), (2, "p2p"), (2, "a2a")}
+    assert all(p["efficiency"] is not None for p in report["summary"])
+    assert "| GPUs | S | comm |" in proc.stdout

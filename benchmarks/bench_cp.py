@@ -1,0 +1,470 @@
+"""Context parallelism on one multi-GPU host: correctness against one GPU, then throughput and scaling efficiency.
+
+No torchrun: the script spawns one process per GPU (torch.multiprocessing, NCCL) for each world size asked for,
+world size 1 being the single-GPU baseline (the engine on the whole sequence, no CP).
+  1. Checks (world size > 1): for each comm type, bf16 causal / no_mask / learnable sink at --check-seqlen, each
+     rank's output and dq/dk/dv against (a) the same engine on the whole sequence on one GPU and (b) the unfused
+     engine in float32 on the whole sequence; plus float32 CP with the unfused engine against (b), where NCCL
+     must be exact (rel. error <= 1e-5).
+  2. Throughput: bf16, D=128, causal, total sequence S in --seqlens, forward and forward+backward (median of
+     CUDA-event timings, slowest rank), tokens/s = batch * S / time, and scaling efficiency
+     = tokens/s(P GPUs) / (P * tokens/s(1 GPU, same engine)).
+The engine is chosen on the live GPU by attn_dispatch (support.cp_engine: the first provider in selection's
+order that serves every per-block call), or forced with --engine. NVLink multicast stays off (device README):
+NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set before torch is imported.
+JSON goes to --out; the table is printed last. --device cpu runs the same code over gloo with tiny shapes.
+
+  python3 benchmarks/bench_cp.py --out $OUT/cp.json                       # world sizes 1, 2, 4, ... (all GPUs)
+  python3 benchmarks/bench_cp.py --out $OUT/cp.json --world-size 1,2 --seqlens 32768
+"""
+from __future__ import annotations
+
+import os
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_name] = _value  # before any NCCL initialisation (and before torch is imported)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from attn_dispatch import AttentionParams, context_parallel as cp, select  # noqa: E402
+from attn_dispatch.backends import AttnAux, AttnConfig, get_engine  # noqa: E402
+from attn_dispatch.context_parallel.support import cp_engine  # noqa: E402
+
+TARGET = {"comm": "p2p", "world_size": 4, "seqlen": 131072, "efficiency": 0.85}
+BF16_TOL, FP32_TOL = 2e-2, 1e-5
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--world-size", default=None,
+                    help="comma list of world sizes (1 = single-GPU baseline); default 1,2,4,... up to all GPUs")
+    ap.add_argument("--seqlens", default="32768,131072", help="total sequence lengths (comma list)")
+    ap.add_argument("--comm", default="p2p,all_gather,a2a,a2a+p2p",
+                    help="comm types (a2a+p2p runs where the world size is >= 4 and even)")
+    ap.add_argument("--engine", default=None, help="force a provider, e.g. cudnn_fused:torch or flash_attn_2:torch")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="num_gqa_groups (default: --heads)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--check-seqlen", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=20.0, help="cap on timed seconds per point")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--timeout-s", type=int, default=120, help="collective timeout (a failed rank cannot hang us)")
+    args = ap.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    args.seqlens = [int(s) for s in args.seqlens.split(",")]
+    args.comm = [c for c in args.comm.split(",") if c]
+    for c in args.comm:
+        if c not in cp.COMM_TYPES:
+            ap.error(f"--comm {c!r}: expected some of {', '.join(cp.COMM_TYPES)}")
+    available = torch.cuda.device_count() if args.device == "cuda" else 4
+    if args.device == "cuda" and available == 0:
+        ap.error("--device cuda but no GPU is visible (use --device cpu for a dry run)")
+    if args.world_size is None:
+        sizes, n = [1], 2
+        while n <= available:
+            sizes.append(n)
+            n *= 2
+        if available not in sizes:
+            sizes.append(available)
+    else:
+        sizes = sorted({int(s) for s in args.world_size.split(",")})
+    for w in sizes:
+        if not 1 <= w <= available:
+            ap.error(f"--world-size {w}: this machine has {available} {'GPUs' if args.device == 'cuda' else 'slots'}")
+    args.world_sizes = sizes
+    if args.device == "cpu":  # a dry run of the same code: gloo, float32-friendly tiny shapes
+        args.seqlens = [s for s in args.seqlens if s <= 4096] or [512]
+        args.check_seqlen = min(args.check_seqlen, 256)
+        args.heads, args.kv_heads, args.head_dim = 4, min(args.kv_heads, 4), 32
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def dtype_for(args) -> torch.dtype:
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
+
+
+def make_params(args, seqlen_local: int, mask: str, cp_size: int, comm: str, softmax: str = "vanilla",
+                dtype=None) -> AttentionParams:
+    return AttentionParams(
+        dtype=dtype or dtype_for(args), qkv_format="bshd", batch_size=args.batch, num_heads=args.heads,
+        num_gqa_groups=args.kv_heads, head_dim_qk=args.head_dim, max_seqlen_q=seqlen_local,
+        attn_mask_type=mask, softmax_type=softmax, cp_size=cp_size, cp_comm_type=comm, device_type=args.device)
+
+
+def choose_engine(args, params: AttentionParams, a2a_size: int = 2) -> tuple[str | None, dict]:
+    if params.cp_size == 1:
+        if args.engine:
+            return args.engine, {}
+        return select(params).chosen, {}
+    return cp_engine(params, force=args.engine, a2a_size=a2a_size)
+
+
+def config(mask: str, softmax: str, d: int) -> AttnConfig:
+    return AttnConfig(qkv_format="bshd", attn_mask_type=mask, window_size=(-1, 0) if mask == "causal" else (-1, -1),
+                      softmax_scale=1.0 / math.sqrt(d), softmax_type=softmax)
+
+
+_GROUPS: dict = {}
+
+
+def groups_for(comm: str, world: int, rank: int):
+    """cp_group for the comm type; a2a+p2p: a2a groups of 2 consecutive ranks, p2p groups across them
+    (created once: new_group is collective, every rank creates every group in the same order)."""
+    if comm != "a2a+p2p":
+        return dist.group.WORLD
+    if "a2a+p2p" not in _GROUPS:
+        a2a = [dist.new_group([2 * g, 2 * g + 1]) for g in range(world // 2)]
+        p2p = [dist.new_group(list(range(a, world, 2))) for a in range(2)]
+        _GROUPS["a2a+p2p"] = [a2a[rank // 2], p2p[rank % 2]]
+    return _GROUPS["a2a+p2p"]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, args, device: str, grads=()) -> float:
+    """Median over iterations of the slowest rank's milliseconds per call (fn runs on every rank)."""
+    for _ in range(args.warmup):
+        fn()
+        for t in grads:
+            t.grad = None
+    sync(device)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    one = time.perf_counter() - start
+    iters = max(2, min(args.iters, int(args.budget_s / max(one, 1e-6))))
+    if dist.is_initialized():  # every rank must run the same number of iterations
+        n = torch.tensor([iters], device=device if device == "cuda" else "cpu")
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)
+        iters = int(n.item())
+    times = []
+    for _ in range(iters):
+        for t in grads:
+            t.grad = None
+        if dist.is_initialized():
+            dist.barrier()
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    ms = sorted(times)[len(times) // 2]
+    if dist.is_initialized():
+        t = torch.tensor([ms], device=device if device == "cuda" else "cpu", dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms = float(t.item())
+    return ms
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+def whole_sequence(engine, q, k, v, dout, cfg: AttnConfig, sink):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.detach().clone().requires_grad_() if sink is not None else None
+    aux = AttnAux(max_seqlen_q=q.shape[1], max_seqlen_kv=k.shape[1], softmax_offset=sink_leaf)
+    out, _, _ = engine(*leaves, aux, cfg)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves], sink_leaf.grad if sink_leaf is not None else None
+
+
+def check_point(args, comm: str, mask: str, softmax: str, dtype: torch.dtype, provider: str, world: int,
+                rank: int, device: str) -> dict:
+    s, b, h, hkv, d = args.check_seqlen, args.batch, args.heads, args.kv_heads, args.head_dim
+    gen = torch.Generator().manual_seed(1234)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen) for n in (h, hkv, hkv, h))
+    sink = torch.randn(h, generator=gen) if softmax == "learnable" else None
+    q, k, v, dout = (t.to(device=device, dtype=dtype) for t in (q, k, v, dout))
+    sink = sink.to(device) if sink is not None else None
+    cfg = config(mask, softmax, d)
+    group = groups_for(comm, world, rank)
+    size, cp_rank = cp.cp_size_of(group), cp.cp_rank_of(group)
+    engine = get_engine(provider)
+    leaves = [cp.shard(t, "bshd", size, cp_rank).requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.clone().requires_grad_() if sink is not None else None
+    out = cp.attention(engine, *leaves, AttnAux(softmax_offset=sink_leaf), cfg, cp_group=group, cp_comm_type=comm)
+    out.backward(cp.shard(dout, "bshd", size, cp_rank))
+    row = {"comm": comm, "mask": mask, "softmax": softmax, "dtype": str(dtype).removeprefix("torch."),
+           "engine": provider, "seqlen": s}
+    refs = {"fp32_unfused": ("unfused:pytorch", torch.float32)}
+    if dtype != torch.float32:
+        refs["same_engine"] = (provider, dtype)
+    for label, (ref_provider, ref_dtype) in refs.items():
+        try:
+            ref_out, ref_grads, ref_dsink = whole_sequence(
+                get_engine(ref_provider), *(t.to(ref_dtype) for t in (q, k, v, dout)), cfg, sink)
+        except Exception as exc:  # noqa: BLE001 - e.g. the engine has no sink on the whole sequence: skip (b)
+            row[f"vs_{label}"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        errs = {"out": rel(out, cp.shard(ref_out, "bshd", size, cp_rank))}
+        for name, got, want in zip(("dq", "dk", "dv"), leaves, ref_grads):
+            errs[name] = rel(got.grad, cp.shard(want, "bshd", size, cp_rank))
+        if sink_leaf is not None:
+            total = sink_leaf.grad.clone()
+            dist.all_reduce(total)  # per-rank sink gradients add up to the whole one
+            errs["dsink"] = rel(total, ref_dsink)
+        t = torch.tensor([max(errs.values())], device=device, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        row[f"vs_{label}"] = {"max_rel_err_all_ranks": float(t.item()), "rank0": errs if rank == 0 else None}
+    truth = row.get("vs_fp32_unfused")
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    row["tolerance"] = tol
+    row["ok"] = isinstance(truth, dict) and truth["max_rel_err_all_ranks"] <= tol
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Throughput
+# ----------------------------------------------------------------------------------------------
+def baseline_point(args, seqlen: int, provider: str, device: str) -> dict:
+    b, h, hkv, d, dt = args.batch, args.heads, args.kv_heads, args.head_dim, dtype_for(args)
+    q, k, v = (torch.randn(b, seqlen, n, d, device=device, dtype=dt, requires_grad=True) for n in (h, hkv, hkv))
+    dout = torch.randn(b, seqlen, h, d, device=device, dtype=dt)
+    engine, cfg, aux = get_engine(provider), config("causal", "vanilla", d), AttnAux(max_seqlen_q=seqlen,
+                                                                                       max_seqlen_kv=seqlen)
+    fwd = lambda: engine(q, k, v, aux, cfg)[0]  # noqa: E731
+    ms_f = timed_ms(lambda: torch.no_grad()(fwd)(), args, device)
+    ms_fb = timed_ms(lambda: fwd().backward(dout), args, device, grads=(q, k, v))
+    return {"world_size": 1, "seqlen": seqlen, "comm": "none", "engine": provider, "fwd_ms": ms_f,
+            "fwd_bwd_ms": ms_fb, "tokens_per_s": b * seqlen / (ms_fb * 1e-3), "peak_mem_gb": peak_mem(device)}
+
+
+def cp_point(args, seqlen: int, comm: str, provider: str, world: int, rank: int, device: str, stream) -> dict:
+    b, h, hkv, d, dt = args.batch, args.heads, args.kv_heads, args.head_dim, dtype_for(args)
+    local = seqlen // world
+    group = groups_for(comm, world, rank)
+    q, k, v = (torch.randn(b, local, n, d, device=device, dtype=dt, requires_grad=True) for n in (h, hkv, hkv))
+    dout = torch.randn(b, local, h, d, device=device, dtype=dt)
+    engine, cfg = get_engine(provider), config("causal", "vanilla", d)
+    kwargs = dict(cp_group=group, cp_comm_type=comm, cp_stream=stream)
+    fwd = lambda: cp.attention(engine, q, k, v, AttnAux(), cfg, **kwargs)  # noqa: E731
+    ms_f = timed_ms(lambda: torch.no_grad()(fwd)(), args, device)
+    ms_fb = timed_ms(lambda: fwd().backward(dout), args, device, grads=(q, k, v))
+    return {"world_size": world, "seqlen": seqlen, "comm": comm, "engine": provider, "fwd_ms": ms_f,
+            "fwd_bwd_ms": ms_fb, "tokens_per_s": b * seqlen / (ms_fb * 1e-3), "peak_mem_gb": peak_mem(device)}
+
+
+def peak_mem(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+def comms_for(args, world: int) -> list[str]:
+    return [c for c in args.comm if c != "a2a+p2p" or (world >= 4 and world % 2 == 0)]
+
+
+def heads_ok(args, comm: str, world: int) -> bool:
+    split = 2 if comm == "a2a+p2p" else world if comm == "a2a" else 1
+    return args.heads % split == 0 and args.kv_heads % split == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker
+# ----------------------------------------------------------------------------------------------
+def worker(rank: int, world: int, port: int, args, out_path: str, baseline_engines: list[str]) -> None:
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    init = dict(backend="nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                world_size=world, timeout=datetime.timedelta(seconds=args.timeout_s))
+    if device == "cuda":
+        init["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(**init)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    result: dict = {"world_size": world, "checks": [], "points": [], "errors": []}
+
+    def attempt(what: str, fn):
+        """Run one point; record an error instead of stopping (every rank fails alike: checks are collective)."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            result["errors"].append({"what": what, "error": f"{type(exc).__name__}: {exc}",
+                                     "trace": traceback.format_exc()[-2000:]})
+            return None
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+
+    try:
+        if world == 1:
+            for seqlen in args.seqlens:
+                for provider in baseline_engines:
+                    row = attempt(f"baseline S={seqlen} {provider}", lambda: baseline_point(args, seqlen, provider,
+                                                                                            device))
+                    if row:
+                        result["points"].append(row)
+                        print(f"[W=1] S={seqlen} {provider}: {row['fwd_bwd_ms']:.1f} ms fwd+bwd", flush=True)
+        else:
+            for comm in comms_for(args, world):
+                if not heads_ok(args, comm, world):
+                    result["errors"].append({"what": comm, "error": f"heads {args.heads}/{args.kv_heads} not "
+                                             f"divisible for {comm} at world size {world}"})
+                    continue
+                a2a = 2 if comm == "a2a+p2p" else world
+                local = args.check_seqlen // world
+                for mask, softmax in (("causal", "vanilla"), ("no_mask", "vanilla"), ("causal", "learnable")):
+                    provider, rejected = choose_engine(args, make_params(args, local, mask, world, comm, softmax), a2a)
+                    if provider is None:
+                        result["errors"].append({"what": f"check {comm} {mask} {softmax}", "error": str(rejected)})
+                        continue
+                    row = attempt(f"check {comm} {mask} {softmax}", lambda: check_point(
+                        args, comm, mask, softmax, dtype_for(args), provider, world, rank, device))
+                    if row:
+                        result["checks"].append(row)
+                row = attempt(f"check {comm} fp32 unfused", lambda: check_point(
+                    args, comm, "causal", "vanilla", torch.float32, "unfused:pytorch", world, rank, device))
+                if row:
+                    result["checks"].append(row)
+                for seqlen in args.seqlens:
+                    params = make_params(args, seqlen // world, "causal", world, comm)
+                    provider, rejected = choose_engine(args, params, a2a)
+                    if provider is None:
+                        result["errors"].append({"what": f"S={seqlen} {comm}", "error": str(rejected)})
+                        continue
+                    row = attempt(f"S={seqlen} {comm}", lambda: cp_point(args, seqlen, comm, provider, world, rank,
+                                                                         device, stream))
+                    if row:
+                        result["points"].append(row)
+                        if rank == 0:
+                            print(f"[W={world}] S={seqlen} {comm} {provider}: {row['fwd_bwd_ms']:.1f} ms fwd+bwd",
+                                  flush=True)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine(args) -> dict:
+    info = {"torch": torch.__version__, "python": sys.version.split()[0], "hostname": socket.gethostname(),
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                   "NVSHMEM_DISABLE_NVLS")}}
+    if args.device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                    capability=list(torch.cuda.get_device_capability(0)), cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return info
+
+
+def baseline_candidates(args) -> list[str]:
+    """Every engine a CP point may use, so that each efficiency divides by the same engine's one-GPU speed."""
+    found = []
+    for world in args.world_sizes:
+        for comm in (comms_for(args, world) if world > 1 else ["p2p"]):
+            for seqlen in args.seqlens:
+                size = max(world, 1)
+                params = make_params(args, seqlen // size, "causal", size, comm)
+                provider = choose_engine(args, params, 2 if comm == "a2a+p2p" else size)[0]
+                if provider and provider not in found:
+                    found.append(provider)
+    return found
+
+
+def summarise(points: list[dict]) -> list[dict]:
+    base = {(p["seqlen"], p["engine"]): p["tokens_per_s"] for p in points if p["world_size"] == 1}
+    rows = []
+    for p in points:
+        row = dict(p)
+        one = base.get((p["seqlen"], p["engine"]))
+        row["efficiency"] = p["tokens_per_s"] / (p["world_size"] * one) if one else None
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], checks: list[dict]) -> str:
+    lines = ["| GPUs | S | comm | engine | fwd ms | fwd+bwd ms | tokens/s | efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["seqlen"], r["world_size"], r["comm"])):
+        eff = f"{100 * r['efficiency']:.1f}%" if r.get("efficiency") is not None else "n/a"
+        lines.append(f"| {r['world_size']} | {r['seqlen']} | {r['comm']} | {r['engine']} | {r['fwd_ms']:.2f} | "
+                     f"{r['fwd_bwd_ms']:.2f} | {r['tokens_per_s']:.4g} | {eff} |")
+    lines += ["", "| GPUs | check | dtype | engine | max rel err vs fp32 unfused | vs same engine | ok |",
+              "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        truth, same = c.get("vs_fp32_unfused"), c.get("vs_same_engine")
+        fmt = lambda x: f"{x['max_rel_err_all_ranks']:.2e}" if isinstance(x, dict) else (x or "-")[:40]  # noqa: E731
+        lines.append(f"| {c['world_size']} | {c['comm']} {c['mask']} {c['softmax']} | {c['dtype']} | {c['engine']} | "
+                     f"{fmt(truth)} | {fmt(same)} | {'yes' if c['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    baseline_engines = [args.engine] if args.engine else baseline_candidates(args)
+    report: dict = {"machine": machine(args), "config": {k: v for k, v in vars(args).items()},
+                    "target": TARGET, "baseline_engines": baseline_engines, "runs": []}
+    for world in sorted(set(args.world_sizes) | {1}):
+        out_path = f"{args.out}.w{world}.tmp"
+        print(f"== world size {world} ==", flush=True)
+        try:
+            mp.start_processes(worker, args=(world, free_port(), args, out_path, baseline_engines), nprocs=world,
+                               join=True, start_method="spawn")
+            with open(out_path) as f:
+                report["runs"].append(json.load(f))
+            os.remove(out_path)
+        except Exception as exc:  # noqa: BLE001 - one world size failing does not lose the others
+            report["runs"].append({"world_size": world, "failed": f"{type(exc).__name__}: {exc}"[:4000]})
+    points = [p for run in report["runs"] for p in run.get("points", [])]
+    checks = [dict(c, world_size=run["world_size"]) for run in report["runs"] for c in run.get("checks", [])]
+    report["summary"] = summarise(points)
+    report["checks_ok"] = all(c["ok"] for c in checks) if checks else None
+    hit = [r for r in report["summary"] if r["comm"] == TARGET["comm"] and r["world_size"] == TARGET["world_size"]
+           and r["seqlen"] == TARGET["seqlen"] and r["efficiency"] is not None]
+    report["target_met"] = (hit[0]["efficiency"] >= TARGET["efficiency"]) if hit else None
+    report["seconds"] = time.time() - started
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    for run in report["runs"]:
+        for e in run.get("errors", []):
+            print(f"[W={run['world_size']}] {e['what']}: {e['error'][:300]}")
+        if "failed" in run:
+            print(f"[W={run['world_size']}] FAILED: {run['failed'][:1000]}")
+    print(f"\nmachine: {report['machine']}")
+    print(f"checks ok: {report['checks_ok']}; target (p2p, 4 GPUs, 128k, >= 85%): {report['target_met']}\n")
+    print(table(report["summary"], checks))
+    return 0 if report["checks_ok"] in (True, None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
