@@ -74,7 +74,8 @@ def _cases(world: int) -> list[dict]:
 
 
 ERROR_CASES = ("group_of_one", "seq_mismatch", "a2a_heads", "one_rank_bad_window", "unsupported_mask",
-               "list_group_for_p2p", "module_one_rank_bad_arg")
+               "list_group_for_p2p", "module_one_rank_bad_arg", "one_rank_unknown_comm", "scale_mismatch")
+FROM_RANK_0 = ("one_rank_bad_window", "module_one_rank_bad_arg", "one_rank_unknown_comm")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +280,15 @@ def _error_cases(groups: Groups, world: int) -> dict:
         lambda: cp.attention(engine, *qkv(8), AttnAux(), causal, cp_group=[groups.world, groups.world]),
         "only cp_comm_type='a2a+p2p'")
 
+    res["one_rank_unknown_comm"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8), AttnAux(), causal, cp_group=groups.world,
+                             cp_comm_type="ring" if rank == 0 else "p2p"),
+        "cp_comm_type='ring'")
+    rescaled = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=0.5)
+    res["scale_mismatch"] = _expect_error(
+        lambda: cp.attention(engine, *qkv(8), AttnAux(), rescaled if rank == 1 else causal, cp_group=groups.world),
+        "disagree", "softmax_scale=0.5", "softmax_scale=0.3")
+
     def module_call():
         from attn_dispatch import DotProductAttention
         from attn_dispatch.context_parallel import module_glue
@@ -381,7 +391,7 @@ def test_bad_setups_raise_on_every_rank(world, name, tmp_path_factory):
     for rank, results in enumerate(per_rank):
         outcome = results["error:" + name]
         assert outcome["raised"] in ("ValueError",), f"rank {rank}: {outcome}"
-        if name in ("one_rank_bad_window", "module_one_rank_bad_arg") and rank != 0:
+        if name in FROM_RANK_0 and rank != 0:
             # the other ranks learn of rank 0's problem through the collective check
             assert "rank 0" in outcome["message"] and outcome["needles_found"], f"rank {rank}: {outcome}"
         else:

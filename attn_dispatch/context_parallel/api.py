@@ -7,6 +7,7 @@ rank raises the same ValueError on every rank, before any K/V moves, so no rank 
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import torch
 
@@ -36,7 +37,11 @@ def attention(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gradient on each rank covers that rank's rows (or heads, for a2a): summing over the cp group gives the
     full gradient, as for any weight whose gradients the data-parallel reduction sums.
     """
-    infos = _groups(cp_group, cp_global_ranks, cp_comm_type)
+    try:
+        infos = _groups(cp_group, cp_global_ranks, cp_comm_type)
+    except ValueError as exc:  # still tell the ranks of any usable group, which would otherwise wait
+        _tell_usable_groups(cp_group, exc, q.device if isinstance(q, torch.Tensor) else None)
+        raise
     error = None
     try:
         _check_local(engine, q, k, v, aux, cfg, cp_comm_type, infos)
@@ -54,7 +59,7 @@ def attention(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   aux.softmax_offset if learnable else None)
 
 
-SIGNATURE_LEN = 18  # _signature's length, the same for every format
+SIGNATURE_LEN = 19  # _signature's length, the same for every format
 
 
 def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_comm_type: str = "p2p",
@@ -96,6 +101,23 @@ class _ContextParallel(torch.autograd.Function):
 
 def _num_heads(q: torch.Tensor, cfg: AttnConfig) -> int:
     return q.shape[HEAD_DIM[cfg.qkv_format]]
+
+
+def _tell_usable_groups(cp_group, error: Exception, device) -> None:
+    """A setup error (unknown comm type, wrong group list) on this rank: run the failing side of the collective
+    check on every process group given that has >= 2 ranks, so that their other ranks raise too."""
+    if not checks_enabled():
+        return
+    for group in (cp_group if isinstance(cp_group, (list, tuple)) else [cp_group]):
+        try:
+            info = group_info(group)
+        except ValueError:
+            continue
+        try:
+            agree(info, [0] * SIGNATURE_LEN, _describe, f"{type(error).__name__}: {error}",
+                  device or torch.device("cpu"))
+        except ValueError:
+            pass
 
 
 def _groups(cp_group, cp_global_ranks, cp_comm_type) -> list[GroupInfo]:
@@ -207,8 +229,9 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 def _signature(q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str) -> list[int]:
     fmt = cfg.qkv_format
     code = lambda value, options: options.index(value) if value in options else -1  # noqa: E731
+    scale_bits = int.from_bytes(struct.pack("<d", float(cfg.softmax_scale)), "little", signed=True)
     sig = [code(fmt, _FORMATS), code(comm, COMM_TYPES), code(cfg.attn_mask_type, _MASKS),
-           code(cfg.softmax_type, _SOFTMAX), _DTYPE_CODES.get(q.dtype, -1)]
+           code(cfg.softmax_type, _SOFTMAX), _DTYPE_CODES.get(q.dtype, -1), scale_bits]
     sig += [*q.shape, *k.shape, v.shape[-1]] + [0] * (4 - q.dim()) * 2
     if fmt == "thd" and aux.cu_seqlens_q is not None and aux.cu_seqlens_kv is not None:
         cu_q, cu_kv = aux.cu_seqlens_q.tolist(), aux.cu_seqlens_kv.tolist()
@@ -223,11 +246,12 @@ def _describe(sig: list[int]) -> str:
     names = lambda options, i: options[i] if 0 <= i < len(options) else "?"  # noqa: E731
     fmt = names(_FORMATS, sig[0])
     n = NDIM.get(fmt, 4)
-    q_shape, k_shape = sig[5:5 + n], sig[5 + n:5 + 2 * n]
+    q_shape, k_shape = sig[6:6 + n], sig[6 + n:6 + 2 * n]
+    scale = struct.unpack("<d", int(sig[5]).to_bytes(8, "little", signed=True))[0]
     sd = SEQ_DIM.get(fmt, 1)
     text = (f"{fmt} q{tuple(q_shape)} k{tuple(k_shape)} (local sq={q_shape[sd]}, skv={k_shape[sd]}) "
             f"{names(COMM_TYPES, sig[1])} {names(_MASKS, sig[2])} {names(_SOFTMAX, sig[3])} "
-            f"{names([str(d) for d in _DTYPES], sig[4])}")
+            f"{names([str(d) for d in _DTYPES], sig[4])} softmax_scale={scale:.6g}")
     if fmt == "thd":
         text += f" cu_seqlens: {sig[-4] - 1} seqs, checksum {sig[-3]}"
     return text
