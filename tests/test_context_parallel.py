@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attn_dispatch import context_parallel as cp
-from attn_dispatch.backends import AttnAux, AttnConfig, get_engine
+from attn_dispatch.backends import AttnAux, AttnConfig, Engine, get_engine
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -32,9 +32,9 @@ SPAWN_DEADLINE_S = 240
 # Cases
 # ----------------------------------------------------------------------------------------------
 def _case(name, comm, fmt="bshd", mask="causal", h=4, hkv=4, softmax="vanilla", b=2, s=16, skv=None, d=8,
-          lens=None, dtype="float32", module=False):
+          lens=None, dtype="float32", module=False, strided=False):
     return dict(name=name, comm=comm, fmt=fmt, mask=mask, h=h, hkv=hkv, softmax=softmax, b=b, s=s,
-                skv=skv or s, d=d, lens=lens, dtype=dtype, module=module)
+                skv=skv or s, d=d, lens=lens, dtype=dtype, module=module, strided=strided)
 
 
 def _cases(world: int) -> list[dict]:
@@ -60,6 +60,8 @@ def _cases(world: int) -> list[dict]:
     cases.append(_case("p2p-thd-padding_causal-learnable-sink", "p2p", "thd", "padding_causal", h, gqa_kv,
                        "learnable", lens=lens))
     cases.append(_case("p2p-bshd-causal-bf16", "p2p", "bshd", "causal", h, gqa_kv, dtype="bfloat16", s=32))
+    for comm in ("p2p", "all_gather", "a2a"):  # q/k/v views of one fused tensor; an engine with bhsd-major outputs
+        cases.append(_case(f"{comm}-bshd-causal-strided", comm, "bshd", "causal", h, h, "learnable", strided=True))
     cases.append(_case("module-p2p-bshd-causal-learnable", "p2p", "bshd", "causal", h, gqa_kv, "learnable",
                        module=True))
     cases.append(_case("module-a2a-sbhd-no_mask", "a2a", "sbhd", "no_mask", h, gqa_kv, module=True))
@@ -178,6 +180,26 @@ def _float64_reference(case, q, k, v, dout, sink, cu, scale):
     return out.detach(), grads
 
 
+class _StridedEngine(Engine):
+    """The unfused engine, returning out/dq/dk/dv as [b, s, h, d] views of [b, h, s, d] memory (as torch's cuDNN op
+    does), to check that context parallelism copes with whatever strides an engine hands back."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @staticmethod
+    def _bhsd_major(x):
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def forward(self, q, k, v, aux, cfg):
+        res = self.inner.forward(q, k, v, aux, cfg)
+        return res._replace(out=self._bhsd_major(res.out))
+
+    def backward(self, dout, q, k, v, out, lse, state, aux, cfg):
+        g = self.inner.backward(dout, q, k, v, out, lse, state, aux, cfg)
+        return g._replace(dq=self._bhsd_major(g.dq), dk=self._bhsd_major(g.dk), dv=self._bhsd_major(g.dv))
+
+
 def _run_case(case, groups: Groups):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
@@ -194,7 +216,15 @@ def _run_case(case, groups: Groups):
         return cp.shard(x, fmt, size, rank, cu_seqlens=cu)
     leaves = [local(t).requires_grad_() for t in (q, k, v)]
     sink_leaf = sink.clone().requires_grad_() if sink is not None else None
-    if case["module"]:
+    if case["strided"]:  # q, k, v: non-contiguous views of one fused [b, s, 3, h, d] leaf
+        fused = torch.stack([t.detach() for t in leaves], dim=2).requires_grad_()
+        aux = AttnAux(softmax_offset=sink_leaf)
+        out = cp.attention(_StridedEngine(engine), *fused.unbind(2), aux, cfg, cp_group=cp_group, cp_comm_type=comm)
+        out.backward(local(dout))
+        for leaf, grad in zip(leaves, fused.grad.unbind(2)):
+            leaf.grad = grad
+        sink_grad = sink_leaf.grad
+    elif case["module"]:
         out, sink_grad = _run_module(case, leaves, sink, cu, cp_group, dout, local)
     else:
         aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, softmax_offset=sink_leaf)

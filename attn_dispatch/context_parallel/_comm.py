@@ -106,6 +106,10 @@ class Ring:
     def start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
         if not sends and not recvs:
             return []
+        for t, tag in sends + recvs:
+            if not t.is_contiguous():  # NCCL would reject it; gloo would send the wrong bytes
+                raise RuntimeError(f"internal error: ring buffer (tag {tag}) of shape {tuple(t.shape)} is not "
+                                   "contiguous")
         ops = [dist.P2POp(dist.isend, t, self.info.next_global, self.info.group, tag) for t, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, self.info.prev_global, self.info.group, tag) for t, tag in recvs]
         use_stream = self.stream is not None and any(t.is_cuda for t, _ in sends + recvs)

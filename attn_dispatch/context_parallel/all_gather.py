@@ -78,8 +78,7 @@ class AllGatherAttention:
             states.append(BlockState(res.state, res.out))
             if out is None:  # the first block of each row set is its diagonal (or the only block)
                 out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
-                lse = torch.empty_like(res.lse, dtype=acc) if b.rows is None else \
-                    torch.empty(*_lse_shape(res.lse, self.fmt, q.shape[self.dim]), dtype=acc, device=q.device)
+                lse = torch.empty(*_lse_shape(res.lse, self.fmt, q.shape[self.dim]), dtype=acc, device=q.device)
             o, l = self._rows(out, b.rows), self._rows(lse, b.rows, lse=True)  # views (bshd/sbhd)
             if b.cfg.attn_mask_type == "causal" or b.rows is None:
                 o.copy_(res.out)

@@ -68,7 +68,13 @@ def _thd_aux(cu_q, cu_kv, max_q: int, max_kv: int, aux: AttnAux) -> AttnAux:
 
 
 def _new_kv_buffers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(k), torch.empty_like(v)
+    return (torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _acc_copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous accumulator copy (NCCL sends need contiguous tensors; engines may return permuted views)."""
+    return x.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
@@ -78,7 +84,7 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q_second = halves.take(q, 1).contiguous() if halves else None
     out_acc = lse_acc = None
     states: list[Any] = []
-    k_cur, v_cur = k, v
+    k_cur, v_cur = k.contiguous(), v.contiguous()  # they travel: NCCL sends contiguous memory only
     for step in range(info.size):
         src = (info.rank - step) % info.size
         pending, nxt = [], None
@@ -94,8 +100,8 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         res = engine.forward(qb, kb, vb, plan.aux[kind], plan.cfg(kind))
         states.append(BlockState(res.state, res.out))
         if out_acc is None:  # step 0 covers every local query row
-            out_acc = res.out.to(acc_dtype(q), copy=True)
-            lse_acc = res.lse.to(acc_dtype(q), copy=True)
+            out_acc = _acc_copy(res.out, acc_dtype(q))
+            lse_acc = _acc_copy(res.lse, acc_dtype(q))
         elif kind == Q_SECOND:
             _merge_rows(out_acc, lse_acc, res.out, res.lse, halves, fmt)
         else:
@@ -127,7 +133,7 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
         second = tuple(halves.take(t, 1).contiguous() for t in (q, dout, out))
         lse_second = halves.take(lse, 1, lse=True).contiguous()
     dq = torch.zeros_like(q, dtype=acc_dtype(q))
-    k_cur, v_cur = k, v
+    k_cur, v_cur = k.contiguous(), v.contiguous()
     dk_acc = dv_acc = None  # float32 gradient of the kv block held at the previous step, all ranks so far
     for step in range(info.size):
         src = (info.rank - step) % info.size
@@ -137,7 +143,7 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
             sends += [(k_cur, TAG_K), (v_cur, TAG_V)]
             recvs += [(nxt[0], TAG_K), (nxt[1], TAG_V)]
         if step > 0:  # pass on the accumulator of the block we held last step; receive the one for this block
-            incoming = (torch.empty_like(dk_acc), torch.empty_like(dv_acc))
+            incoming = _new_kv_buffers(dk_acc, dv_acc)
             sends += [(dk_acc, TAG_DK), (dv_acc, TAG_DV)]
             recvs += [(incoming[0], TAG_DK), (incoming[1], TAG_DV)]
         pending = ring.start(sends, recvs)
@@ -155,7 +161,7 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
             dq.add_(g.dq)
         Ring.wait(pending)
         if incoming is None:
-            dk_acc, dv_acc = g.dk.to(acc_dtype(q), copy=True), g.dv.to(acc_dtype(q), copy=True)
+            dk_acc, dv_acc = _acc_copy(g.dk, acc_dtype(q)), _acc_copy(g.dv, acc_dtype(q))
         else:
             dk_acc, dv_acc = incoming
             if kind == KV_FIRST:
@@ -167,7 +173,7 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
         if nxt is not None:
             k_cur, v_cur = nxt
     # the accumulator we hold now belongs to the next rank; ours arrives from the previous one
-    dk, dv = torch.empty_like(dk_acc), torch.empty_like(dv_acc)
+    dk, dv = _new_kv_buffers(dk_acc, dv_acc)
     Ring.wait(ring.start([(dk_acc, TAG_DK), (dv_acc, TAG_DV)], [(dk, TAG_DK), (dv, TAG_DV)]))
     dsink = sink_grad(dout, out, lse, sink, fmt) if sink is not None else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
