@@ -122,7 +122,15 @@ class DotProductAttention(torch.nn.Module):
         # fast_zero_fill only picks how Transformer Engine zero-initialises outputs; results are the same.
         _reject_unbuilt(inference_params, fp8_output)
         if self.cp_group is not None:
-            return self._forward_context_parallel()
+            from .context_parallel import module_glue
+
+            return module_glue.forward(
+                self, query_layer, key_layer, value_layer, attention_mask=attention_mask, qkv_format=qkv_format,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                attn_mask_type=attn_mask_type, window_size=window_size,
+                checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
+                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
         return self._dispatch(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q,
                               cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
                               attn_mask_type, window_size, checkpoint_core_attention, core_attention_bias_type,
@@ -161,12 +169,6 @@ class DotProductAttention(torch.nn.Module):
         return selection.explain(params, force=self.backend)
 
     # ------------------------------------------------------------------------------------------
-    def _forward_context_parallel(self):
-        """The context-parallel path plugs in here (attn_dispatch.context_parallel)."""
-        raise NotImplementedError(
-            "cp_group is set, but context parallelism is not available in attn_dispatch yet; construct "
-            "DotProductAttention with cp_group=None (or call set_context_parallel_group(None, None, None))")
-
     def _describe(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                   cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                   core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):

@@ -122,7 +122,7 @@ def choose_engine(args, params: AttentionParams, a2a_size: int = 2) -> tuple[str
         if args.engine:
             return args.engine, {}
         return select(params).chosen, {}
-    return cp_engine(params, force=args.engine, a2a_size=a2a_size)
+    return cp_engine(params, force=args.engine)
 
 
 def config(mask: str, softmax: str, d: int) -> AttnConfig:

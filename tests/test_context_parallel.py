@@ -244,9 +244,8 @@ def _run_case(case, groups: Groups):
 
 
 def _run_module(case, leaves, sink, cu, cp_group, dout, local):
-    """DotProductAttention with cp_group (through module_glue until module.forward routes there itself)."""
+    """DotProductAttention with cp_group, through its own forward."""
     from attn_dispatch import DotProductAttention
-    from attn_dispatch.context_parallel import module_glue
 
     fmt, h, hkv, d = case["fmt"], case["h"], case["hkv"], case["d"]
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=case["mask"],
@@ -257,10 +256,7 @@ def _run_module(case, leaves, sink, cu, cp_group, dout, local):
     kwargs = {}
     if fmt == "thd":
         kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    try:
-        out = module(*leaves, **kwargs)
-    except NotImplementedError:
-        out = module_glue.forward(module, *leaves, **kwargs)
+    out = module(*leaves, **kwargs)
     assert module.last_decision is not None and module.last_decision.chosen == "unfused:pytorch", \
         module.last_decision
     out.backward(local(dout).reshape(out.shape))
@@ -321,9 +317,8 @@ def _error_cases(groups: Groups, world: int) -> dict:
 
     def module_call():
         from attn_dispatch import DotProductAttention
-        from attn_dispatch.context_parallel import module_glue
         module = DotProductAttention(h, 8, qkv_format="bshd", attn_mask_type="causal", cp_group=groups.world)
-        module_glue.forward(module, *qkv(8), checkpoint_core_attention=(rank == 0))
+        module(*qkv(8), checkpoint_core_attention=(rank == 0))
     res["module_one_rank_bad_arg"] = _expect_error(module_call, "checkpoint_core_attention")
     return res
 

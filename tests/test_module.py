@@ -283,8 +283,6 @@ def test_pad_between_sequences_is_inferred_for_thd():
 # -------------------------------------------------------------------------------------------------
 def test_unbuilt_features_raise_naming_the_argument():
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match="cp_group"):
-        DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", cp_group=object())(q, k, v)
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd")
     with pytest.raises(NotImplementedError, match="fp8_output"):
         dpa(q, k, v, fp8_output=True)

@@ -323,10 +323,15 @@ class UnfusedState:
     # fp16/bf16: the output before rounding, for rowsum(dO * O); used only when backward gets that very output
     # (a context-parallel caller passes a merged global output instead, and then the given one is used).
     out_fp32: torch.Tensor | None = None
+    # The rounded output's storage: holding it keeps that memory from being reused by another tensor, so that
+    # "same address" below really means "the output forward returned". (A storage, unlike the tensor, does
+    # not point back into the autograd graph, so this makes no reference cycle.)
+    out_storage: torch.UntypedStorage | None = None
     out_ptr: int = 0
 
     def precise_out(self, out: torch.Tensor) -> torch.Tensor:
-        if self.out_fp32 is not None and out.data_ptr() == self.out_ptr and out.shape == self.out_fp32.shape:
+        if (self.out_fp32 is not None and self.out_storage is not None and out.data_ptr() == self.out_ptr
+                and out.shape == self.out_fp32.shape):
             return self.out_fp32
         return out
 
@@ -371,7 +376,7 @@ class UnfusedEngine(Engine):
             state = UnfusedState(seed)
             if half:
                 state.out_fp32, out = out, out.to(q.dtype)
-                state.out_ptr = out.data_ptr()
+                state.out_storage, state.out_ptr = out.untyped_storage(), out.data_ptr()
         return FwdResult(out, lse, state, max_logit)
 
     # ---- backward ----

@@ -20,6 +20,11 @@ def _load() -> dict[str, Table]:
             continue  # family not declared yet
         for table in getattr(module, "TABLES", None) or [getattr(module, family.upper())]:
             tables[table.id] = table
+    from .common import context_parallel
+
+    for table in tables.values():  # every engine runs under our context parallelism through the same rules
+        if not any(c.code == f"{table.family}.cp_support" for c in table.checks):
+            table.add(context_parallel(table))
     return tables
 
 

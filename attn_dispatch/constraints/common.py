@@ -206,3 +206,29 @@ def head_dim_limit(table: Table, *, max_qk: int, max_v: int | None = None, multi
             return fail(f"{table.id} supports {requires}: " + "; ".join(problems), fix)
         return None
     return Check(f"{table.family}.{name}", requires, "head_dim", source, fn)
+
+
+def context_parallel(table: Table) -> Check:
+    """Under cp_size > 1: our context-parallel code supports the call, and this engine can run every per-block
+    call that code will make (plain calls: cp_size 1, vanilla softmax). Added to every table by the registry."""
+    def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+        if p.cp_size <= 1:
+            return None
+        from ..context_parallel.support import engine_block_params, params_failures
+
+        ours = params_failures(p)
+        if ours:
+            return fail("; ".join(message for _, message, _ in ours), next((f for _, _, f in ours if f), None))
+        # platform, package and environment reasons are the same for the blocks: the call's own verdict has them
+        static = {c.code for c in table.checks if c.topic in ("platform", "package", "environment")}
+        for block in engine_block_params(p):
+            reasons = [r for r in table.failures(block, plat, env) if r.code not in static]
+            if reasons:
+                return fail(f"under cp_comm_type={p.cp_comm_type!r}, {table.id} would run per-block calls "
+                            f"(sq={block.max_seqlen_q}, skv={block.max_seqlen_kv}, {block.attn_mask_type}, "
+                            f"h={block.num_heads}) that it cannot: " + "; ".join(r.message for r in reasons[:3]),
+                            reasons[0].fix)
+        return None
+    return Check(f"{table.family}.cp_support", "context parallelism: a mode attn-dispatch implements for the call, "
+                 "and every per-block call eligible", "context_parallel",
+                 "attn_dispatch.context_parallel.support (params_failures, engine_block_params)", fn)

@@ -17,7 +17,6 @@ from .. import inputs, selection
 from ..backends import get_engine
 from .api import attention, fail_collectively
 from .sharding import cp_size_of, local_cu_seqlens
-from .support import cp_engine
 
 
 def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask=None, qkv_format=None,
@@ -82,17 +81,9 @@ def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqle
 
 
 def _plan(spec, params, cp_group) -> inputs.Plan:
-    """Like inputs.make_plan, but the engine is picked by support.cp_engine: it must serve every per-block
-    call of this comm type (Transformer Engine's own CP rules do not apply to this implementation)."""
-    a2a_size = dist.get_world_size(cp_group[0]) if isinstance(cp_group, (list, tuple)) else 2
-    provider, rejected = cp_engine(params, force=spec.backend, a2a_size=a2a_size)
-    if provider is None:
-        reasons = "; ".join(f"{who}: {' | '.join(why)}" for who, why in rejected.items())
-        raise ValueError(f"no engine can run this call under context parallelism ({params.describe()}): {reasons}")
-    decision = selection.explain(params, force=spec.backend)
-    note = f"context parallelism: {provider} serves every per-block call of cp_comm_type={params.cp_comm_type!r}"
-    decision = decision.model_copy(update={"chosen": provider, "order_reason": f"{decision.order_reason}; {note}"})
-    return inputs.Plan(params, decision, get_engine(provider), inputs.build_config(spec, params))
+    """The same selection as any call: every table carries the context-parallel rules (its '<family>.cp_support'
+    check asks support.params_failures and whether the engine runs every per-block call of this comm type)."""
+    return inputs.make_plan(spec, params)
 
 
 def _local_cu(name: str, cu, cp_size: int):

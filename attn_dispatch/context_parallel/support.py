@@ -159,38 +159,11 @@ def engine_block_params(p, a2a_size: int = 2) -> list:
                 num_gqa_groups=max(p.num_gqa_groups // a2a, 1))
 
 
-def cp_engine(params, platform=None, env=None, *, force: str | None = None,
-              a2a_size: int = 2) -> tuple[str | None, dict[str, list[str]]]:
-    """The provider to run a context-parallel call with, and why the others were passed over.
-
-    A provider qualifies when (1) this implementation supports the call (params_failures), (2) its table
-    declares the comm type (its '<family>.cp_comm_type' check passes on `params`), and (3) it is eligible for
-    every per-block call (engine_block_params: cp_size=1, softmax 'vanilla'). Other rules a table applies to
-    cp_size > 1 describe Transformer Engine's CP code (e.g. sinks only with a2a), not this one, so they are
-    not consulted. Providers are tried in selection's preference order."""
+def cp_engine(params, platform=None, env=None, *, force: str | None = None) -> tuple[str | None, dict[str, list[str]]]:
+    """The provider selection picks for a context-parallel call, and the reasons of the others. The tables
+    carry the CP rules (constraints.common.context_parallel), so this is plain selection."""
     from ..selection import explain
 
-    ours = params_failures(params)
-    if ours:
-        return None, {"context_parallel": [m for _, m, _ in ours]}
     decision = explain(params, platform, env, force=force)
-    rejected: dict[str, list[str]] = {}
-    for verdict in decision.verdicts:  # sorted by preference
-        if force and not (verdict.id == force or verdict.backend == force):
-            continue
-        no_comm = [r.message for r in verdict.reasons if r.code.endswith(".cp_comm_type")]
-        if no_comm:
-            rejected[verdict.id] = no_comm
-            continue
-        problems = []
-        for block in engine_block_params(params, a2a_size):
-            sub = explain(block, platform, env, force=verdict.id)
-            if sub.chosen != verdict.id:
-                why = [r.message for v in sub.verdicts if v.id == verdict.id for r in v.reasons
-                       if r.code != "selection.not_forced"]
-                problems.append(f"per-block call (sq={block.max_seqlen_q}, skv={block.max_seqlen_kv}, "
-                                f"{block.attn_mask_type}): " + "; ".join(why))
-        if not problems:
-            return verdict.id, rejected
-        rejected[verdict.id] = problems
-    return None, rejected
+    rejected = {v.id: [r.message for r in v.reasons] for v in decision.verdicts if not v.eligible}
+    return decision.chosen, rejected
