@@ -201,12 +201,17 @@ def test_dropout_only_in_flash_attn_2():
     assert verdict("flash_attn_4:cute", dropped.replace(is_training=False), H100_ALL).eligible  # eval: no dropout
 
 
-def test_alibi_package_always_torch_inference_only_fa3_fa4_never():
+def test_alibi_only_in_the_flash_attn_2_package():
     alibi = BASE.replace(bias_type="alibi", alibi_slopes_shape="bh")
     assert verdict("flash_attn_2:package", alibi, H100_ALL).eligible
-    assert "flash_attn_2.alibi_training" in codes("flash_attn_2:torch", alibi, H100_ALL)
-    assert "flash_attn_2:package" in text("flash_attn_2:torch", alibi, H100_ALL)
-    assert verdict("flash_attn_2:torch", alibi.replace(is_training=False), H100_ALL).eligible
+    # torch compiles its FA2 without ALiBi (observed on torch 2.11): refused for training and inference alike
+    for training in (True, False):
+        call = alibi.replace(is_training=training)
+        assert codes("flash_attn_2:torch", call, H100_ALL) == {"flash_attn_2.bias_type"}
+        assert "does not support alibi" in text("flash_attn_2:torch", call, H100_ALL)
+        assert "flash_attn_2:package" in text("flash_attn_2:torch", call, H100_ALL)
+    assert "no bias tensor" in text("flash_attn_2:torch", BASE.replace(bias_type="post_scale_bias",
+                                                                       bias_shape="1hss"), H100_ALL)
     assert "flash_attn_3.bias_type" in codes("flash_attn_3:interface", alibi, H100_ALL)
     assert "flash_attn_4.bias_type" in codes("flash_attn_4:cute", alibi, H100_ALL)
 
@@ -243,6 +248,51 @@ def test_head_dims(dims, fa2, fa3, fa4_sm90, fa4_sm100):
     assert verdict("flash_attn_4:cute", params, B200).eligible == fa4_sm100
     if not fa2:
         assert str(dims[0]) in text("flash_attn_2:torch", params, H100_ALL)
+
+
+# (head_dim_qk, head_dim_v, mask, training) -> fits on sm90. Backward tiles are chosen by head_dim_qk alone; the
+# shared memory they need (flash_attn_4_sm90.bwd_smem_bytes) must stay within 232448 bytes.
+@pytest.mark.parametrize("d, dv, mask, training, fits", [
+    (64, 128, "no_mask", True, False),      # 248832 bytes: the launch failure seen on the H100
+    (64, 128, "causal", True, False),       # d <= 64 has one tile, causal or not
+    (64, 128, "no_mask", False, True),      # its forward fits
+    (64, 96, "no_mask", True, True),
+    (128, 64, "no_mask", True, True),       # ran on the H100
+    (192, 128, "causal", True, True),       # ran on the H100
+    (128, 128, "no_mask", True, True),      # 232448 bytes: an exact fit, trains on the H100
+    (256, 128, "no_mask", True, True),
+    (128, 256, "no_mask", True, False),
+    (128, 256, "causal", True, False),
+    (128, 256, "no_mask", False, True),
+    (128, 192, "no_mask", True, False),     # the 80-row non-causal tile does not fit ...
+    (128, 192, "causal", True, True),       # ... the 64-row causal tile does
+    (64, 256, "no_mask", False, False),     # forward: the 192x256 output tile overruns sQ's storage
+])
+def test_flash_attn_4_sm90_shared_memory(d, dv, mask, training, fits):
+    params = BASE.replace(head_dim_qk=d, head_dim_v=dv, attn_mask_type=mask, is_training=training)
+    found = codes("flash_attn_4:cute", params, H100)
+    assert (not found) == fits, text("flash_attn_4:cute", params, H100)
+    if not fits:
+        assert found <= {"flash_attn_4.sm90_backward", "flash_attn_4.sm90_forward_smem"}
+        assert "232448" in text("flash_attn_4:cute", params, H100) or "sQ" in text("flash_attn_4:cute", params, H100)
+    assert verdict("flash_attn_4:cute", params, B200).eligible == ((d <= 128 and dv <= 128) or (d, dv) == (192, 128))
+
+
+def test_flash_attn_4_sm90_equal_head_dims_always_fit():
+    from attn_dispatch.constraints import flash_attn_4_sm90 as sm90
+
+    assert sm90.bwd_smem_bytes(64, 128, False) == 248832  # the byte count the failed launch reported
+    for d in range(8, 257, 8):
+        for window in ((-1, -1), (-1, 0), (16, 16)):
+            assert sm90.forward_problem(d, d, window) is None and sm90.backward_problem(d, d, window, 4) is None
+
+
+def test_flash_attn_4_sm90_gqa_backward_needs_equal_head_dims():
+    gqa = BASE.replace(head_dim_qk=128, head_dim_v=64, num_heads=16, num_gqa_groups=4)
+    assert codes("flash_attn_4:cute", gqa, H100) == {"flash_attn_4.sm90_backward"}
+    assert "GQA backward requires head_dim == head_dim_v" in text("flash_attn_4:cute", gqa, H100)
+    assert verdict("flash_attn_4:cute", gqa.replace(is_training=False), H100).eligible
+    assert verdict("flash_attn_4:cute", gqa.replace(num_gqa_groups=16), H100).eligible
 
 
 def test_fa3_wide_value_head_has_no_backward():

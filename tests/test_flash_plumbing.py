@@ -321,3 +321,59 @@ def test_engines_load_lazily_and_report_why_they_cannot():
     if not torch.cuda.is_available():
         with pytest.raises(EngineUnavailableError, match="CUDA"):
             get_engine("flash_attn_2:torch")
+
+
+class _FakeFa4Interface:
+    """Stands in for flash_attn.cute.interface: an sm90 device whose kernels must never be reached here."""
+
+    @staticmethod
+    def _get_device_arch():
+        return 90
+
+    def _flash_attn_fwd(self, *args, **kwargs):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("a refused call reached the kernel")
+
+    _flash_attn_bwd = _flash_attn_fwd
+
+
+def _fa4_on_sm90():
+    from attn_dispatch.backends.flash_attn_4 import FlashAttn4Engine
+
+    engine = FlashAttn4Engine.__new__(FlashAttn4Engine)  # no flash_attn.cute on the CPU machine
+    engine._iface, engine.jit_events = _FakeFa4Interface(), []
+    return engine
+
+
+@pytest.mark.parametrize("d, dv, hk, words", [
+    (64, 128, 4, ["(64, 128)", "248832", "232448", "head_dim_v <= 96"]),
+    (128, 64, 2, ["GQA backward requires head_dim == head_dim_v"]),
+])
+def test_flash_attn_4_refuses_an_sm90_backward_that_cannot_launch_before_its_forward(d, dv, hk, words):
+    q, k, v, aux, cfg = make_case(d=d, dv=dv, hk=hk)
+    for t in (q, k, v):
+        t.requires_grad_()
+    with pytest.raises(ValueError) as info:
+        _fa4_on_sm90()(q, k, v, aux, cfg)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    with pytest.raises(ValueError, match="sm90"):  # the functional backward (context parallelism) refuses too
+        _fa4_on_sm90().backward(q.detach(), q.detach(), k.detach(), v.detach(), q.detach()[..., :dv],
+                                torch.zeros(3, 4, 12), None, aux, cfg)
+    with pytest.raises(AssertionError, match="reached the kernel"):  # inference goes through to the kernel
+        _fa4_on_sm90()(q.detach(), k.detach(), v.detach(), aux, cfg)
+
+
+def test_flash_attn_4_refuses_an_sm90_forward_whose_output_tile_overruns_shared_memory():
+    q, k, v, aux, cfg = make_case(d=64, dv=256)
+    with pytest.raises(ValueError, match="sQ's storage"):
+        _fa4_on_sm90()(q, k, v, aux, cfg)
+
+
+def test_torch_fa2_refuses_alibi_with_the_reason():
+    from attn_dispatch.backends.flash_attn_2 import TorchFlashEngine
+
+    engine = TorchFlashEngine.__new__(TorchFlashEngine)  # __init__ needs CUDA; _resolve does not
+    for train in (False, True):
+        q, k, v, aux, cfg = make_case(alibi="h")
+        q.requires_grad_(train)
+        with pytest.raises(ValueError, match="does not support alibi"):
+            engine(q, k, v, aux, cfg)

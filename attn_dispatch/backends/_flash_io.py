@@ -232,6 +232,7 @@ class FlashEngineBase(Engine):
     formats: tuple[str, ...] = ("bshd", "sbhd", "thd")
     supports_dropout = False
     supports_alibi = False
+    no_alibi_why = ""                  # why a provider without ALiBi has none (appended to the refusal)
     supports_sink = False
     same_head_dims = False             # q, k, v must share one head dim (FA2)
     takes_out_buffer = False           # the kernel writes into a caller-provided output
@@ -249,7 +250,9 @@ class FlashEngineBase(Engine):
             raise ValueError(f"return_max_logit=True is not supported by {name}")
         if cfg.bias_type not in ("no_bias", "alibi") or (cfg.bias_type == "alibi" and not self.supports_alibi):
             allowed = "no_bias or alibi" if self.supports_alibi else "no_bias"
-            raise ValueError(f"core_attention_bias_type={cfg.bias_type!r} is not supported by {name}; use {allowed}")
+            why = f" ({self.no_alibi_why})" if cfg.bias_type == "alibi" and self.no_alibi_why else ""
+            raise ValueError(f"core_attention_bias_type={cfg.bias_type!r} is not supported by {name}; use "
+                             f"{allowed}{why}")
         if cfg.dropout_p > 0 and not self.supports_dropout:
             raise ValueError(f"dropout_p={cfg.dropout_p} is not supported by {name}: it has no dropout")
         if cfg.softmax_type != "vanilla" and not self.supports_sink:

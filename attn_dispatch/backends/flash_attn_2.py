@@ -33,14 +33,17 @@ class TorchFlashEngine(FlashEngineBase):
     """torch.ops.aten._flash_attention_forward/_backward: torch's vendored FA2 (flash_api.cpp mha_fwd/mha_varlen_fwd).
 
     Dense calls take bshd (last dim contiguous; the op reads the other strides, so sbhd views need no copy; its
-    backward makes grad_out and out contiguous). Varlen calls pass cum_seq_q/k. ALiBi slopes reach the forward
-    only (the backward op has no slopes argument), so ALiBi is inference-only here.
+    backward makes grad_out and out contiguous). Varlen calls pass cum_seq_q/k. No ALiBi: the forward's schema has
+    alibi_slopes, but torch builds these kernels with FLASHATTENTION_DISABLE_ALIBI ("This flash attention build
+    does not support alibi.", torch 2.11), and the backward op has no slopes argument at all.
     """
 
     family = "flash_attn_2"
     provider = "torch"
     supports_dropout = True
-    supports_alibi = True
+    supports_alibi = False
+    no_alibi_why = ("torch builds its FA2 kernels without ALiBi ('This flash attention build does not support "
+                    "alibi.'); use flash_attn_2:package, cudnn_fused or the unfused engine")
     same_head_dims = True
     empty_rows_lse_positive_inf = True
 
@@ -51,7 +54,6 @@ class TorchFlashEngine(FlashEngineBase):
         self._bwd = torch.ops.aten._flash_attention_backward.default
         names = {a.name for a in self._fwd._schema.arguments}
         self._has_window = {"window_size_left", "window_size_right"} <= names
-        self._has_alibi = "alibi_slopes" in names
 
     def _window_kwargs(self, call: KernelCall) -> dict[str, Any]:
         if call.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
@@ -62,20 +64,8 @@ class TorchFlashEngine(FlashEngineBase):
         left, right = call.window
         return {"window_size_left": left, "window_size_right": right}
 
-    def _check_grad_free_alibi(self, call: KernelCall, *tensors: torch.Tensor) -> None:
-        if call.alibi_slopes is not None and any(t.requires_grad for t in tensors):
-            raise ValueError("core_attention_bias_type='alibi' through flash_attn_2:torch is inference-only: "
-                             "aten::_flash_attention_backward takes no ALiBi slopes; use flash_attn_2:package "
-                             "(flash-attn >= 2.4) or the unfused engine for training")
-
     def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out):
-        self._check_grad_free_alibi(call, q, k, v)
         kwargs = dict(scale=call.scale, **self._window_kwargs(call))
-        if call.alibi_slopes is not None:
-            if not self._has_alibi:
-                raise RuntimeError(f"this torch ({torch.__version__}) has no alibi_slopes argument on "
-                                   "aten::_flash_attention_forward (added in torch 2.4)")
-            kwargs["alibi_slopes"] = call.alibi_slopes
         if varlen is None:
             cum_q = cum_k = None
             max_q, max_k = q.shape[1], k.shape[1]
@@ -91,9 +81,6 @@ class TorchFlashEngine(FlashEngineBase):
         return out, lse, (rng_state, unused, max_q, max_k)
 
     def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
-        if call.alibi_slopes is not None:
-            raise ValueError("core_attention_bias_type='alibi': aten::_flash_attention_backward takes no ALiBi "
-                             "slopes, so flash_attn_2:torch cannot differentiate an ALiBi call")
         if kernel_state is None:
             if call.dropout_p > 0:
                 raise ValueError("backward with dropout needs the forward's rng state (FwdResult.state)")

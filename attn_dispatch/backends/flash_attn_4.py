@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..constraints import flash_attn_4_sm90 as sm90
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen
 
 
@@ -65,6 +66,23 @@ class FlashAttn4Engine(FlashEngineBase):
                                     "head_dim": args[0].shape[-1], "head_dim_v": args[2].shape[-1]})
         return result
 
+    # --- sm90: head-dim pairs whose tiles do not fit in shared memory are refused before launch ---------------
+    def _is_sm90(self) -> bool:
+        return self._iface._get_device_arch() // 10 == 9  # the arch flash-attn-4 picks its kernels for (cached)
+
+    def _refuse(self, problem: tuple[str, str] | None) -> None:
+        if problem is not None:
+            raise ValueError(f"{problem[0]}; {problem[1]}")
+
+    def _resolve(self, q, k, v, aux, cfg) -> KernelCall:
+        call = super()._resolve(q, k, v, aux, cfg)
+        if self._is_sm90():
+            d, dv = q.shape[-1], v.shape[-1]
+            self._refuse(sm90.forward_problem(d, dv, call.window))
+            if q.requires_grad or k.requires_grad or v.requires_grad:  # training: refuse now, not after forward
+                self._refuse(sm90.backward_problem(d, dv, call.window, q.shape[-2] // k.shape[-2]))
+        return call
+
     # --- kernels -------------------------------------------------------------------------------------------
     def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out: torch.Tensor | None):
         left, right = _fa4_window(call.window)
@@ -78,6 +96,8 @@ class FlashAttn4Engine(FlashEngineBase):
         return result[0], result[1], None
 
     def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
+        if self._is_sm90():  # the functional path (context parallelism) may run a forward without grad first
+            self._refuse(sm90.backward_problem(q.shape[-1], v.shape[-1], call.window, q.shape[-2] // k.shape[-2]))
         left, right = _fa4_window(call.window)
         kwargs: dict[str, Any] = dict(window_size_left=left, window_size_right=right, deterministic=call.deterministic)
         if call.sink is not None:

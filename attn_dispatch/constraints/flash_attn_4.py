@@ -11,6 +11,7 @@ from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import Platform
 from . import common
+from . import flash_attn_4_sm90 as sm90
 from .base import Failure, Table, fail
 from .flash_common import CP, MASKS, check, gqa, no_padding_between_sequences, top_left_alignment
 
@@ -66,6 +67,25 @@ def _head_dims(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | N
     return None
 
 
+def _dims_in_range(p: AttentionParams) -> bool:
+    """Head dims the sm90 kernels take at all (the head_dim check reports the others)."""
+    return all(8 <= d <= 256 and d % 8 == 0 for d in (p.head_dim_qk, p.head_dim_v))
+
+
+def _sm90_forward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if plat.sm // 10 != 9 or not _dims_in_range(p):
+        return None
+    problem = sm90.forward_problem(p.head_dim_qk, p.head_dim_v, p.window_size)
+    return fail(*problem) if problem else None
+
+
+def _sm90_backward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if plat.sm // 10 != 9 or not p.is_training or not _dims_in_range(p):
+        return None
+    problem = sm90.backward_problem(p.head_dim_qk, p.head_dim_v, p.window_size, p.gqa_ratio)
+    return fail(*problem) if problem else None
+
+
 def _sink_backward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if (p.softmax_type != "vanilla" and p.is_training and plat.sm // 10 in (10, 11)
             and (p.head_dim_qk, p.head_dim_v) == (256, 256)):
@@ -88,6 +108,14 @@ T.add(
     check(T, "fp8", "no FP8 (not implemented in attn-dispatch)", "dtype", FA4_IFACE, _fp8),
     check(T, "head_dim", "multiples of 8; sm90: both <= 256; sm100/sm110: both <= 128, (192, 128) or (256, 256)",
           "head_dim", FA4_IFACE + " _validate_head_dims", _head_dims),
+    check(T, "sm90_forward_smem", "sm90: the forward tile for (head_dim_qk, head_dim_v) fits in 227 KiB of shared "
+          "memory, its output tile included (both <= 128, equal dims, and most unequal pairs do)", "head_dim",
+          sm90.SOURCE, _sm90_forward),
+    check(T, "sm90_backward", "sm90 training: the backward tile for (head_dim_qk, head_dim_v) fits in 227 KiB of "
+          "shared memory (every equal pair does; (64, 128) and (128, 256) do not), and GQA/MQA has "
+          "head_dim_qk == head_dim_v", "head_dim",
+          sm90.SOURCE + "; flash_bwd_sm90.py FlashAttentionBackwardSm90.__init__ (GQA assert); launch failure "
+          "observed on H100 for (64, 128): 'Allocated: 248832 bytes. Max: 232448 bytes.'", _sm90_backward),
     gqa(T),
     common.formats(T, ("bshd", "sbhd", "thd"),
                    source=FA4_IFACE + " (bshd with any strides but the last; thd via cu_seqlens_q/k)"),

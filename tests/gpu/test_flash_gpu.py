@@ -220,7 +220,13 @@ CASES = [
     Case("d128_causal", mask="causal", dqk=128, dv=128), Case("d96", dqk=96, dv=96),
     Case("d256_causal", mask="causal", dqk=256, dv=256, sq=256, skv=256),
     Case("dqk192_dv128", mask="causal", dqk=192, dv=128), Case("dqk128_dv64", dqk=128, dv=64),
-    Case("dqk64_dv128", mask="causal_bottom_right", dqk=64, dv=128, sq=96, skv=160),
+    Case("dqk64_dv128", mask="causal_bottom_right", dqk=64, dv=128, sq=96, skv=160),  # sm90: backward too big
+    Case("dqk64_dv128_inference", mask="causal_bottom_right", dqk=64, dv=128, sq=96, skv=160, train=False),
+    Case("dqk128_dv192_causal", mask="causal", dqk=128, dv=192),   # sm90 backward: 231424 of 232448 bytes
+    Case("dqk128_dv256", dqk=128, dv=256),                         # sm90: backward too big
+    Case("dqk128_dv256_inference", dqk=128, dv=256, train=False),
+    Case("dqk256_dv128", dqk=256, dv=128),
+    Case("gqa_dqk128_dv64", h=8, hkv=2, dqk=128, dv=64),          # sm90: GQA backward needs equal head dims
     Case("seq_1000_causal", mask="causal", sq=1000, skv=1000, b=1, h=2, hkv=2),
     Case("window_causal", mask="causal", window=(32, 0), sq=256, skv=256),
     Case("window_causal_br_cross", mask="causal_bottom_right", window=(32, 0), sq=128, skv=256),
@@ -457,6 +463,65 @@ def test_flash_attn_4_jit_is_measured_and_cached():
     # every earlier flash-attn-4 test compiled kernels; a configuration compiled once costs nothing the second time
     assert events and all(e["seconds"] > 0 for e in events)
     assert timings[1] < 1.0
+
+
+# (head_dim_qk, head_dim_v, causal, phase): pairs at both sides of the sm90 shared-memory limit. The kernels are
+# launched directly (the engine would refuse the ones the model rejects), with random out/lse for the backward:
+# only whether the launch goes through is checked. Forward pairs whose output tile would overrun sQ's storage are
+# not launched (an out-of-bounds shared-memory write could break the CUDA context for the tests after it).
+SM90_SMEM_PAIRS = [(64, 128, False, "bwd"), (64, 64, False, "bwd"), (128, 192, True, "bwd"),
+                   (128, 192, False, "bwd"), (96, 192, False, "bwd"), (160, 256, False, "bwd"),
+                   (256, 192, False, "bwd"), (96, 144, False, "fwd"), (96, 160, False, "fwd"),
+                   (96, 160, True, "fwd"), (160, 256, False, "fwd"), (192, 256, False, "fwd")]
+
+
+def _launch(iface, d: int, dv: int, causal: bool, phase: str) -> None:
+    g = torch.Generator(device="cuda").manual_seed(d * 1000 + dv)
+    q, k = (torch.randn(1, 128, 2, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v, out, dout = (torch.randn(1, 128, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    if phase == "fwd":
+        iface._flash_attn_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, return_lse=True)
+    else:
+        lse = torch.randn(1, 2, 128, device="cuda", generator=g) + 5.0
+        iface._flash_attn_bwd(q, k, v, out, dout, lse, d ** -0.5, causal)
+    torch.cuda.synchronize()
+
+
+def test_flash_attn_4_sm90_shared_memory_model_matches_the_kernels():
+    """attn_dispatch.constraints.flash_attn_4_sm90 predicts which head-dim pairs fit; the kernels must agree."""
+    from attn_dispatch.constraints import flash_attn_4_sm90 as sm90
+
+    provider = "flash_attn_4:cute"
+    if install_reasons(provider):
+        pytest.skip(f"{provider} is not installed here")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the model covers the sm90 kernels")
+    iface = get_engine(provider)._iface
+    disagreements = []
+    for d, dv, causal, phase in SM90_SMEM_PAIRS:
+        window = (-1, 0) if causal else (-1, -1)
+        if phase == "fwd":
+            footprint = sm90.fwd_footprint(d, dv, causal, False)
+            predicted, need = footprint.fits, footprint.total
+        else:
+            need = sm90.bwd_smem_bytes(d, dv, causal)
+            predicted = sm90.backward_problem(d, dv, window, 1) is None
+        start = time.perf_counter()
+        try:
+            _launch(iface, d, dv, causal, phase)
+            outcome, error = "launched", None
+        except Exception as exc:  # noqa: BLE001 - the outcome is the datum
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            smem = any(w in str(exc) for w in ("shared memory", "LAUNCH_INVALID_CONFIG", "cudaErrorInvalidValue"))
+            outcome = "smem_launch_failure" if smem else "other_failure"
+        agrees = (outcome == "launched") == predicted and outcome != "other_failure"
+        if not agrees:
+            disagreements.append((d, dv, causal, phase, need, outcome, error))
+        RESULTS.append({"provider": provider, "case": f"sm90_smem_{phase}_{d}_{dv}{'_causal' if causal else ''}",
+                        "dtype": "bfloat16", "ok": agrees, "errors": {}, "error": error, "tolerance": None,
+                        "seconds": round(time.perf_counter() - start, 3), "model_bytes": need,
+                        "model_fits": predicted, "outcome": outcome})
+    assert not disagreements, f"the sm90 shared-memory model disagrees with the kernels: {disagreements}"
 
 
 # --------------------------------------------------------------------------------------------------------------
