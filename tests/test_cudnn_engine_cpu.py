@@ -10,6 +10,7 @@ GPU (tests/gpu/test_cudnn_gpu.py).
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import itertools
 import math
@@ -111,8 +112,26 @@ def _write(buf, t: FakeTensor, value: torch.Tensor, uid_buf, lens=None) -> None:
     torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).copy_(value)
 
 
+class GraphNotSupported(Exception):
+    """cudnn.cudnnGraphNotSupportedError's stand-in."""
+
+
+FAKE_BACKEND_HANDLE = 4242
+_TORCH_OF = {DT.HALF: torch.float16, DT.BFLOAT16: torch.bfloat16, DT.FLOAT: torch.float32, DT.INT32: torch.int32,
+             DT.INT64: torch.int64}
+
+
+def _from_pointer(ptr: int, t: FakeTensor) -> torch.Tensor:
+    """The buffer a graph tensor declares, at a bare address (host memory here), as a torch view."""
+    dtype = _TORCH_OF[t.data_type]
+    n = 1 + sum((d - 1) * st for d, st in zip(t.dim, t.stride))
+    raw = (ctypes.c_char * (n * torch.empty((), dtype=dtype).element_size())).from_address(ptr)
+    return torch.as_strided(torch.frombuffer(raw, dtype=dtype, count=n), t.dim, t.stride)
+
+
 class FakeGraph:
     executions = 0
+    raw_executions = 0
 
     def __init__(self, io_data_type=None, intermediate_data_type=None, compute_data_type=None, handle=None):
         self.tensors, self.node = [], None
@@ -135,9 +154,83 @@ class FakeGraph:
         return outs
 
     def validate(self):
+        """cuDNN's graph checks our engine can reach, transcribed from cudnn-frontend 1.32 (_sdpa_validate.py
+        _validate_common/_validate_forward/_validate_backward, and the C++ surface's backend-only rules),
+        for cuDNN 9.19 on sm90."""
+        phase, kw = self.node
+        q, k, v = kw["q"], kw["k"], kw["v"]
+        hq, sq, dqk = q.dim[1], q.dim[2], q.dim[3]
+        hk, skv, dv = k.dim[1], k.dim[2], v.dim[3]
+        align = kw.get("diagonal_alignment")
+        left, right = kw.get("diagonal_band_left_bound"), kw.get("diagonal_band_right_bound")
+        br_causal = align == Align.BOTTOM_RIGHT and right is not None
+        padding, alibi = bool(kw.get("use_padding_mask")), bool(kw.get("use_alibi_mask"))
+        bias, dropout = "bias" in kw, "dropout" in kw
+        ragged = any(t.ragged is not None for t in (q, k, v))
+        rules = [
+            (hq % hk != 0, "For group-query attention, number of heads for key and query must be a factor"),
+            (alibi and right != 0, "When alibi mask is used, diagonal_band_right_bound needs to be set to 0."),
+            (ragged and not padding, "Ragged offsets are only supported with padding mask."),
+            (br_causal and not padding and sq > skv, "Bottom right causal mask does not support max_s_q > max_s_kv."),
+            (br_causal and (bias or alibi or dropout), "Bottom right causal mask is only supported with "
+                                                       "is_bias=False, is_alibi=False, is_dropout=False."),
+            (left is not None and not padding and sq > skv, "Sliding window attention is only supported with "
+                                                            "max_s_q <= max_s_kv."),
+            (left is not None and left <= 0, "Left bound (Sliding window length) should be greater than zero"),
+            (dqk % 8 != 0 or dv % 8 != 0, "hidden_dim should be multiple of 8"),
+            (phase == "bwd" and sq == 1 and skv == 1, "s_q = s_kv = 1 is not supported."),
+            (phase == "bwd" and (dqk > 256 or dv > 256), "Num hidden_dim should be less than or equal to 256"),
+            (phase == "fwd" and "sink_token" in kw and sq == 1, "decode only mode, i.e. s_q == 1, not supported "
+                                                               "with sink_token"),
+        ]
+        for broken, message in rules:
+            if broken:
+                raise GraphNotSupported(message)
+
+    def build_operation_graph(self):
         pass
 
-    build_operation_graph = check_support = build_plans = validate
+    check_support = build_plans = build_operation_graph
+
+    # --- the internals the engine's raw launch reads (cudnn/_pygraph.py, frontend 1.32) ---
+    selected_engine = None
+    _plan_index = 0
+
+    @property
+    def _plans(self):
+        return [types.SimpleNamespace(cpp_index=0)]
+
+    def _materialize_backend_plan(self, index):
+        return self._plans[index]
+
+    def get_plan_name_at_index(self, index):
+        return "fake_eng0"
+
+    def _caller_tensors(self):
+        phase, kw = self.node
+        ts = {id(t): t for t in self.tensors}
+        ts.update({id(t): t for t in getattr(self, "_outs", [])})
+        ts.update({id(t): t for t in kw.get("outs", [])})
+        return sorted(ts.values(), key=lambda t: t.uid)
+
+    @property
+    def _lowered_graph(self):
+        """Offered for dense graphs only: the stand-in re-reads buffers from bare pointers through their declared
+        extents, which a ragged tensor does not describe."""
+        if any(t.ragged is not None for t in self._caller_tensors()):
+            return None
+        return types.SimpleNamespace(_execute_with_raw_ptrs=self._execute_with_raw_ptrs)
+
+    def _variant_pack_uids(self):
+        return [t.uid for t in self._caller_tensors()]
+
+    def _execute_with_raw_ptrs(self, address, n, workspace, handle, index):
+        FakeGraph.raw_executions += 1
+        assert handle == FAKE_BACKEND_HANDLE and index == 0 and workspace != 0
+        order = self._caller_tensors()
+        ptrs = list((ctypes.c_uint64 * n).from_address(address))
+        assert n == len(order) and all(ptrs), (n, len(order), ptrs)
+        self.execute([_from_pointer(p, t) for p, t in zip(ptrs, order)], None, tensor_uids=[t.uid for t in order])
 
     def create_execution_plans(self, modes):
         pass
@@ -258,7 +351,7 @@ def _fake_cudnn():
     m.diagonal_alignment = Align
     m.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
     m.backend_version = lambda: 91900
-    m.create_handle = lambda: object()
+    m.create_handle = lambda: types.SimpleNamespace(backend_handle=FAKE_BACKEND_HANDLE)
     m.set_stream = lambda handle=None, stream=None: None
 
     class Graph(FakeGraph):
@@ -382,7 +475,7 @@ CASES = {
     "gqa": dict(h=4, hk=1, mask="causal"), "dqk_ne_dv": dict(d=8, dv=16),
     "bias_grad": dict(bias=(1, 4), bias_grad=True), "bias_bhss": dict(bias=(2, 4)), "bias_11ss": dict(bias=(1, 1)),
     "alibi_builtin": dict(mask="causal", alibi="default"), "alibi_slopes": dict(mask="causal", alibi="h"),
-    "alibi_br_cross": dict(mask="causal_bottom_right", alibi="h", sq=8, skv=14),
+    "alibi_cross": dict(mask="causal", alibi="h", sq=8, skv=14),
     "off_by_one": dict(softmax="off-by-one"), "learnable": dict(mask="causal", softmax="learnable"),
 }
 
@@ -418,3 +511,187 @@ def test_graph_errors_carry_cudnn_message_and_are_recorded(engine, monkeypatch):
     assert any("No valid engine configs" in m for m in table.REJECTIONS.values())
     with pytest.raises(eng.CudnnGraphError):  # the failure is cached: no second build attempt
         engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
+
+
+# --------------------------------------------------------------------------------------------
+# The lean call path: raw launch, cached signatures, backward graph built by the forward
+# --------------------------------------------------------------------------------------------
+def _dense_call(seed=0, requires_grad=True, d=8, **cfg_kw):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 12, 4, d, generator=g).requires_grad_(requires_grad) for _ in range(3))
+    return q, k, v, AttnConfig(softmax_scale=0.3, **cfg_kw)
+
+
+def test_repeat_calls_take_the_raw_fast_path(engine):
+    q, k, v, cfg = _dense_call(attn_mask_type="causal")
+    out1, lse1, _ = engine(q, k, v, AttnAux(), cfg)
+    out1.sum().backward()
+    grads1 = [t.grad.clone() for t in (q, k, v)]
+    assert {key.phase: c.path for key, c in engine._graphs.items()} == {"fwd": "raw", "bwd": "raw"}
+    builds, raw = engine.stats["builds"], FakeGraph.raw_executions
+    for t in (q, k, v):
+        t.grad = None
+    out2, lse2, _ = engine(q, k, v, AttnAux(), cfg)
+    out2.sum().backward()
+    assert engine.stats["builds"] == builds and FakeGraph.raw_executions == raw + 2
+    (fast,) = engine._fast.values()
+    assert len(fast.bwd) == 1
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads1, (q, k, v)))
+    ref, _ = reference_attention(*(t.detach().double() for t in (q, k, v)), attn_mask_type="causal", softmax_scale=0.3)
+    assert _err(out2, ref) <= 1e-5
+
+
+def test_ragged_graphs_and_the_ordered_path_give_the_same_results(engine):
+    run(engine, fmt="thd", mask="padding")
+    assert {c.path for key, c in engine._graphs.items() if key.ragged} == {"ordered"}
+    ordered = eng.CudnnFrontendEngine(execute_path="ordered")
+    q, k, v, cfg = _dense_call(requires_grad=False, attn_mask_type="causal_bottom_right")
+    a = engine.forward(q, k, v, AttnAux(), cfg).out
+    b = ordered.forward(q, k, v, AttnAux(), cfg).out
+    assert torch.equal(a, b) and {c.path for c in ordered._graphs.values()} == {"ordered"}
+    with pytest.raises(ValueError, match="execute_path='fast'"):
+        eng.CudnnFrontendEngine(execute_path="fast")
+
+
+def test_forward_reports_a_backward_cuDNN_refuses(engine, monkeypatch):
+    from attn_dispatch.constraints import cudnn_fused as table
+
+    monkeypatch.setattr(table, "REJECTIONS", {})
+    q, k, v, cfg = _dense_call(d=264)
+    with pytest.raises(eng.CudnnGraphError, match="less than or equal to 256") as info:
+        engine(q, k, v, AttnAux(), cfg)
+    assert info.value.phase == "bwd" and FakeGraph.raw_executions == 0 or info.value.phase == "bwd"
+    assert any(sig[-1] == "bwd" for sig in table.REJECTIONS)
+    out, _, _ = engine(*(t.detach() for t in (q, k, v)), AttnAux(), cfg)  # inference needs no backward graph
+    assert out.shape == (2, 12, 4, 264)
+
+
+def test_dropout_uses_the_callers_seed(engine):
+    q, k, v, cfg = _dense_call(requires_grad=False, dropout_p=0.3)
+
+    def fwd(seed, dtype=torch.int64):
+        aux = AttnAux(extra={"dropout_seed": torch.tensor(seed, dtype=dtype)})
+        return engine.forward(q, k, v, aux, cfg).out
+
+    assert torch.equal(fwd([5, 0]), fwd([5, 0])) and not torch.equal(fwd([5, 0]), fwd([6, 0]))
+    with pytest.raises(ValueError, match=r"aux.extra\['dropout_seed'\]"):
+        fwd([5, 0], torch.float32)
+
+
+def test_backward_packs_a_strided_lse(engine):
+    q, k, v, cfg = _dense_call(attn_mask_type="causal")
+    res = engine.forward(q, k, v, AttnAux(), cfg)
+    dout = torch.randn_like(res.out)
+    expected = engine.backward(dout, q, k, v, res.out, res.lse, res.state, AttnAux(), cfg)
+    builds = engine.stats["builds"]
+    strided = torch.empty(2, 12, 4).transpose(1, 2).copy_(res.lse)   # [b, h, s] with the s dim outermost
+    got = engine.backward(dout, q, k, v, res.out, strided, res.state, AttnAux(), cfg)
+    assert engine.stats["builds"] == builds  # the same packed-stats graph
+    assert all(torch.equal(a, b) for a, b in zip(expected[:3], got[:3]))
+
+
+# --------------------------------------------------------------------------------------------
+# The table against cuDNN's own validation (transcribed in FakeGraph.validate), on the H100 of the device machine
+# --------------------------------------------------------------------------------------------
+def _h100():
+    from attn_dispatch import Platform
+
+    return Platform.parse("h100-cudnn9")
+
+
+def _attempt(engine, params) -> str | None:
+    """Run params through the engine on the stand-in: None when cuDNN's checks pass, else the message."""
+    from attn_dispatch.synthetic import make_call
+
+    call = make_call(params, device="cpu", requires_grad=params.is_training)
+    try:
+        out, _, _ = engine(call.q, call.k, call.v, call.aux, call.cfg)
+        if params.is_training:
+            out.float().sum().backward()
+    except eng.CudnnGraphError as exc:
+        return exc.cudnn_message
+    return None
+
+
+CUDNN_RULE_CODES = {"cudnn_fused.diagonal_band", "cudnn_fused.backward_single_token", "cudnn_fused.decode_sink"}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(attn_mask_type="causal_bottom_right", bias_type="alibi", alibi_slopes_shape="bh", max_seqlen_kv=256),
+    dict(attn_mask_type="causal_bottom_right", bias_type="post_scale_bias", bias_shape="1hss", max_seqlen_kv=256),
+    dict(attn_mask_type="causal_bottom_right", dropout=0.1, max_seqlen_kv=256),
+    dict(attn_mask_type="padding_causal_bottom_right", bias_type="post_scale_bias", bias_shape="11ss"),
+    dict(attn_mask_type="no_mask", window_size=(-1, 0), dropout=0.1, max_seqlen_kv=192),
+    dict(max_seqlen_q=1, max_seqlen_kv=1),
+    dict(softmax_type="off-by-one", max_seqlen_q=1, max_seqlen_kv=64, is_training=False),
+])
+def test_cudnn_refusals_are_declared(engine, kw):
+    from attn_dispatch import AttentionParams
+
+    p = AttentionParams(**{**dict(dtype="bf16", batch_size=2, num_heads=4, head_dim_qk=64, max_seqlen_q=128), **kw})
+    reasons = {r.code for r in FRONTEND_TABLE().evaluate(p, _h100(), EnvFlags()).reasons}
+    assert reasons & CUDNN_RULE_CODES, reasons
+    assert _attempt(engine, p) is not None
+
+
+def FRONTEND_TABLE():
+    from attn_dispatch.constraints import TABLES
+
+    return TABLES["cudnn_fused:frontend"]
+
+
+def EnvFlags():
+    from attn_dispatch import EnvFlags as Flags
+
+    return Flags()
+
+
+def test_table_is_exact_on_the_probe_configurations(engine, monkeypatch):
+    """Every boundary configuration of the probe: declared eligible => cuDNN's checks pass; declared rejected by a
+    rule transcribed from cuDNN's validation => they fail. (Graphs are built, not executed: results are checked
+    by the plumbing tests above.)"""
+    from attn_dispatch.probe import boundary_configs
+
+    monkeypatch.setattr(FakeGraph, "execute", lambda self, *args, **kwargs: None)
+
+    table, plat, wrong = FRONTEND_TABLE(), _h100(), []
+    for p in boundary_configs("cuda"):
+        verdict = table.evaluate(p, plat, EnvFlags())
+        codes = {r.code for r in verdict.reasons}
+        if not verdict.eligible and not codes <= CUDNN_RULE_CODES:
+            continue  # rejected by a rule the stand-in does not model (versions, dtypes, TE's own limits)
+        message = _attempt(engine, p)
+        if verdict.eligible != (message is None):
+            wrong.append(f"{p.describe()}: declared {sorted(codes) or 'eligible'}, cuDNN: {message or 'accepts'}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(attn_mask_type="causal"),
+    dict(qkv_format="thd", attn_mask_type="padding_causal", num_gqa_groups=2),
+    dict(attn_mask_type="causal", bias_type="alibi", alibi_slopes_shape="bh", max_seqlen_kv=256),
+    dict(bias_type="post_scale_bias", bias_shape="1hss", bias_requires_grad=True),
+    dict(dropout=0.1, deterministic=True),
+    dict(softmax_type="learnable", qkv_format="sbhd"),
+])
+def test_a_refused_graph_excludes_the_call_in_the_live_table(engine, monkeypatch, kw):
+    """What DotProductAttention relies on to fall back: the signature the engine records for a refused graph is the
+    one the table computes from the call's AttentionParams, so `cudnn_rejected` rejects exactly that call."""
+    from attn_dispatch import AttentionParams
+    from attn_dispatch.constraints import cudnn_fused as table
+
+    monkeypatch.setattr(table, "REJECTIONS", {})
+
+    def refuse(self):
+        raise GraphNotSupported("no engine for this graph")
+
+    monkeypatch.setattr(FakeGraph, "validate", refuse)
+    p = AttentionParams(**{**dict(dtype="bf16", batch_size=2, num_heads=4, head_dim_qk=64, max_seqlen_q=128), **kw})
+    assert _attempt(engine, p) is not None
+    live = _h100()
+    object.__setattr__(live, "name", "live")
+    reasons = {r.code: r.message for r in FRONTEND_TABLE().evaluate(p, live, EnvFlags()).reasons}
+    assert "no engine for this graph" in reasons.get("cudnn_fused.cudnn_rejected", ""), reasons
+    assert "cudnn_fused.cudnn_rejected" not in {r.code for r in FRONTEND_TABLE().evaluate(
+        p.replace(head_dim_qk=128, head_dim_v=128), live, EnvFlags()).reasons}

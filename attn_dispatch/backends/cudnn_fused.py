@@ -2,17 +2,21 @@
 
 CudnnFrontendEngine builds one cudnn-frontend SDPA graph per configuration (forward with stats, backward),
 caches it on a key of everything the graph bakes in (shapes, strides, dtype, mask, window, bias, dropout,
-scale, device), keeps one cuDNN handle per device (re-pointed at the current stream) and one grow-only
-workspace per (device, stream). Layouts travel as strides: q/k/v are described to cuDNN as [b, h, s, d]
-views of the caller's bshd/sbhd tensors (no copies); thd goes through ragged offsets (cu_seqlens_padded x
-token stride) and sequence-length tensors, with the softmax stats ragged too (cuDNN >= 9.6).
+scale, device), keeps one cuDNN handle per device (re-pointed at a new stream only when the stream changes) and
+one grow-only workspace per (device, stream). Layouts travel as strides: q/k/v are described to cuDNN as
+[b, h, s, d] views of the caller's bshd/sbhd tensors (no copies); thd goes through ragged offsets
+(cu_seqlens_padded x token stride) and sequence-length tensors, with the softmax stats ragged too (cuDNN >= 9.6).
+
+The cached call path is lean: a call signature seen before (dense bshd/sbhd without padding, bias, ALiBi or a
+learnable sink: the common training call) is looked up on a tuple of shapes, strides, dtypes and the config's
+identity, its outputs are allocated, and the data pointers go straight to the backend's raw execute
+(_cudnn_graph.py). Everything else takes the general path: validate, derive the graph key, look the graph up.
+The first training call of a configuration also builds the backward graph, so that a graph cuDNN refuses is
+reported by the forward (CudnnGraphError, recorded for the table's `cudnn_rejected` check), not by backward.
 
 Conventions (backends/base.py): lse is cuDNN's natural-log stats ([b, h, s, 1] -> [b, h, s]; thd: the
 ragged [t, h] stats returned as an [h, t] view). Rows of padding tokens get output 0 and lse -inf.
-
-Masks follow Transformer Engine: 'causal'/'padding_causal' are top-left aligned, every other mask type
-and every sliding window is bottom-right aligned (per sequence when lengths are known); window (left, right)
-maps to cuDNN's diagonal band: left_bound = left + 1, right_bound = right.
+Masks follow Transformer Engine (constraints.cudnn_fused.diagonal_band, shared with the table).
 
 `cudnn` is imported when an engine is constructed, never at module import (the tables import on any box).
 """
@@ -20,21 +24,25 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from ..constraints.cudnn_fused import record_rejection
+from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
+from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+
+__all__ = ["CudnnFrontendEngine", "CudnnGraphError", "SdpaKey", "TorchCudnnEngine", "alibi_bias",
+           "alibi_default_slopes", "bhsd"]
 
 TOP_LEFT_MASKS = ("causal", "padding_causal")
 IO_DTYPES = (torch.float16, torch.bfloat16)
 GRAPH_CACHE_SIZE = 512
-# cudnn-frontend's own CuTe-DSL kernels ("FROST" python engines) need nvidia-cutlass-dsl; by default we run the
-# cuDNN library's kernels, the same ones torch's cuDNN SDPA runs.
-PYTHON_ENGINE_NAMES = ("sdpa_fwd_prefill", "sdpa_bwd_sm", "sdpa_fwd_decode")
+FAST_CACHE_SIZE = 256
 
 
 # The CUDA touch points, in one place (tests run the engine's plumbing on the CPU through a stand-in cudnn).
@@ -46,8 +54,12 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    """The current stream's cudaStream_t: torch's C accessor (no Stream object) where present."""
+    return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def _empty_workspace(size: int, device: int) -> torch.Tensor:
@@ -59,12 +71,27 @@ def _require_cuda(q: torch.Tensor) -> None:
         raise ValueError(f"q is on {q.device}; cuDNN fused attention needs CUDA tensors")
 
 
-class CudnnGraphError(RuntimeError):
-    """cuDNN (through cudnn-frontend) cannot build this attention graph. Carries cuDNN's own message."""
+class _DeviceState:
+    """One cuDNN handle per device, its current stream, and a grow-only workspace per stream."""
 
-    def __init__(self, phase: str, stage: str, message: str, key: Any):
-        self.phase, self.stage, self.cudnn_message, self.key = phase, stage, message, key
-        super().__init__(f"cuDNN rejected the {phase} attention graph at {stage}: {message}")
+    def __init__(self, cudnn: Any, device: int):
+        with _on_device(device):
+            self.handle = cudnn.create_handle()
+        self.backend = getattr(self.handle, "backend_handle", None)  # the raw cudnnHandle_t (frontend >= 1.3x)
+        self.stream: int | None = None
+        self.workspaces: dict[int, torch.Tensor] = {}
+
+    def bind(self, cudnn: Any, stream: int) -> None:
+        if stream != self.stream:  # cudnnSetStream is not free: only on a change
+            cudnn.set_stream(handle=self.handle, stream=stream)
+            self.stream = stream
+
+    def workspace(self, stream: int, size: int, device: int) -> torch.Tensor:
+        ws = self.workspaces.get(stream)
+        if ws is None or ws.numel() < size:
+            ws = _empty_workspace(max(size, 1), device)
+            self.workspaces[stream] = ws
+        return ws
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,10 +110,7 @@ def _seq_dim(fmt: str) -> int:
     return 1 if fmt == "bshd" else 0
 
 
-def _bucket(n: int) -> int:
-    """Graph size for a thd max sequence length / token count: the next power of two (>= 64), so a varying batch
-    reuses a handful of graphs; cuDNN bounds the work by the sequence-length tensors, not by this."""
-    return max(64, 1 << max(0, n - 1).bit_length())
+_bucket = graph_bucket  # the thd graph's S extent (shared with the table)
 
 
 def _lens(cu: torch.Tensor) -> torch.Tensor:
@@ -140,247 +164,6 @@ def alibi_bias(slopes: torch.Tensor, sq: int, skv: int, top_left: bool, dtype: t
     s = slopes.float()
     s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
     return (-s * dist).to(dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# The graph key: everything a cuDNN SDPA graph bakes in
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SdpaKey:
-    phase: str                 # 'fwd' | 'bwd'
-    dtype: str                 # 'float16' | 'bfloat16'
-    device: int
-    b: int
-    h: int
-    hkv: int
-    sq: int                    # graph S dims (thd: bucketed max sequence lengths)
-    skv: int
-    dqk: int
-    dv: int
-    strides: tuple             # ((name, (sb, sh, ss, sd)), ...) for every [b, h, s, d] operand
-    ragged: bool               # thd
-    ragged_tokens: tuple       # thd: ((name, token stride), ...) for the ragged offsets
-    padding: bool
-    alignment: str | None      # 'top_left' | 'bottom_right' | None
-    left_bound: int | None
-    right_bound: int | None
-    bias: tuple | None         # (dims, strides) of the bias tensor
-    bias_grad: bool
-    alibi: bool                # cuDNN's built-in ALiBi
-    dropout: float
-    scale: float
-    sink: bool
-    sink_grad: bool
-    deterministic: bool
-    offsets_int64: bool
-    stats_stride: tuple
-    max_total: tuple = (0, 0)  # bwd, thd: token counts bounding the workspace
-    rng_dump: bool = False     # tests: dump the dropout keep mask
-
-    def stride(self, name: str) -> tuple:
-        return dict(self.strides)[name]
-
-
-@dataclass
-class _Compiled:
-    graph: Any
-    tensors: dict            # name -> graph tensor
-    names: tuple             # operands in a fixed order
-    uids: tuple | None
-    workspace_size: int
-    plan: str
-    ordered: bool = True     # cudnn-frontend's ordered execute(tensor_uids=...) path
-
-
-class _DeviceState:
-    def __init__(self, cudnn: Any, device: int):
-        with _on_device(device):
-            self.handle = cudnn.create_handle()
-        self.workspaces: dict[int, torch.Tensor] = {}  # stream -> grow-only workspace
-
-    def workspace(self, stream: int, size: int, device: int) -> torch.Tensor:
-        ws = self.workspaces.get(stream)
-        if ws is None or ws.numel() < size:
-            ws = _empty_workspace(max(size, 1), device)
-            self.workspaces[stream] = ws
-        return ws
-
-
-# --------------------------------------------------------------------------------------------
-# cudnn-frontend graphs
-# --------------------------------------------------------------------------------------------
-class _GraphBuilder:
-    """Builds the forward or backward SDPA graph of one SdpaKey (pure description: no tensors involved)."""
-
-    def __init__(self, cudnn: Any, key: SdpaKey, handle: Any, fe_version: tuple, allow_python_engines: bool):
-        self.cudnn, self.key, self.fe_version = cudnn, key, fe_version
-        dt = cudnn.data_type
-        self.io = dt.HALF if key.dtype == "float16" else dt.BFLOAT16
-        self.graph = cudnn.pygraph(io_data_type=self.io, intermediate_data_type=dt.FLOAT,
-                                   compute_data_type=dt.FLOAT, handle=handle)
-        self.tensors: dict[str, Any] = {}
-        self.allow_python_engines = allow_python_engines
-
-    # --- operands ---
-    def _dims(self, name: str) -> list[int]:
-        k = self.key
-        heads = k.hkv if name in ("k", "v", "dk", "dv") else k.h
-        seq = k.skv if name in ("k", "v", "dk", "dv") else k.sq
-        d = k.dv if name in ("v", "dv", "o", "do") else k.dqk
-        return [k.b, heads, seq, d]
-
-    def _offset(self, name: str) -> Any:
-        t = self.tensors.get(name)
-        if t is None:
-            dtype = self.cudnn.data_type.INT64 if self.key.offsets_int64 else self.cudnn.data_type.INT32
-            t = self.graph.tensor(name=name, dim=[self.key.b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype)
-            self.tensors[name] = t
-        return t
-
-    def _ragged_name(self, operand: str) -> str:
-        side = "q" if operand in ("q", "o", "do", "dq") else "kv"
-        return f"off_{side}_{dict(self.key.ragged_tokens)[operand]}"
-
-    def operand(self, name: str) -> Any:
-        t = self.graph.tensor(name=name, dim=self._dims(name), stride=list(self.key.stride(name)), data_type=self.io)
-        if self.key.ragged:
-            t.set_ragged_offset(self._offset(self._ragged_name(name)))
-        self.tensors[name] = t
-        return t
-
-    def output(self, name: str, t: Any) -> None:
-        t.set_output(True).set_dim(self._dims(name)).set_stride(list(self.key.stride(name))).set_data_type(self.io)
-        if self.key.ragged:
-            t.set_ragged_offset(self._offset(self._ragged_name(name)))
-        self.tensors[name] = t
-
-    def small(self, name: str, dims: list[int], dtype: Any, stride: list[int] | None = None) -> Any:
-        t = self.graph.tensor(name=name, dim=dims, stride=stride or _contiguous(dims), data_type=dtype)
-        self.tensors[name] = t
-        return t
-
-    def stats(self, t: Any | None = None) -> Any:
-        k = self.key
-        if t is None:
-            t = self.graph.tensor(name="stats", dim=[k.b, k.h, k.sq, 1], stride=list(k.stats_stride),
-                                  data_type=self.cudnn.data_type.FLOAT)
-        else:
-            t.set_output(True).set_dim([k.b, k.h, k.sq, 1]).set_stride(list(k.stats_stride)) \
-                .set_data_type(self.cudnn.data_type.FLOAT)
-        if k.ragged:
-            t.set_ragged_offset(self._offset("off_stats"))
-        self.tensors["stats"] = t
-        return t
-
-    # --- the op's keyword arguments shared by forward and backward ---
-    def common_kwargs(self) -> dict:
-        c, k, f32, i32 = self.cudnn, self.key, self.cudnn.data_type.FLOAT, self.cudnn.data_type.INT32
-        kw: dict[str, Any] = {"attn_scale": k.scale}
-        if k.alignment is not None:
-            kw["diagonal_alignment"] = (c.diagonal_alignment.TOP_LEFT if k.alignment == "top_left"
-                                        else c.diagonal_alignment.BOTTOM_RIGHT)
-            if k.left_bound is not None:
-                kw["diagonal_band_left_bound"] = k.left_bound
-            if k.right_bound is not None:
-                kw["diagonal_band_right_bound"] = k.right_bound
-        if k.padding:
-            kw["use_padding_mask"] = True
-            kw["seq_len_q"] = self.small("seq_len_q", [k.b, 1, 1, 1], i32)
-            kw["seq_len_kv"] = self.small("seq_len_kv", [k.b, 1, 1, 1], i32)
-        if k.bias is not None:
-            dims, strides = k.bias
-            kw["bias"] = self.small("bias", list(dims), self.io, list(strides))
-        if k.alibi:
-            kw["use_alibi_mask"] = True
-        if k.dropout > 0:
-            i64 = c.data_type.INT64
-            kw["dropout"] = (k.dropout, self.small("seed", [1, 1, 1, 1], i64), self.small("offset", [1, 1, 1, 1], i64))
-        if k.sink:
-            kw["sink_token"] = self.small("sink", [1, k.h, 1, 1], f32)
-        return kw
-
-    def build_forward(self) -> _Compiled:
-        g, k = self.graph, self.key
-        q, kk, v = self.operand("q"), self.operand("k"), self.operand("v")
-        kw = self.common_kwargs()
-        if self.fe_version >= (1, 13):
-            kw["generate_stats"] = True
-        else:
-            kw["is_inference"] = False
-        if k.rng_dump:
-            kw["rng_dump"] = self.small("rng_dump", [k.b, k.h, k.sq, k.skv], self.cudnn.data_type.FLOAT)
-        o, stats = g.sdpa(q=q, k=kk, v=v, name="sdpa", **kw)
-        self.output("o", o)
-        self.stats(stats)
-        return self.finish()
-
-    def build_backward(self) -> _Compiled:
-        g, k = self.graph, self.key
-        q, kk, v = self.operand("q"), self.operand("k"), self.operand("v")
-        o, do = self.operand("o"), self.operand("do")
-        stats = self.stats()
-        kw = self.common_kwargs()
-        kw["use_deterministic_algorithm"] = k.deterministic
-        if k.ragged:
-            kw["max_total_seq_len_q"], kw["max_total_seq_len_kv"] = k.max_total
-        if k.bias_grad:
-            dims, _ = k.bias
-            kw["dBias"] = self.small("dbias", list(dims), self.io)
-        if k.sink:
-            kw["dSink_token"] = self.small("dsink", [1, k.h, 1, 1], self.cudnn.data_type.FLOAT)
-        dq, dk, dv = g.sdpa_backward(q=q, k=kk, v=v, o=o, dO=do, stats=stats, name="sdpa_backward", **kw)
-        for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
-            self.output(name, t)
-        if k.bias_grad:
-            self.tensors["dbias"].set_output(True)
-        if k.sink:
-            self.tensors["dsink"].set_output(True)
-        return self.finish()
-
-    def finish(self) -> _Compiled:
-        g, c = self.graph, self.cudnn
-        stage = "validate"
-        try:
-            g.validate()
-            stage = "build_operation_graph"
-            g.build_operation_graph()
-            stage = "create_execution_plans"
-            g.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
-            if not self.allow_python_engines and _has_python_plans(g):
-                g.deselect_engines(list(PYTHON_ENGINE_NAMES))
-            stage = "check_support"
-            g.check_support()
-            stage = "build_plans"
-            g.build_plans()
-            workspace = int(g.get_workspace_size())
-        except Exception as exc:  # noqa: BLE001 - every cuDNN failure becomes one clear error
-            raise CudnnGraphError(self.key.phase, stage, f"{type(exc).__name__}: {exc}".strip(), self.key) from exc
-        names = tuple(sorted(self.tensors))
-        uids = None
-        try:
-            uids = tuple(int(self.tensors[n].get_uid()) for n in names)
-        except Exception:  # noqa: BLE001 - older bindings: the dict form of execute
-            uids = None
-        engine = getattr(g, "selected_engine", None)
-        plan = getattr(engine, "name", None) or "cudnn backend"
-        return _Compiled(g, dict(self.tensors), names, uids, workspace, plan, ordered=uids is not None)
-
-
-def _has_python_plans(graph: Any) -> bool:
-    """Whether cudnn-frontend ranked one of its own CuTe-DSL engines for this graph (frontend >= 1.2x)."""
-    try:
-        from cudnn.engines.engine_ids import is_python_engine
-    except ImportError:
-        return False
-    return any(is_python_engine(cfg.engine_id) for cfg in getattr(graph, "plans", ()) or ())
-
-
-def _contiguous(dims: list[int]) -> list[int]:
-    out, acc = [], 1
-    for d in reversed(dims):
-        out.append(acc)
-        acc *= d
-    return list(reversed(out))
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,20 +251,30 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
 
 
 def _mask_args(cfg: AttnConfig, call: _Call) -> tuple[str | None, int | None, int | None]:
-    """(alignment, left_bound, right_bound) for cuDNN's diagonal band."""
-    left, right = cfg.window_size
-    if "causal" in cfg.attn_mask_type:
-        right = 0
-    if left < 0 and right < 0:
-        return None, None, None
-    top_left = cfg.attn_mask_type in TOP_LEFT_MASKS or (call.sq == call.skv and not call.padding)
-    return ("top_left" if top_left else "bottom_right", left + 1 if left >= 0 else None,
-            right if right >= 0 else None)
+    """(alignment, left_bound, right_bound) for cuDNN's diagonal band (the table computes the same band)."""
+    return diagonal_band(cfg.attn_mask_type, tuple(cfg.window_size), call.sq, call.skv, call.padding)
 
 
 # --------------------------------------------------------------------------------------------
 # Engine 1: cudnn-frontend graphs
 # --------------------------------------------------------------------------------------------
+@dataclass
+class _FastFwd:
+    """A forward signature seen before on the lean path (dense, no padding/bias/ALiBi/learnable sink): everything
+    but the data pointers is fixed."""
+    cfg: AttnConfig
+    compiled: Compiled
+    key: SdpaKey
+    call: _Call
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    dev: int
+    sink: torch.Tensor | None                # off-by-one: the zero sink logits
+    bwd: dict = field(default_factory=dict)  # backward signature -> Compiled
+
+
 @dataclass
 class _FwdState:
     key: SdpaKey
@@ -491,21 +284,31 @@ class _FwdState:
     sink: torch.Tensor | None
     seed: torch.Tensor | None       # int64 [2]: Philox seed, offset
     rng_dump: torch.Tensor | None = None
+    fast: _FastFwd | None = None
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """What torch.empty_like(t) would allocate (same strides for dense t), without memory."""
+    return torch.empty_like(t, device="meta")
 
 
 class CudnnFrontendEngine(Engine):
     family = "cudnn_fused"
     provider = "frontend"
 
-    def __init__(self, allow_python_engines: bool = False):
+    def __init__(self, allow_python_engines: bool = False, execute_path: str = "raw"):
+        if execute_path not in EXECUTE_PATHS:
+            raise ValueError(f"execute_path={execute_path!r}; expected one of {', '.join(EXECUTE_PATHS)}")
         import cudnn  # noqa: PLC0415 - lazy: the package is optional
 
         self.cudnn = cudnn
         self.fe_version = tuple(int(x) for x in str(cudnn.__version__).split(".")[:2] if x.isdigit())
         self.cudnn_version = int(cudnn.backend_version())
         self.allow_python_engines = allow_python_engines
-        self._graphs: OrderedDict[SdpaKey, _Compiled] = OrderedDict()
+        self.execute_path = execute_path
+        self._graphs: OrderedDict[SdpaKey, Compiled] = OrderedDict()
         self._failures: dict[SdpaKey, CudnnGraphError] = {}
+        self._fast: dict[tuple, _FastFwd] = {}
         self._devices: dict[int, _DeviceState] = {}
         self._lock = threading.Lock()
         self.stats = {"builds": 0, "hits": 0, "build_seconds": 0.0}
@@ -521,7 +324,7 @@ class CudnnFrontendEngine(Engine):
                 self._devices[index] = state
         return state
 
-    def graph(self, key: SdpaKey) -> _Compiled:
+    def graph(self, key: SdpaKey) -> Compiled:
         compiled = self._graphs.get(key)
         if compiled is not None:
             self.stats["hits"] += 1
@@ -529,17 +332,18 @@ class CudnnFrontendEngine(Engine):
         failure = self._failures.get(key)
         if failure is not None:
             raise failure
-        import time
-
         start = time.perf_counter()
         try:
             with _on_device(key.device):
-                builder = _GraphBuilder(self.cudnn, key, self._device(key.device).handle, self.fe_version,
-                                        self.allow_python_engines)
+                state = self._device(key.device)
+                builder = GraphBuilder(self.cudnn, key, state.handle, self.fe_version, self.allow_python_engines,
+                                       self.execute_path)
                 compiled = builder.build_forward() if key.phase == "fwd" else builder.build_backward()
         except CudnnGraphError as exc:
             self._failures[key] = exc
             raise
+        if compiled.path == "raw" and state.backend is None:
+            compiled.path = "ordered"
         self.stats["builds"] += 1
         self.stats["build_seconds"] += time.perf_counter() - start
         with self._lock:
@@ -548,29 +352,53 @@ class CudnnFrontendEngine(Engine):
                 self._graphs.popitem(last=False)
         return compiled
 
-    def _run(self, compiled: _Compiled, buffers: dict[str, Any], device: int) -> None:
+    def _graph_or_record(self, key: SdpaKey, signature: Callable[[str], tuple]) -> Compiled:
+        try:
+            return self.graph(key)
+        except CudnnGraphError as exc:
+            record_rejection(signature(key.phase), exc.cudnn_message)
+            raise
+
+    # --- launching a built graph ---
+    def _launch_raw(self, compiled: Compiled, ptrs: dict[str, int], device: int) -> None:
+        """The lean launch: data pointers in the backend's slot order, straight to its raw execute."""
+        if _current_device() != device:
+            with _on_device(device):
+                return self._launch_raw(compiled, ptrs, device)
+        state = self._devices.get(device) or self._device(device)
+        stream = _stream(device)
+        state.bind(self.cudnn, stream)
+        ws = state.workspace(stream, compiled.workspace_size, device)
+        if compiled.bound:
+            ptrs.update(compiled.bound)
+        try:
+            slots = array("Q", [ptrs[n] for n in compiled.slots])
+        except KeyError as exc:
+            raise RuntimeError(f"cuDNN graph slot {exc.args[0]!r} has no buffer (engine bug)") from None
+        compiled.raw(slots.buffer_info()[0], len(slots), ws.data_ptr(), state.backend, compiled.plan_index)
+
+    def _run(self, compiled: Compiled, buffers: dict[str, Any], device: int) -> None:
+        """The general launch: raw when the graph allows it, else cudnn-frontend's execute."""
+        if compiled.path == "raw":
+            try:
+                return self._launch_raw(compiled, {n: t.data_ptr() for n, t in buffers.items()}, device)
+            except TypeError:
+                compiled.path = "ordered"  # a binding whose raw execute takes other arguments: the public path
         if _current_device() != device:
             with _on_device(device):
                 return self._run(compiled, buffers, device)
         state = self._device(device)
         stream = _stream(device)
-        self.cudnn.set_stream(handle=state.handle, stream=stream)
+        state.bind(self.cudnn, stream)
         ws = state.workspace(stream, compiled.workspace_size, device)
-        if compiled.ordered:
+        if compiled.path == "ordered":
             try:
                 compiled.graph.execute(tuple(buffers[n] for n in compiled.names), ws, handle=state.handle,
                                        tensor_uids=compiled.uids)
                 return
             except (TypeError, ValueError):
-                compiled.ordered = False  # a frontend without the ordered form: the dict form from now on
+                compiled.path = "dict"  # a frontend without the ordered form: the dict form from now on
         compiled.graph.execute({compiled.tensors[n]: buffers[n] for n in compiled.names}, ws, handle=state.handle)
-
-    def _graph_or_record(self, key: SdpaKey, signature: tuple) -> _Compiled:
-        try:
-            return self.graph(key)
-        except CudnnGraphError as exc:
-            record_rejection(signature, exc.cudnn_message)
-            raise
 
     # --- per-call pieces ---
     def _bias(self, q: torch.Tensor, aux: AttnAux, cfg: AttnConfig, call: _Call) -> tuple:
@@ -621,6 +449,18 @@ class CudnnFrontendEngine(Engine):
             raise ValueError(f"softmax_type='learnable' needs aux.softmax_offset of shape [{call.h}]")
         return aux.softmax_offset.detach().float().reshape(1, call.h, 1, 1).contiguous()
 
+    @staticmethod
+    def _seed(aux: AttnAux, device: torch.device) -> torch.Tensor:
+        """Philox (seed, offset), int64 [2]: the caller's aux.extra['dropout_seed'] (the module draws it inside its
+        RNG tracker, so that recomputation reuses it), else a fresh draw."""
+        seed = aux.extra.get("dropout_seed") if aux.extra else None
+        if seed is None:
+            return torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=device, generator=aux.dropout_generator)
+        if seed.dtype != torch.int64 or seed.numel() != 2 or not seed.is_contiguous() or seed.device != device:
+            raise ValueError(f"aux.extra['dropout_seed'] is {seed.dtype} {tuple(seed.shape)} on {seed.device}; "
+                             f"expected a contiguous int64 tensor of 2 elements on {device}")
+        return seed
+
     def _key(self, phase: str, call: _Call, cfg: AttnConfig, dtype: torch.dtype, device: int,
              operands: dict[str, torch.Tensor], bias: torch.Tensor | None, bias_grad: bool, alibi: bool,
              sink: torch.Tensor | None, stats_stride: tuple, rng_dump: bool, sink_grad: bool = False) -> SdpaKey:
@@ -632,7 +472,7 @@ class CudnnFrontendEngine(Engine):
                 tokens.append((name, token))
         alignment, left, right = _mask_args(cfg, call)
         return SdpaKey(
-            phase=phase, dtype="float16" if dtype == torch.float16 else "bfloat16", device=device, b=call.b, h=call.h,
+            phase=phase, dtype=str(dtype).removeprefix("torch."), device=device, b=call.b, h=call.h,
             hkv=call.hkv, sq=call.sq, skv=call.skv, dqk=call.dqk, dv=call.dv, strides=tuple(strides),
             ragged=call.fmt == "thd", ragged_tokens=tuple(tokens), padding=call.padding, alignment=alignment,
             left_bound=left, right_bound=right,
@@ -689,15 +529,38 @@ class CudnnFrontendEngine(Engine):
 
     # --- Engine interface ---
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        fast = self._fast.get((id(cfg), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+                               k.dtype, v.dtype, q.device, k.device, v.device,
+                               q.requires_grad or k.requires_grad or v.requires_grad))
+        if fast is not None and (fast.cfg is cfg or fast.cfg == cfg) and "cudnn_rng_dump" not in aux.extra:
+            return self._forward_fast(fast, q, k, v, aux, cfg)
+        return self._forward_general(q, k, v, aux, cfg)
+
+    def _forward_fast(self, fast: _FastFwd, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                      cfg: AttnConfig) -> FwdResult:
+        self.stats["hits"] += 1
+        out = torch.empty(fast.out_shape, dtype=fast.dtype, device=fast.device)
+        lse = torch.empty(fast.lse_shape, dtype=torch.float32, device=fast.device)
+        ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(), "stats": lse.data_ptr()}
+        seed = None
+        if cfg.dropout_p > 0:
+            seed = self._seed(aux, fast.device)
+            ptrs["seed"] = seed.data_ptr()
+            ptrs["offset"] = ptrs["seed"] + 8  # seed[1]
+        if fast.sink is not None:
+            ptrs["sink"] = fast.sink.data_ptr()
+        self._launch_raw(fast.compiled, ptrs, fast.dev)
+        return FwdResult(out, lse, _FwdState(fast.key, fast.call, None, False, fast.sink, seed, None, fast))
+
+    def _forward_general(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                         cfg: AttnConfig) -> FwdResult:
         if cfg.return_max_logit:
             raise ValueError("return_max_logit=True is not supported by the cuDNN frontend engine")
         call = _prepare(q, k, v, aux, cfg)
         dev = q.device.index if q.device.index is not None else _current_device()
         bias, bias_grad, alibi = self._bias(q, aux, cfg, call)
         sink = self._sink(aux, cfg, call, q.device)
-        seed = None
-        if cfg.dropout_p > 0:
-            seed = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=q.device, generator=aux.dropout_generator)
+        seed = self._seed(aux, q.device) if cfg.dropout_p > 0 else None
         if call.fmt == "thd":
             fill = call.gaps
             out = (torch.zeros if fill else torch.empty)(call.t_q, call.h, call.dv, dtype=q.dtype, device=q.device)
@@ -713,9 +576,16 @@ class CudnnFrontendEngine(Engine):
             operands = {"q": bhsd(q, call.fmt), "k": bhsd(k, call.fmt), "v": bhsd(v, call.fmt),
                         "o": bhsd(out, call.fmt)}
         rng_dump = aux.extra.get("cudnn_rng_dump") if cfg.dropout_p > 0 else None
-        key = self._key("fwd", call, cfg, q.dtype, dev, {n: x for n, x in (("q", q), ("k", k), ("v", v), ("o", out))},
-                        bias, bias_grad, alibi, sink, stats_stride, rng_dump is not None)
-        compiled = self._graph_or_record(key, self._signature(call, cfg, q.dtype, "fwd", bias))
+        key = self._key("fwd", call, cfg, q.dtype, dev, {"q": q, "k": k, "v": v, "o": out}, bias, bias_grad, alibi,
+                        sink, stats_stride, rng_dump is not None)
+
+        def signature(phase: str) -> tuple:  # computed only when cuDNN refuses a graph
+            return self._signature(call, cfg, q.dtype, phase, bias)
+
+        compiled = self._graph_or_record(key, signature)
+        grad = q.requires_grad or k.requires_grad or v.requires_grad
+        if grad:  # a backward cuDNN refuses is reported now, before any kernel runs
+            self._prebuild_backward(call, cfg, q, k, v, out, dev, bias, bias_grad, alibi, sink, aux, signature)
         buffers = self._aux_buffers(call, key, operands, bias, sink, seed)
         buffers["stats"] = lse_store
         if rng_dump is not None:
@@ -727,33 +597,82 @@ class CudnnFrontendEngine(Engine):
             lse = lse_store
             if call.padding:
                 _clear_padded_rows(out, lse, call)
-        state = _FwdState(key, call, bias, bias_grad, sink, seed, rng_dump)
-        return FwdResult(out, lse, state)
+        fast = None
+        if (compiled.path == "raw" and call.fmt != "thd" and not call.padding and bias is None and not alibi
+                and cfg.softmax_type != "learnable" and rng_dump is None):
+            fast = _FastFwd(cfg, compiled, key, call, tuple(out.shape), tuple(lse.shape), q.dtype, q.device, dev, sink)
+            if len(self._fast) >= FAST_CACHE_SIZE:
+                self._fast.clear()
+            self._fast[(id(cfg), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+                        v.dtype, q.device, k.device, v.device, grad)] = fast
+        return FwdResult(out, lse, _FwdState(key, call, bias, bias_grad, sink, seed, rng_dump, fast))
+
+    def _prebuild_backward(self, call: _Call, cfg: AttnConfig, q, k, v, out, dev: int, bias, bias_grad: bool,
+                           alibi: bool, sink, aux: AttnAux, signature: Callable[[str], tuple]) -> None:
+        """Build (or find) the backward graph this forward's backward will ask for: dO laid out like the output,
+        gradients allocated like q, k, v, the stats as the forward returns them."""
+        operands = {"q": q, "k": k, "v": v, "o": out, "do": _meta_like(out), "dq": _meta_like(q),
+                    "dk": _meta_like(k), "dv": _meta_like(v)}
+        thd = call.fmt == "thd"
+        stats_stride = (call.h * call.sq, 1, call.h, 1) if thd else (call.h * call.sq, call.sq, 1, 1)
+        sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
+                     and aux.softmax_offset.requires_grad)
+        key = self._key("bwd", call, cfg, q.dtype, dev, operands, bias, bias_grad, alibi, sink, stats_stride, False,
+                        sink_grad)
+        self._graph_or_record(key, signature)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: _FwdState, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        fast = state.fast
+        if fast is not None:
+            compiled = fast.bwd.get((dout.shape, dout.stride(), dout.dtype, out.stride(), lse.stride(), q.stride(),
+                                     k.stride(), v.stride()))
+            if compiled is not None:
+                return self._backward_fast(fast, compiled, dout, q, k, v, out, lse, state)
+        return self._backward_general(dout, q, k, v, out, lse, state, aux, cfg)
+
+    def _backward_fast(self, fast: _FastFwd, compiled: Compiled, dout, q, k, v, out, lse,
+                       state: _FwdState) -> BwdResult:
+        self.stats["hits"] += 1
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(), "do": dout.data_ptr(),
+                "stats": lse.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr()}
+        if state.seed is not None:
+            ptrs["seed"] = state.seed.data_ptr()
+            ptrs["offset"] = ptrs["seed"] + 8
+        if fast.sink is not None:
+            dsink = torch.zeros(fast.sink.shape, dtype=torch.float32, device=fast.device)
+            ptrs["sink"], ptrs["dsink"] = fast.sink.data_ptr(), dsink.data_ptr()
+        self._launch_raw(compiled, ptrs, fast.dev)
+        return BwdResult(dq, dk, dv)
+
+    def _backward_general(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, state: _FwdState, aux: AttnAux,
+                          cfg: AttnConfig) -> BwdResult:
         call, dev = state.call, state.key.device
         if aux.bias is not None and aux.bias.requires_grad and not state.bias_grad and cfg.bias_type != "alibi":
             raise ValueError(f"the bias of shape {tuple(aux.bias.shape)} requires grad, but cuDNN computes dBias only "
                              f"for a [1, {call.h}, sq, skv] bias; detach it or use that shape")
         dq, dk, dv = (torch.zeros_like(t) if call.gaps else torch.empty_like(t) for t in (q, k, v))
+        operands = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
+        given_lse = lse
         if call.fmt == "thd":
             stats = lse.t()
             if stats.stride() != (call.h, 1):
                 stats = stats.contiguous()
             stats_stride = (call.h * call.sq, 1, call.h, 1)
-            operands = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
             views = operands
         else:
+            if not lse.is_contiguous():  # cuDNN < 9.26 reads only packed [b, h, s, 1] stats in the backward
+                lse = lse.contiguous()
             stats = lse.unsqueeze(-1)
             stats_stride = tuple(stats.stride())
-            operands = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
             views = {n: bhsd(t, call.fmt) for n, t in operands.items()}
         sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
                      and aux.softmax_offset.requires_grad)
         key = self._key("bwd", call, cfg, q.dtype, dev, operands, state.bias, state.bias_grad, state.key.alibi,
                         state.sink, stats_stride, False, sink_grad)
-        compiled = self._graph_or_record(key, self._signature(call, cfg, q.dtype, "bwd", state.bias))
+        compiled = self._graph_or_record(key, lambda phase: self._signature(call, cfg, q.dtype, phase, state.bias))
         buffers = self._aux_buffers(call, key, views, state.bias, state.sink, state.seed)
         buffers["stats"] = stats
         dbias = dsink = None
@@ -764,6 +683,9 @@ class CudnnFrontendEngine(Engine):
         self._run(compiled, buffers, dev)
         if call.padding and call.fmt != "thd":
             _clear_padded_grads(dq, dk, dv, call)
+        if state.fast is not None and compiled.path == "raw" and lse is given_lse:
+            state.fast.bwd[(dout.shape, dout.stride(), dout.dtype, out.stride(), lse.stride(), q.stride(), k.stride(),
+                            v.stride())] = compiled
         if dbias is not None and aux.bias is not None and dbias.dtype != aux.bias.dtype:
             dbias = dbias.to(aux.bias.dtype)
         dsoftmax = None

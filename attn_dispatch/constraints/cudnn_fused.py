@@ -31,6 +31,8 @@ TE_M512 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_ma
 FE_DOCS = "cudnn-frontend docs/operations/Attention.md (support matrix, cuDNN 9.18.1)"
 FE_TESTS = "cudnn-frontend test/python/test_mhas.py (version skips)"
 TORCH_SDP = "pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (can_use_cudnn_attention)"
+FE_VALIDATE = "cudnn-frontend 1.32 cudnn/_sdpa_validate.py (_validate_common, _validate_backward)"
+FE_SURFACE = "cudnn-frontend include/cudnn_frontend/node/sdpa_support_surface.h (C++ validate, in 1.32's binding)"
 OURS = "attn_dispatch.backends.cudnn_fused (our engine)"
 
 SUB_ARBITRARY = "F16_arbitrary_seqlen"
@@ -102,6 +104,41 @@ def deterministic_demanded(p: AttentionParams, env: EnvFlags) -> bool:
 def _has_window(p: AttentionParams) -> bool:
     """A window beyond what the mask alone gives: TE's test is window != (-1, -1) and != (-1, 0)."""
     return p.window_size not in ((-1, -1), (-1, 0))
+
+
+def graph_bucket(n: int) -> int:
+    """The S extent of a thd graph for a longest sequence of n tokens: the next power of two (>= 64), so a varying
+    batch reuses a handful of graphs (cuDNN bounds the work by the sequence-length tensors, not by this)."""
+    return max(64, 1 << max(0, n - 1).bit_length())
+
+
+def graph_seqlens(p: AttentionParams) -> tuple[int, int]:
+    """(s_q, s_kv) of the graph the frontend engine declares: the tensors' extents (bshd/sbhd), bucketed (thd)."""
+    if p.qkv_format == "thd":
+        return graph_bucket(p.max_seqlen_q), graph_bucket(p.max_seqlen_kv)
+    return p.max_seqlen_q, p.max_seqlen_kv
+
+
+def diagonal_band(mask: str, window: tuple[int, int], sq: int, skv: int,
+                  padding: bool) -> tuple[str | None, int | None, int | None]:
+    """(alignment, left_bound, right_bound) of cuDNN's diagonal band, exactly as the frontend engine declares it.
+
+    Transformer Engine's alignment: 'causal'/'padding_causal' top-left, every other mask and window bottom-right
+    (per sequence when lengths are known); equal, unpadded lengths make the two the same, so top-left is used.
+    Window (left, right) -> left_bound = left + 1 (cuDNN counts the diagonal), right_bound = right; causal => 0."""
+    left, right = window
+    if "causal" in mask:
+        right = 0
+    if left < 0 and right < 0:
+        return None, None, None
+    top_left = mask in ("causal", "padding_causal") or (sq == skv and not padding)
+    return ("top_left" if top_left else "bottom_right", left + 1 if left >= 0 else None,
+            right if right >= 0 else None)
+
+
+def graph_band(p: AttentionParams) -> tuple[str | None, int | None, int | None]:
+    sq, skv = graph_seqlens(p)
+    return diagonal_band(p.attn_mask_type, tuple(p.window_size), sq, skv, has_padding(effective_mask(p)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,6 +255,11 @@ def rule_head_dim_limit(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fa
 
 def rule_hopper_mla_bwd_bug(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     c, dqk, dv = cudnn_int(plat), p.head_dim_qk, p.head_dim_v
+    if (c is not None and 91100 <= c < 91300 and p.is_training and plat.sm == 90 and 128 < dqk <= 192
+            and 64 < dv <= 128 and dv != 128 and dqk != 192):
+        return fail(f"cuDNN {_cudnn_text(plat)} on sm90: backward with head_dim_qk={dqk} in (128, 192] and "
+                    f"head_dim_v={dv} in (64, 128] needs d_qk = 192 or d_v = 128 (cuDNN 9.11-9.12)",
+                    "upgrade cuDNN to >= 9.13, or use (192, 128)")
     if (c is not None and c >= 91100 and p.is_training and plat.sm == 90 and dqk >= 128 and dv >= 128
             and not (dqk == 192 and dv == 128) and dqk != dv):
         return fail(f"cuDNN {_cudnn_text(plat)} on sm90: backward with 128 <= head dims <= 256 and "
@@ -439,6 +481,70 @@ def rule_determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failu
     return None
 
 
+def band_problems(p: AttentionParams, plat: Platform) -> list[str]:
+    """What cuDNN's validation says about the diagonal band the engine declares (graph_band), with a bias,
+    ALiBi, dropout, ragged/padded inputs. cuDNN calls a bottom-right band with a right bound 'bottom right causal'
+    (has_causal_mask_bottom_right), whatever the mask type that produced it."""
+    c = cudnn_int(plat)
+    if c is None:
+        return []
+    align, left, right = graph_band(p)
+    if align is None:
+        return []
+    sq, skv = graph_seqlens(p)
+    padding = has_padding(effective_mask(p))
+    bias, dropout = effective_bias(p)[0], p.dropout > 0 and p.is_training
+    what = "ALiBi" if bias == "alibi" else ("ALiBi (as a bias tensor)" if p.bias_type == "alibi" else bias)
+    br_causal = align == "bottom_right" and right is not None
+    out = []
+    if br_causal:
+        if bias != "no_bias":
+            out.append(f"no bias with a bottom-right band (got {what})")
+        if dropout:
+            out.append(f"no dropout with a bottom-right band (got dropout={p.dropout})")
+        if not padding and sq > skv:
+            out.append(f"max_seqlen_q={sq} <= max_seqlen_kv={skv} for a bottom-right band")
+        if c < 90600 and (sq % 64 or skv % 64):
+            out.append(f"s_q={sq} and s_kv={skv} multiples of 64 for a bottom-right band before cuDNN 9.6")
+    if left is not None:
+        if not padding and sq > skv:
+            out.append(f"max_seqlen_q={sq} <= max_seqlen_kv={skv} for a sliding window")
+        if c < 91002 and (right is None or bias != "no_bias" or dropout):
+            out.append("a right bound, no bias and no dropout with a sliding window before cuDNN 9.10.2")
+        if c < 90600 and br_causal and sq != skv:
+            out.append("s_q == s_kv for a bottom-right sliding window before cuDNN 9.6")
+        if c <= 90900 and plat.sm == 90 and br_causal and sq == skv:
+            out.append("not a bottom-right sliding window with s_q == s_kv on sm90 before cuDNN 9.10")
+    if sq == 1 and right is not None and c <= 90900:
+        out.append("no causal/window band with s_q = 1 before cuDNN 9.10")
+    return out
+
+
+def rule_diagonal_band(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    problems = band_problems(p, plat)
+    if not problems:
+        return None
+    align, left, right = graph_band(p)
+    return fail(f"cuDNN rejects this mask band ({align}, left_bound={left}, right_bound={right}, from "
+                f"attn_mask_type={p.attn_mask_type!r}, window={tuple(p.window_size)}): needs " + "; ".join(problems),
+                "use a top-left causal mask (or equal lengths), drop the bias/dropout, or another backend")
+
+
+def rule_backward_single_token(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.is_training and graph_seqlens(p) == (1, 1):
+        return fail("cuDNN's SDPA backward rejects s_q = s_kv = 1 ('s_q = s_kv = 1 is not supported')",
+                    "use another backend for single-token training, or is_training=False")
+    return None
+
+
+def rule_decode_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.softmax_type != "vanilla" and graph_seqlens(p)[0] == 1:
+        return fail(f"softmax_type={p.softmax_type!r} with max_seqlen_q=1: cuDNN's kernels reject a sink token in "
+                    "decode mode ('decode only mode, i.e. s_q == 1, not supported with sink_token')",
+                    "use another backend for single-query decoding with a sink")
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # The max512 sub-backend (only reachable by pinning it with NVTE_FUSED_ATTN_BACKEND=0)
 # --------------------------------------------------------------------------------------------
@@ -541,6 +647,11 @@ def _cudnn_rules(table: Table) -> None:
          TE_CPP + " (softmax clause); " + TE_PY, rule_softmax_type)
     _add(table, "determinism", "deterministic bwd: sm90 8.9.5+, sm80 9.0+, Blackwell 9.18.1+ (no dropout/bias)",
          "determinism", TE_CPP + " (Blackwell determinism); " + TE_PY + "; " + FE_TESTS, rule_determinism)
+    _add(table, "diagonal_band", "bottom-right bands: no bias/ALiBi/dropout, s_q <= s_kv; windows: s_q <= s_kv",
+         "mask", FE_VALIDATE + "; " + FE_SURFACE, rule_diagonal_band)
+    _add(table, "backward_single_token", "training: not s_q = s_kv = 1", "seqlen",
+         FE_VALIDATE + " (_validate_backward)", rule_backward_single_token)
+    _add(table, "decode_sink", "softmax sinks: s_q > 1", "softmax", FE_SURFACE + " (backend path)", rule_decode_sink)
     table.add(common.no_kv_cache(table))
     table.add(common.no_return_max_logit(table, source=OURS + " (cuDNN's score_max output is not wired up)"))
     table.add(common.cp_comm_types(table, ("p2p", "all_gather", "a2a"),

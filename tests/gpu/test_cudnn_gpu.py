@@ -251,7 +251,7 @@ FRONTEND_CASES = [
     Case("dqk128_dv64", dqk=128, dv=64), Case("dqk64_dv128", mask="causal", dqk=64, dv=128),
     Case("d128", mask="causal", dqk=128, dv=128), Case("d256", mask="causal", dqk=256, dv=256),
     Case("d256_bshd", dqk=256, dv=256, sq=256, skv=256),
-    Case("seq_odd", sq=77, skv=201), Case("seq_1000_causal", mask="causal", sq=1000, skv=1000, b=1, h=2),
+    Case("seq_odd", sq=77, skv=201), Case("seq_1000_causal", mask="causal", sq=1000, skv=1000, b=1, h=2, hkv=2),
     Case("window_causal", mask="causal", window=(32, 0), sq=256, skv=256),
     Case("window_causal_br", mask="causal_bottom_right", window=(32, 0), sq=128, skv=256),
     Case("window_two_sided_padding", mask="padding", window=(16, 16), sq=192, skv=192),
@@ -262,7 +262,7 @@ FRONTEND_CASES = [
     Case("alibi_builtin", mask="causal", alibi="default"),
     Case("alibi_slopes", mask="causal", alibi="h"),
     Case("alibi_slopes_nomask", alibi="h"),
-    Case("alibi_slopes_bh_cross", mask="causal_bottom_right", alibi="bh", sq=128, skv=256),
+    Case("alibi_slopes_bh_cross", mask="causal", alibi="bh", sq=128, skv=256),  # bottom-right: refused
     Case("dropout", dropout=0.1), Case("dropout_causal_gqa", mask="causal", dropout=0.2, h=8, hkv=2),
     Case("off_by_one", softmax="off-by-one"), Case("learnable_sink", mask="causal", softmax="learnable"),
     Case("deterministic", mask="causal", deterministic=True, h=8, hkv=2),
@@ -342,7 +342,59 @@ def test_graph_cache_and_strided_views_without_copies():
     ref, _ = reference_attention(rq, rk, rv, attn_mask_type="causal", softmax_scale=0.125)
     err = rel_err(out, ref)
     record(Case("packed_qkv_cache"), {"out": err}, None, 0.0, {"graph_builds": built, "cache_hits": hits})
-    assert err <= 2e-2 and torch.equal(out, out2) and built == 1 and hits >= 1
+    # two graphs: the forward, and the backward the first (grad-requiring) forward builds ahead
+    assert err <= 2e-2 and torch.equal(out, out2) and built == 2 and hits >= 1
+
+
+def test_raw_launch_matches_cudnn_frontends_own_execute():
+    """The lean launch (data pointers straight to the backend) against cudnn-frontend's execute, bitwise:
+    dense and ragged, forward and (deterministic) backward."""
+    from attn_dispatch.backends.cudnn_fused import CudnnFrontendEngine
+
+    ours, theirs = get("frontend"), CudnnFrontendEngine(execute_path="ordered")
+    same, paths = {}, set()
+    for c in (Case("raw_vs_ordered_bshd", mask="causal", h=8, hkv=2, deterministic=True),
+              Case("raw_vs_ordered_thd", fmt="thd", mask="padding_causal", thd_gaps=True, deterministic=True)):
+        results = []
+        for engine in (ours, theirs, ours):  # ours twice: the second call takes the cached signature's path
+            q, k, v, aux, cfg = make_inputs(c, seed=11)
+            out, lse, _ = engine(q, k, v, aux, cfg)
+            out.backward(torch.ones_like(out))
+            results.append([out, lse, q.grad, k.grad, v.grad])
+        same[c.name] = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    paths = sorted({comp.path for comp in ours._graphs.values()})
+    record(Case("raw_vs_ordered"), {n: 0.0 if ok else 1.0 for n, ok in same.items()}, None, 0.0,
+           {"paths": paths, "plans": sorted({comp.plan for comp in ours._graphs.values()})})
+    assert all(same.values()) and "raw" in paths and {comp.path for comp in theirs._graphs.values()} == {"ordered"}
+
+
+REFUSED = [  # (case, what cuDNN says); the table must reject each (cudnn_fused.diagonal_band / backward_single_token)
+    (Case("refused_br_alibi_bh", mask="causal_bottom_right", alibi="bh", sq=128, skv=256), "Bottom right causal"),
+    (Case("refused_br_bias", mask="causal_bottom_right", bias="1hss", sq=128, skv=256), "Bottom right causal"),
+    (Case("refused_br_dropout", mask="causal_bottom_right", dropout=0.1, sq=128, skv=256), "Bottom right causal"),
+    (Case("refused_padding_br_bias", mask="padding_causal_bottom_right", bias="11ss", sq=128, skv=192),
+     "Bottom right causal"),
+    (Case("refused_single_token_bwd", sq=1, skv=1), "s_q = s_kv = 1"),
+]
+
+
+@pytest.mark.parametrize("case, words", REFUSED, ids=[c.name for c, _ in REFUSED])
+def test_cudnn_refuses_what_the_table_rejects(case, words):
+    """The table's cuDNN-validation rules, held to cuDNN itself: the call raises CudnnGraphError from the forward
+    (the backward graph is built ahead when inputs require grad) and the live table rejects the configuration."""
+    from attn_dispatch.backends.cudnn_fused import CudnnGraphError
+
+    verdict = table_verdict(case)
+    error = None
+    try:
+        q, k, v, aux, cfg = make_inputs(case)
+        get("frontend")(q, k, v, aux, cfg)
+    except CudnnGraphError as exc:
+        error = exc
+    record(case, {"refused": 0.0 if error else 1.0}, None, 0.0,
+           {"table": verdict, "cudnn_message": error.cudnn_message[:200] if error else None})
+    assert error is not None and words in error.cudnn_message, error
+    assert verdict.startswith("rejected") and ("diagonal_band" in verdict or "backward_single_token" in verdict)
 
 
 def test_unsupported_graph_is_reported_not_crashed():
