@@ -256,7 +256,8 @@ def test_head_dims(dims, fa2, fa3, fa4_sm90, fa4_sm100):
     (64, 128, "no_mask", True, False),      # 248832 bytes: the launch failure seen on the H100
     (64, 128, "causal", True, False),       # d <= 64 has one tile, causal or not
     (64, 128, "no_mask", False, True),      # its forward fits
-    (64, 96, "no_mask", True, True),
+    (64, 96, "no_mask", True, False),       # fits, but dO (96 wide) cannot take head_dim_qk's 64-column swizzle
+    (96, 64, "no_mask", True, True),        # 32-column swizzle for 96: 64 divides
     (128, 64, "no_mask", True, True),       # ran on the H100
     (192, 128, "causal", True, True),       # ran on the H100
     (128, 128, "no_mask", True, True),      # 232448 bytes: an exact fit, trains on the H100
@@ -266,6 +267,9 @@ def test_head_dims(dims, fa2, fa3, fa4_sm90, fa4_sm100):
     (128, 256, "no_mask", False, True),
     (128, 192, "no_mask", True, False),     # the 80-row non-causal tile does not fit ...
     (128, 192, "causal", True, True),       # ... the 64-row causal tile does
+    (128, 80, "no_mask", True, False),      # dO swizzle: 80 columns under head_dim_qk's 64-column atom
+    (256, 192, "no_mask", True, False),     # swapped dK/dV: 192 on an M axis tiled by 128
+    (160, 256, "no_mask", True, False),     # 242688 bytes
     (64, 256, "no_mask", False, False),     # forward: the 192x256 output tile overruns sQ's storage
 ])
 def test_flash_attn_4_sm90_shared_memory(d, dv, mask, training, fits):
@@ -274,7 +278,7 @@ def test_flash_attn_4_sm90_shared_memory(d, dv, mask, training, fits):
     assert (not found) == fits, text("flash_attn_4:cute", params, H100)
     if not fits:
         assert found <= {"flash_attn_4.sm90_backward", "flash_attn_4.sm90_forward_smem"}
-        assert "232448" in text("flash_attn_4:cute", params, H100) or "sQ" in text("flash_attn_4:cute", params, H100)
+        assert any(w in text("flash_attn_4:cute", params, H100) for w in ("232448", "sQ", "swizzle", "M axis"))
     assert verdict("flash_attn_4:cute", params, B200).eligible == ((d <= 128 and dv <= 128) or (d, dv) == (192, 128))
 
 
@@ -284,7 +288,22 @@ def test_flash_attn_4_sm90_equal_head_dims_always_fit():
     assert sm90.bwd_smem_bytes(64, 128, False) == 248832  # the byte count the failed launch reported
     for d in range(8, 257, 8):
         for window in ((-1, -1), (-1, 0), (16, 16)):
-            assert sm90.forward_problem(d, d, window) is None and sm90.backward_problem(d, d, window, 4) is None
+            assert sm90.forward_problem(d, d, window) is None
+            assert sm90.bwd_smem_bytes(d, d, window != (-1, -1)) <= sm90.SM90_MAX_SMEM
+            assert (sm90.backward_problem(d, d, window, 4) is None) == (not sm90.dq_accumulator_mismatch(d))
+
+
+@pytest.mark.parametrize("d, wrong", [(8, True), (16, True), (32, False), (40, True), (64, False), (72, True),
+                                      (80, True), (96, False), (104, True), (128, False), (136, False),
+                                      (160, False), (200, False)])
+def test_flash_attn_4_sm90_backward_with_dq_padding_mismatch_is_refused(d, wrong):
+    params = BASE.replace(head_dim_qk=d, head_dim_v=d)
+    assert ("flash_attn_4.sm90_backward" in codes("flash_attn_4:cute", params, H100)) == wrong
+    assert verdict("flash_attn_4:cute", params.replace(is_training=False), H100).eligible
+    if wrong:
+        assert "silently wrong" in text("flash_attn_4:cute", params, H100)
+        assert "PR #2896" in text("flash_attn_4:cute", params, H100)
+    assert "flash_attn_4.sm90_backward" not in codes("flash_attn_4:cute", params, B200)
 
 
 def test_flash_attn_4_sm90_gqa_backward_needs_equal_head_dims():

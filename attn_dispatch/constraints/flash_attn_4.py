@@ -111,11 +111,13 @@ T.add(
     check(T, "sm90_forward_smem", "sm90: the forward tile for (head_dim_qk, head_dim_v) fits in 227 KiB of shared "
           "memory, its output tile included (both <= 128, equal dims, and most unequal pairs do)", "head_dim",
           sm90.SOURCE, _sm90_forward),
-    check(T, "sm90_backward", "sm90 training: the backward tile for (head_dim_qk, head_dim_v) fits in 227 KiB of "
-          "shared memory (every equal pair does; (64, 128) and (128, 256) do not), and GQA/MQA has "
-          "head_dim_qk == head_dim_v", "head_dim",
-          sm90.SOURCE + "; flash_bwd_sm90.py FlashAttentionBackwardSm90.__init__ (GQA assert); launch failure "
-          "observed on H100 for (64, 128): 'Allocated: 248832 bytes. Max: 232448 bytes.'", _sm90_backward),
+    check(T, "sm90_backward", "sm90 training: head_dim_qk <= 128 padded alike to 16 and 32 (not 8-16, 40-48, 72-80, "
+          "104-112: wrong dQ); a buildable (head_dim_qk, head_dim_v) layout (dO swizzle, swapped dK/dV M axis) whose "
+          "backward tile fits in 227 KiB of shared memory (every equal pair does; (64, 128) and (128, 256) do not); "
+          "GQA/MQA with head_dim_qk == head_dim_v", "head_dim",
+          sm90.SOURCE + "; flash_bwd_sm90.py FlashAttentionBackwardSm90 (hdim_multiple_of 16 vs the interface's 32: "
+          "flash-attention PR #2896; GQA assert; _setup_attributes/_get_tiled_mma layouts); launch failure observed "
+          "on H100 for (64, 128): 'Allocated: 248832 bytes. Max: 232448 bytes.'", _sm90_backward),
     gqa(T),
     common.formats(T, ("bshd", "sbhd", "thd"),
                    source=FA4_IFACE + " (bshd with any strides but the last; thd via cu_seqlens_q/k)"),

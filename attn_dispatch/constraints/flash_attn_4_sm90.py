@@ -6,7 +6,8 @@ flash-attn-4 4.0.0b36 picks the sm90 tiles from the head dims alone (interface.p
 allowed. Allocated: 248832 bytes. Max: 232448 bytes." for head dims (64, 128) in training, on our H100).
 This module repeats the tile choice and sums the kernels' SharedStorage structs, so a table can say before launch
 which pairs fit. The backward sum reproduces that 248832 exactly, and gives 232448 (a perfect fit) for (128, 128)
-non-causal, which trains.
+non-causal, which trains. It also names the head dims whose sm90 backward returns a wrong dQ
+(dq_accumulator_mismatch).
 """
 from __future__ import annotations
 
@@ -56,6 +57,36 @@ def bwd_tile(head_dim: int, head_dim_v: int, causal_or_local: bool) -> BwdTile:
     if head_dim <= 192:
         return BwdTile(64, 96, 2, 2 if head_dim_v <= 128 else 1, 1, False, True)
     return BwdTile(64, 48, 2, 1, 1, False, True, atom_n_dkv=1)
+
+
+def _swizzle_width(elems: int) -> int:
+    """Columns of the widest 16-bit smem swizzle atom (128, 64 or 32 bytes a row) whose width divides `elems`
+    (cutlass hopper_helpers.get_smem_layout_atom)."""
+    bits = elems * 16
+    return next((width for width_bits, width in ((1024, 64), (512, 32), (256, 16)) if bits % width_bits == 0), 8)
+
+
+def bwd_layout_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the sm90 backward cannot lay out this head-dim pair (a build-time failure), or None.
+
+    - sdO, (tile_m, head_dim_v), takes the swizzle atom chosen for head_dim_qk (it must also hold dO^T for the dK/dV
+      GEMMs: major_mode_size = tile_hdim // wg_d_dKV), so that atom's width must divide the padded head_dim_v;
+    - with dK/dV swapped (head_dim_qk > 128) both padded head dims lie on WGMMA's M axis, tiled by 64 per warp group
+      along it: 128 with the one-warp-group-wide dK/dV layout of head_dim_qk > 192."""
+    t = bwd_tile(head_dim, head_dim_v, False)
+    multiple = 64 if t.dkv_swap_ab else 16
+    hd, hdv = _round_up(head_dim, multiple), _round_up(head_dim_v, multiple)
+    width = _swizzle_width(hd // (t.num_wg // t.atom_n_dkv))
+    if hdv % width:
+        return (f"its dO tile ({t.m} x {hdv}) uses the {width}-column swizzle chosen for head_dim_qk (padded to {hd}), "
+                f"which does not divide {hdv}")
+    if t.dkv_swap_ab:
+        m_tile = 64 * (t.num_wg // t.atom_n_dkv)
+        for name, padded in (("head_dim_qk", hd), ("head_dim_v", hdv)):
+            if padded % m_tile:
+                return (f"its swapped dK/dV GEMMs put {name} (padded to {padded}) on the WGMMA M axis, tiled by "
+                        f"{m_tile}")
+    return None
 
 
 def bwd_smem_bytes(head_dim: int, head_dim_v: int, causal_or_local: bool) -> int:
@@ -132,27 +163,47 @@ def forward_problem(head_dim: int, head_dim_v: int, window: tuple[int, int]) -> 
                f"{fp.o_room} bytes to the end of its shared memory")
     best = largest_head_dim_v(lambda dv: fwd_footprint(head_dim, dv, causal, local).fits)
     return (f"(head_dim_qk, head_dim_v)=({head_dim}, {head_dim_v}) on sm90: flash-attn-4's forward kernel {why}",
-            f"use head_dim_v <= {best} with head_dim_qk={head_dim}, or equal head dims")
+            f"use head_dim_v={best} (the largest whose forward fits with head_dim_qk={head_dim}), or equal head dims")
+
+
+def dq_accumulator_mismatch(head_dim: int) -> bool:
+    """Below the swapped-dK/dV tiles (head_dim <= 128) the sm90 backward kernel pads head_dim to a multiple of 16
+    (flash_bwd_sm90.py: hdim_multiple_of = 64 if dKV_swapAB else 16), while interface.py allocates, zeroes and
+    post-processes the fp32 dQ accumulator padded to a multiple of 32: where the two differ, the postprocess reads
+    columns the kernel never wrote, and dQ comes back wrong without an error (flash-attention PR #2896)."""
+    return head_dim <= 128 and _round_up(head_dim, 16) != _round_up(head_dim, 32)
 
 
 @lru_cache(maxsize=None)
 def backward_problem(head_dim: int, head_dim_v: int, window: tuple[int, int], gqa_ratio: int) -> tuple[str, str] | None:
-    """(message, fix) when the sm90 backward for these head dims cannot run; None when it fits."""
+    """(message, fix) when the sm90 backward for these head dims cannot run, or runs wrongly; None when it works."""
+    if dq_accumulator_mismatch(head_dim):
+        return (f"training with head_dim_qk={head_dim} on sm90: flash-attn-4's backward kernel pads it to "
+                f"{_round_up(head_dim, 16)} while its dQ accumulator and postprocess use {_round_up(head_dim, 32)}, "
+                "so dQ comes back silently wrong (flash_bwd_sm90.py hdim_multiple_of=16 vs interface.py 32; "
+                "flash-attention PR #2896)",
+                f"use head_dim_qk={_round_up(head_dim, 32)} (a multiple of 32 up to 128), or run inference")
+    causal, local = masking(window)
+    best = largest_head_dim_v(lambda dv: bwd_layout_problem(head_dim, dv) is None
+                              and bwd_smem_bytes(head_dim, dv, causal or local) <= SM90_MAX_SMEM)
+    layout = bwd_layout_problem(head_dim, head_dim_v)
+    if layout:
+        return (f"training with (head_dim_qk, head_dim_v)=({head_dim}, {head_dim_v}) on sm90: flash-attn-4's backward "
+                f"kernel cannot be built: {layout} (derived from flash_bwd_sm90.py _setup_attributes/_get_tiled_mma)",
+                f"use head_dim_v={best} (the largest that trains with head_dim_qk={head_dim}), or run inference")
     if gqa_ratio > 1 and head_dim != head_dim_v:
         return (f"training with num_heads/num_gqa_groups={gqa_ratio} and (head_dim_qk, head_dim_v)=({head_dim}, "
                 f"{head_dim_v}) on sm90: flash-attn-4's sm90 backward asserts 'GQA backward requires head_dim == "
                 "head_dim_v' (FlashAttentionBackwardSm90.__init__)",
                 "use equal head dims, one kv head per query head, or run inference")
-    causal, local = masking(window)
     need = bwd_smem_bytes(head_dim, head_dim_v, causal or local)
     if need <= SM90_MAX_SMEM:
         return None
     t = bwd_tile(head_dim, head_dim_v, causal or local)
-    best = largest_head_dim_v(lambda dv: bwd_smem_bytes(head_dim, dv, causal or local) <= SM90_MAX_SMEM)
     return (f"training with (head_dim_qk, head_dim_v)=({head_dim}, {head_dim_v}) on sm90: flash-attn-4's backward "
             f"kernel (tile {t.m}x{t.n}, chosen by head_dim_qk) needs {need} bytes of shared memory per block; sm90 "
             f"allows {SM90_MAX_SMEM}",
-            f"use head_dim_v <= {best} with head_dim_qk={head_dim}, or run inference (forward only)")
+            f"use head_dim_v={best} (the largest that trains with head_dim_qk={head_dim}), or run inference")
 
 
 def masking(window: tuple[int, int]) -> tuple[bool, bool]:

@@ -227,6 +227,8 @@ CASES = [
     Case("dqk128_dv256_inference", dqk=128, dv=256, train=False),
     Case("dqk256_dv128", dqk=256, dv=128),
     Case("gqa_dqk128_dv64", h=8, hkv=2, dqk=128, dv=64),          # sm90: GQA backward needs equal head dims
+    Case("d72", dqk=72, dv=72),                                    # sm90: dQ padding mismatch, refused
+    Case("d72_inference", dqk=72, dv=72, train=False),
     Case("seq_1000_causal", mask="causal", sq=1000, skv=1000, b=1, h=2, hkv=2),
     Case("window_causal", mask="causal", window=(32, 0), sq=256, skv=256),
     Case("window_causal_br_cross", mask="causal_bottom_right", window=(32, 0), sq=128, skv=256),
@@ -465,14 +467,14 @@ def test_flash_attn_4_jit_is_measured_and_cached():
     assert timings[1] < 1.0
 
 
-# (head_dim_qk, head_dim_v, causal, phase): pairs at both sides of the sm90 shared-memory limit. The kernels are
-# launched directly (the engine would refuse the ones the model rejects), with random out/lse for the backward:
-# only whether the launch goes through is checked. Forward pairs whose output tile would overrun sQ's storage are
-# not launched (an out-of-bounds shared-memory write could break the CUDA context for the tests after it).
-SM90_SMEM_PAIRS = [(64, 128, False, "bwd"), (64, 64, False, "bwd"), (128, 192, True, "bwd"),
-                   (128, 192, False, "bwd"), (96, 192, False, "bwd"), (160, 256, False, "bwd"),
-                   (256, 192, False, "bwd"), (96, 144, False, "fwd"), (96, 160, False, "fwd"),
-                   (96, 160, True, "fwd"), (160, 256, False, "fwd"), (192, 256, False, "fwd")]
+# (head_dim_qk, head_dim_v, causal, phase): pairs on both sides of the sm90 limits flash_attn_4_sm90 derives
+# (shared memory: forward and backward; backward layouts: the dO swizzle, the swapped dK/dV M axis). The kernels
+# are launched directly (the engine refuses what the model rejects), with random out/lse for the backward: only
+# whether the launch goes through is checked. Forward pairs whose output tile would overrun sQ's storage are not
+# launched (an out-of-bounds shared-memory write could break the CUDA context for the tests after it).
+SM90_PAIRS = [(128, 192, True, "bwd"), (128, 192, False, "bwd"), (96, 192, False, "bwd"), (160, 256, False, "bwd"),
+              (256, 192, False, "bwd"), (128, 80, False, "bwd"), (96, 144, False, "fwd"), (96, 160, False, "fwd"),
+              (192, 256, False, "fwd")]
 
 
 def _launch(iface, d: int, dv: int, causal: bool, phase: str) -> None:
@@ -487,8 +489,8 @@ def _launch(iface, d: int, dv: int, causal: bool, phase: str) -> None:
     torch.cuda.synchronize()
 
 
-def test_flash_attn_4_sm90_shared_memory_model_matches_the_kernels():
-    """attn_dispatch.constraints.flash_attn_4_sm90 predicts which head-dim pairs fit; the kernels must agree."""
+def test_flash_attn_4_sm90_limits_match_the_kernels():
+    """attn_dispatch.constraints.flash_attn_4_sm90 predicts which head-dim pairs launch; the kernels must agree."""
     from attn_dispatch.constraints import flash_attn_4_sm90 as sm90
 
     provider = "flash_attn_4:cute"
@@ -498,14 +500,14 @@ def test_flash_attn_4_sm90_shared_memory_model_matches_the_kernels():
         pytest.skip("the model covers the sm90 kernels")
     iface = get_engine(provider)._iface
     disagreements = []
-    for d, dv, causal, phase in SM90_SMEM_PAIRS:
+    for d, dv, causal, phase in SM90_PAIRS:
         window = (-1, 0) if causal else (-1, -1)
         if phase == "fwd":
-            footprint = sm90.fwd_footprint(d, dv, causal, False)
-            predicted, need = footprint.fits, footprint.total
+            problem = sm90.forward_problem(d, dv, window)
+            need = sm90.fwd_footprint(d, dv, causal, False).total
         else:
+            problem = sm90.backward_problem(d, dv, window, 1)
             need = sm90.bwd_smem_bytes(d, dv, causal)
-            predicted = sm90.backward_problem(d, dv, window, 1) is None
         start = time.perf_counter()
         try:
             _launch(iface, d, dv, causal, phase)
@@ -514,14 +516,50 @@ def test_flash_attn_4_sm90_shared_memory_model_matches_the_kernels():
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
             smem = any(w in str(exc) for w in ("shared memory", "LAUNCH_INVALID_CONFIG", "cudaErrorInvalidValue"))
             outcome = "smem_launch_failure" if smem else "other_failure"
-        agrees = (outcome == "launched") == predicted and outcome != "other_failure"
+        agrees = (outcome == "launched") == (problem is None)
         if not agrees:
             disagreements.append((d, dv, causal, phase, need, outcome, error))
-        RESULTS.append({"provider": provider, "case": f"sm90_smem_{phase}_{d}_{dv}{'_causal' if causal else ''}",
+        RESULTS.append({"provider": provider, "case": f"sm90_{phase}_{d}_{dv}{'_causal' if causal else ''}",
                         "dtype": "bfloat16", "ok": agrees, "errors": {}, "error": error, "tolerance": None,
-                        "seconds": round(time.perf_counter() - start, 3), "model_bytes": need,
-                        "model_fits": predicted, "outcome": outcome})
-    assert not disagreements, f"the sm90 shared-memory model disagrees with the kernels: {disagreements}"
+                        "seconds": round(time.perf_counter() - start, 3), "model_smem_bytes": need,
+                        "model_problem": problem[0] if problem else None, "outcome": outcome})
+    assert not disagreements, f"the sm90 model disagrees with the kernels: {disagreements}"
+
+
+def test_flash_attn_4_sm90_dq_padding_model_matches_the_kernels():
+    """flash_attn_4_sm90.dq_accumulator_mismatch names the head dims whose sm90 backward returns a wrong dQ
+    (kernel tile padded to 16, dQ accumulator to 32); flash_attn_func itself, not the engine (which refuses them),
+    is compared with the float64 reference, one case each side of the rule."""
+    from attn_dispatch.constraints import flash_attn_4_sm90 as sm90
+
+    provider = "flash_attn_4:cute"
+    if install_reasons(provider):
+        pytest.skip(f"{provider} is not installed here")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the rule covers the sm90 backward")
+    from flash_attn.cute import flash_attn_func
+
+    disagreements = []
+    for d in (40, 72, 96):
+        c = Case(f"sm90_dq_padding_{d}", dqk=d, dv=d, b=1, h=2, hkv=2, sq=256, skv=256)
+        start = time.perf_counter()
+        q, k, v, aux, cfg = make_inputs(c, seed=d)
+        out = flash_attn_func(q, k, v, softmax_scale=cfg.softmax_scale)[0]
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(d)).to("cuda", out.dtype)
+        out.backward(dout)
+        ref_out, _, (rq, rk, rv, _) = run_reference(q, k, v, aux, cfg)
+        ref_out.backward(dout.cpu().double())
+        errors = {"out": rel_err(out, ref_out), "dq": rel_err(q.grad, rq.grad), "dk": rel_err(k.grad, rk.grad),
+                  "dv": rel_err(v.grad, rv.grad)}
+        dq_wrong = errors["dq"] > TOL[c.dtype]
+        others_right = all(errors[n] <= TOL[c.dtype] for n in ("out", "dk", "dv"))
+        agrees = dq_wrong == sm90.dq_accumulator_mismatch(d) and others_right
+        if not agrees:
+            disagreements.append((d, errors))
+        RESULTS.append({"provider": provider, "case": c.name, "dtype": "bfloat16", "ok": agrees, "errors": errors,
+                        "error": None, "tolerance": TOL[c.dtype], "seconds": round(time.perf_counter() - start, 3),
+                        "model_dq_wrong": sm90.dq_accumulator_mismatch(d), "dq_wrong": dq_wrong})
+    assert not disagreements, f"the sm90 dQ padding rule disagrees with the kernels: {disagreements}"
 
 
 # --------------------------------------------------------------------------------------------------------------
