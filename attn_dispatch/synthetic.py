@@ -56,7 +56,9 @@ def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", se
     sq, skv, dqk, dv = params.max_seqlen_q, params.max_seqlen_kv, params.head_dim_qk, params.head_dim_v
     ragged = params.has_padding
     lens_q = _lengths(generator, b, sq, ragged)
-    lens_kv = _lengths(generator, b, skv, ragged)
+    # Self-attention (equal max lengths) keeps each sequence's q and kv lengths equal, as real batches do; the
+    # tables see only the maxima, so per-sequence mismatches are the module's to validate, not the probe's.
+    lens_kv = list(lens_q) if sq == skv else _lengths(generator, b, skv, ragged)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
