@@ -401,3 +401,51 @@ def test_alibi_with_padding_is_not_offered_by_the_frontend_engine():
     assert "cudnn_fused.alibi_padding" in codes(FRONTEND, p, plat("h100-cudnn9"))
     assert "cudnn_fused.alibi_padding" not in codes(FRONTEND, params(bias_type="alibi", attn_mask_type="causal"),
                                                     plat("h100-cudnn9"))
+
+
+# --- cuDNN's own graph validation (cudnn-frontend 1.32 _sdpa_validate.py / sdpa_support_surface.h) ---------------
+@pytest.mark.parametrize("kw, ok", [
+    (dict(attn_mask_type="causal_bottom_right", max_seqlen_kv=2048, bias_type="post_scale_bias", bias_shape="1hss"),
+     False),
+    (dict(attn_mask_type="causal_bottom_right", bias_type="post_scale_bias", bias_shape="1hss"), True),  # sq == skv
+    (dict(attn_mask_type="causal_bottom_right", max_seqlen_kv=2048, bias_type="alibi", alibi_slopes_shape="bh"),
+     False),
+    (dict(attn_mask_type="causal", max_seqlen_kv=2048, bias_type="alibi", alibi_slopes_shape="bh"), True),
+    (dict(attn_mask_type="padding_causal_bottom_right", dropout=0.1), False),        # padded: bottom-right always
+    (dict(attn_mask_type="padding_causal_bottom_right", dropout=0.1, is_training=False), True),
+    (dict(attn_mask_type="no_mask", window_size=(-1, 0), max_seqlen_kv=2048, dropout=0.1), False),
+    (dict(attn_mask_type="padding_causal", dropout=0.1), True),                        # top-left
+])
+def test_bottom_right_bands_exclude_bias_alibi_dropout(kw, ok):
+    found = codes(FRONTEND, params(**kw), plat("h100-cudnn9"))
+    assert ("cudnn_fused.diagonal_band" not in found) == ok, found
+
+
+def test_diagonal_band_message_and_source():
+    p = params(attn_mask_type="causal_bottom_right", max_seqlen_kv=2048, bias_type="alibi", alibi_slopes_shape="bh")
+    r = reason(FRONTEND, p, plat("h100-cudnn9"), "cudnn_fused.diagonal_band")
+    assert "bottom_right" in r.message and "ALiBi (as a bias tensor)" in r.message and "top-left" in r.fix
+    assert "_sdpa_validate.py" in r.source
+    assert cf.graph_band(p) == ("bottom_right", None, 0)
+    assert cf.graph_band(p.replace(attn_mask_type="causal")) == ("top_left", None, 0)
+    assert cf.graph_band(params(attn_mask_type="padding", window_size=(8, 8))) == ("bottom_right", 9, 8)
+
+
+def test_single_token_backward_and_decode_sink():
+    h100 = plat("h100-cudnn9")
+    one = params(max_seqlen_q=1, max_seqlen_kv=1)
+    assert "cudnn_fused.backward_single_token" in codes(FRONTEND, one, h100)
+    assert "cudnn_fused.backward_single_token" not in codes(FRONTEND, one.replace(is_training=False), h100)
+    thd = one.replace(qkv_format="thd", attn_mask_type="padding")              # the thd graph is bucketed to 64
+    assert "cudnn_fused.backward_single_token" not in codes(FRONTEND, thd, h100)
+    sink = params(softmax_type="off-by-one", max_seqlen_q=1, max_seqlen_kv=512, is_training=False)
+    assert "cudnn_fused.decode_sink" in codes(FRONTEND, sink, h100)
+    assert "cudnn_fused.decode_sink" not in codes(FRONTEND, sink.replace(max_seqlen_q=2), h100)
+
+
+def test_hopper_911_backward_head_dim_pairs():
+    p = params(head_dim_qk=160, head_dim_v=96)
+    assert "cudnn_fused.head_dim_hopper_mla_bwd" in codes(FRONTEND, p, plat("sm90,cudnn=9.11.0"))
+    assert "cudnn_fused.head_dim_hopper_mla_bwd" not in codes(FRONTEND, p, plat("sm90,cudnn=9.13.0"))
+    assert "cudnn_fused.head_dim_hopper_mla_bwd" not in codes(FRONTEND, p.replace(head_dim_qk=192),
+                                                              plat("sm90,cudnn=9.11.0"))
