@@ -18,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import inputs
+from .backends._cudnn_graph import CudnnGraphError
 from .backends.unfused import draw_dropout_seed
 from .decision import Decision
 from .env import FAMILIES, EnvFlags
@@ -144,12 +145,20 @@ class DotProductAttention(torch.nn.Module):
                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                   checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes,
                   pad_between_seqs):
-        plan, aux = self._prepare(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q,
-                                  cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-                                  max_seqlen_kv, attn_mask_type, window_size, core_attention_bias_type,
-                                  core_attention_bias, alibi_slopes, pad_between_seqs)
+        args = (query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs)
+        plan, aux = self._prepare(*args)
         self.last_decision = plan.decision
-        out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
+        try:
+            out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
+        except CudnnGraphError:
+            # cuDNN refused a graph the table let through: the engine recorded cuDNN's message (the table's
+            # cudnn_rejected check now reports it) and cleared the decision cache, so selecting again moves on.
+            self._entries.clear()
+            plan, aux = self._prepare(*args)
+            self.last_decision = plan.decision
+            out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
         out = out.reshape(*out.shape[:-2], -1)
         return (out, max_logit) if self.return_max_logit else out
 
