@@ -66,7 +66,7 @@ class FlashAttn4Engine(FlashEngineBase):
                                     "head_dim": args[0].shape[-1], "head_dim_v": args[2].shape[-1]})
         return result
 
-    # --- sm90: head-dim pairs whose tiles do not fit in shared memory are refused before launch ---------------
+    # --- sm90: head dims its kernels cannot run (or run wrongly) are refused before launch -------------------
     def _is_sm90(self) -> bool:
         return self._iface._get_device_arch() // 10 == 9  # the arch flash-attn-4 picks its kernels for (cached)
 
