@@ -50,6 +50,16 @@ class EnvFlags:
     policy: str = "order"             # ATTN_DISPATCH_POLICY
     allow_untested_versions: bool = False  # ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS=1
     raw: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:  # the decision cache hashes this on every call: once is enough
+        object.__setattr__(self, "_hash", hash((self.flash_attn, self.fused_attn, self.unfused_attn,
+                                                self.fused_attn_backend, self.allow_nondeterministic, self.debug,
+                                                self.debug_level, self.forced_backend, self.policy,
+                                                self.allow_untested_versions)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
     def from_environ(environ: Mapping[str, str] | None = None) -> "EnvFlags":

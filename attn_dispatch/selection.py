@@ -59,7 +59,7 @@ def explain(params: AttentionParams, platform: Platform | None = None, env: EnvF
     """The Decision for this call, with every backend's verdict. Never raises for 'nothing qualifies'."""
     platform = Platform.detect() if platform is None else platform
     env = EnvFlags.from_environ() if env is None else env
-    key = (params, platform, platform.name, env, force, policy)
+    key = (params, platform, platform.name, env, force, policy)  # each part carries a precomputed hash
     if use_cache:
         decision = _CACHE.get(key)
         if decision is not None:

@@ -79,9 +79,9 @@ class Table:
 
     def failures(self, params: AttentionParams, platform: Platform, env: EnvFlags) -> Iterator[Reason]:
         for c in self.checks:
-            reason = c(params, platform, env)
-            if reason is not None:
-                yield reason
+            failure = c.fn(params, platform, env)  # most checks pass: a Reason is built only for a failure
+            if failure is not None:
+                yield Reason(code=c.code, message=failure.message, fix=failure.fix, source=c.source)
 
     def evaluate(self, params: AttentionParams, platform: Platform, env: EnvFlags) -> Verdict:
         """Every check runs, so the verdict lists every reason, not only the first."""
