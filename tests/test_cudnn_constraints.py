@@ -173,7 +173,10 @@ def test_bottom_right_before_97_excludes_bias_and_dropout():
     ("sm90,cudnn=9.2.0", "causal", (16, 0), {"dropout": 0.1}, False),
     ("sm90,cudnn=9.5.0", "padding", (8, 8), {}, False),
     ("sm90,cudnn=9.6.0", "padding", (8, 8), {}, True),
-    ("sm90,cudnn=9.19.0", "no_mask", (8, 8), {}, False),             # two-sided needs a padding/bottom-right mask
+    ("sm90,cudnn=9.19.0,cudnn-frontend=1.12.0", "no_mask", (8, 8), {}, False),  # TE: two-sided needs padding/br
+    ("sm90,cudnn=9.19.0", "no_mask", (8, 8), {}, True),              # probed stack: a diagonal band
+    ("sm90,cudnn=9.19.0", "no_mask", (8, 8), {"max_seqlen_kv": 512}, False),  # sq > skv still excluded
+    ("sm90,cudnn=9.19.0", "no_mask", (-1, 8), {}, False),            # right bound only: not probed
     ("sm90,cudnn=9.19.0", "causal", (16, 0), {"max_seqlen_kv": 512}, False),  # sq > skv
     ("sm90,cudnn=9.14.0", "padding", (64, 0), {"max_seqlen_q": 2048}, False),  # 9.14.0 bug
 ])
@@ -190,7 +193,9 @@ def test_sliding_window_versions(spec, mask, window, extra, ok):
     ("sm90,cudnn=9.19.0", dict(bias_type="pre_scale_bias", bias_shape="1hss"), False),
     ("sm80,cudnn=9.19.0", dict(bias_type="alibi", attn_mask_type="causal"), False),
     ("sm90,cudnn=9.19.0", dict(bias_type="alibi", attn_mask_type="causal"), True),
-    ("sm90,cudnn=9.19.0", dict(bias_type="alibi"), False),                       # built-in ALiBi is causal
+    ("sm90,cudnn=9.18.1", dict(bias_type="alibi"), False),                       # built-in ALiBi is causal
+    ("sm90,cudnn=9.19.0", dict(bias_type="alibi"), True),                        # probed: a bias tensor
+    ("sm100,cudnn=9.19.0", dict(bias_type="alibi"), False),                      # not probed on Blackwell
     ("sm80,cudnn=9.19.0", dict(bias_type="alibi", max_seqlen_kv=2048), True),    # sq != skv: a bias tensor
 ])
 def test_bias_types(spec, kw, ok):
@@ -228,7 +233,9 @@ def test_torch_provider_is_narrower():
                                                             max_seqlen_kv=2048), h100)
     assert "cudnn_fused.torch_softmax" in codes(TORCH, params(softmax_type="learnable"), h100)
     assert "cudnn_fused.torch_dropout" in codes(TORCH, params(dropout=0.1), plat("sm90,cudnn=9.12.0"))
-    assert "cudnn_fused.torch_shape_limits" in codes(TORCH, params(max_seqlen_kv=1, is_training=False), h100)
+    assert "cudnn_fused.torch_shape_limits" in codes(TORCH, params(max_seqlen_kv=1, is_training=False),
+                                                     plat("sm90,cudnn=9.10.2,torch=2.7.1"))
+    assert "cudnn_fused.torch_shape_limits" in codes(TORCH, params(batch_size=70000), h100)
 
 
 # --- determinism ------------------------------------------------------------------------------------------
@@ -450,3 +457,97 @@ def test_hopper_911_backward_head_dim_pairs():
     assert "cudnn_fused.head_dim_hopper_mla_bwd" not in codes(FRONTEND, p, plat("sm90,cudnn=9.13.0"))
     assert "cudnn_fused.head_dim_hopper_mla_bwd" not in codes(FRONTEND, p.replace(head_dim_qk=192),
                                                               plat("sm90,cudnn=9.11.0"))
+
+
+# --- relaxations observed by the H100 probe (cuDNN 9.19.0, cudnn-frontend 1.32.0, torch 2.11) ----------------
+def probe_case(**kw) -> AttentionParams:
+    """A configuration as the probe ran it (bf16, b=2, h=4, d=64, s=128, training)."""
+    base = dict(dtype="bf16", batch_size=2, num_heads=4, head_dim_qk=64, max_seqlen_q=128, max_seqlen_kv=128)
+    base.update(kw)
+    return AttentionParams(**base)
+
+
+OLD_FRONTEND = "sm90,cudnn=9.10.2,cudnn-frontend=1.12.0"
+OLD_TORCH = "sm90,cudnn=9.10.2,torch=2.7.1"
+
+PROBE_TOO_STRICT = [  # (provider, params, check it relaxes, older specs that keep Transformer Engine's rule)
+    ("frontend", probe_case(head_dim_qk=128, head_dim_v=256), "head_dim_hopper_mla_bwd",
+     ("sm90,cudnn=9.18.1", "sm90,cudnn=9.19.0,cudnn-frontend=1.31.0")),
+    ("frontend", probe_case(head_dim_qk=256, head_dim_v=128), "head_dim_hopper_mla_bwd",
+     ("sm90,cudnn=9.18.1", "sm90,cudnn=9.19.0,cudnn-frontend=1.31.0")),
+    ("torch", probe_case(head_dim_qk=128, head_dim_v=256), "head_dim_hopper_mla_bwd",
+     ("sm90,cudnn=9.18.1", "sm90,cudnn=9.19.0,torch=2.10.0")),
+    ("torch", probe_case(head_dim_qk=256, head_dim_v=128), "head_dim_hopper_mla_bwd",
+     ("sm90,cudnn=9.18.1", "sm90,cudnn=9.19.0,torch=2.10.0")),
+    ("frontend", probe_case(window_size=(32, 32)), "sliding_window", (OLD_FRONTEND, "sm90,cudnn=9.18.1")),
+    ("frontend", probe_case(window_size=(32, 32), max_seqlen_q=96, max_seqlen_kv=160), "sliding_window",
+     (OLD_FRONTEND, "sm90,cudnn=9.18.1")),
+    ("frontend", probe_case(window_size=(64, -1)), "sliding_window", (OLD_FRONTEND, "sm90,cudnn=9.18.1")),
+    ("frontend", probe_case(window_size=(64, -1), max_seqlen_q=96, max_seqlen_kv=160), "sliding_window",
+     (OLD_FRONTEND, "sm90,cudnn=9.18.1")),
+    ("frontend", probe_case(bias_type="alibi", alibi_slopes_shape="h"), "bias_type",
+     (OLD_FRONTEND, "sm90,cudnn=9.19.0,cudnn-frontend=1.31.0")),
+    ("torch", probe_case(max_seqlen_q=512, max_seqlen_kv=1), "torch_shape_limits",
+     (OLD_TORCH, "sm90,cudnn=9.19.0,torch=2.10.0", "sm90,cudnn=9.18.1")),
+]
+
+
+@pytest.mark.parametrize("provider, p, check, older", PROBE_TOO_STRICT)
+def test_probe_too_strict_cases_are_accepted_on_the_probed_stack_only(provider, p, check, older):
+    table = TABLES[f"cudnn_fused:{provider}"]
+    assert not codes(table, p, plat("h100-cudnn9")), "the probe saw this run and match the reference"
+    for spec in older:
+        r = reason(table, p, plat(spec), f"cudnn_fused.{check}")
+        assert "9.19.0" in r.message or "9.19.0" in (r.fix or ""), r.message  # says where it is verified
+    source = next(c.source for c in table.checks if c.code == f"cudnn_fused.{check}")
+    assert cf.PROBE_H100 in source and "benchmarks/results/probe_h100.json" in source
+
+
+def test_probe_relaxations_need_the_probed_architecture():
+    """The probe ran on sm90: Blackwell keeps Transformer Engine's rules even with the same versions."""
+    b200 = plat("b200-cudnn9")
+    assert "cudnn_fused.sliding_window" in codes(FRONTEND, probe_case(window_size=(32, 32)), b200)
+    assert "cudnn_fused.bias_type" in codes(FRONTEND, probe_case(bias_type="alibi"), b200)
+    assert "cudnn_fused.torch_shape_limits" in codes(TORCH, probe_case(max_seqlen_q=512, max_seqlen_kv=1), b200)
+    assert not cf.probed(plat("cpu"), "frontend")
+
+
+def test_probe_relaxations_stay_as_narrow_as_observed():
+    h100 = plat("h100-cudnn9")
+    # MLA backward: only the probed head-dim pairs; the rest of TE's exclusion stands
+    r = reason(FRONTEND, probe_case(head_dim_qk=160, head_dim_v=224), h100, "cudnn_fused.head_dim_hopper_mla_bwd")
+    assert "(128, 256) and (256, 128)" in r.message
+    # windows without a mask: still no bias, no dropout, s_q <= s_kv; never through torch's op
+    for kw in (dict(dropout=0.1), dict(bias_type="post_scale_bias", bias_shape="1hss"),
+               dict(max_seqlen_q=160, max_seqlen_kv=96)):
+        assert "cudnn_fused.sliding_window" in codes(FRONTEND, probe_case(window_size=(32, 32), **kw), h100), kw
+    assert "cudnn_fused.torch_mask" in codes(TORCH, probe_case(window_size=(32, 32)), h100)
+    # ALiBi without a mask: frontend only (torch's op takes no ALiBi), not with padding
+    assert "cudnn_fused.bias_type" in codes(TORCH, probe_case(bias_type="alibi"), h100)
+    assert "cudnn_fused.alibi_padding" in codes(FRONTEND, probe_case(bias_type="alibi", attn_mask_type="padding"),
+                                                h100)
+    # s_kv = 1 through torch's op: with s_q > 1, as probed
+    assert "cudnn_fused.torch_shape_limits" in codes(TORCH, probe_case(max_seqlen_q=1, max_seqlen_kv=1,
+                                                                       is_training=False), h100)
+
+
+def test_probe_relaxed_windows_are_the_bands_the_engine_declares():
+    """The engine turns a no_mask window into cuDNN's diagonal band (left + 1, right): what the probe ran."""
+    for (sq, skv), align in (((128, 128), "top_left"), ((96, 160), "bottom_right")):
+        call = eng._Call("bshd", 2, 4, 4, sq, skv, 64, 64, False)
+        assert eng._mask_args(AttnConfig(window_size=(32, 32)), call) == (align, 33, 32)
+        assert eng._mask_args(AttnConfig(window_size=(64, -1)), call) == (align, 65, None)
+        p = probe_case(window_size=(32, 32), max_seqlen_q=sq, max_seqlen_kv=skv)
+        assert cf.graph_band(p) == (align, 33, 32) and not cf.band_problems(p, plat("h100-cudnn9"))
+
+
+def test_torch_deterministic_stays_and_says_why():
+    p = probe_case(deterministic=True)
+    for spec in ("h100-cudnn9", OLD_TORCH):
+        r = reason(TORCH, p, plat(spec), "cudnn_fused.torch_deterministic")
+        assert "deterministic=True" in r.message and "no such flag" in r.message
+        assert "bitwise" in r.message and "cudnn_fused:frontend" in r.fix
+    r = reason(TORCH, probe_case(), plat("h100-cudnn9"), "cudnn_fused.torch_deterministic",
+               EnvFlags(allow_nondeterministic=False))
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in r.message
+    assert not codes(FRONTEND, p, plat("h100-cudnn9"))

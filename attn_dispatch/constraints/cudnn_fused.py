@@ -11,6 +11,10 @@ The cuDNN rules mirror Transformer Engine's selector clause by clause (facts.md 
 transformer_engine/common/fused_attn/fused_attn.cpp `nvte_get_fused_attn_backend`, "flag_arb"), so a
 what-if platform (`Platform.parse("sm80,cudnn=8.9.7")`) gets the answer TE would give. cuDNN versions are
 compared as cudnnGetVersion() integers, as TE does (8907 = 8.9.7, 91002 = 9.10.2).
+
+Where our probe (`attn-dispatch probe`) saw a configuration TE excludes run and match the float64 reference,
+forward and backward, the rule is relaxed for the observed stack only (`probed`: sm90, cuDNN >= 9.19.0 and
+cudnn-frontend >= 1.32.0 or torch >= 2.11, per provider); older stacks keep TE's rule.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ TORCH_SDP = "pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (can_u
 FE_VALIDATE = "cudnn-frontend 1.32 cudnn/_sdpa_validate.py (_validate_common, _validate_backward)"
 FE_SURFACE = "cudnn-frontend include/cudnn_frontend/node/sdpa_support_surface.h (C++ validate, in 1.32's binding)"
 OURS = "attn_dispatch.backends.cudnn_fused (our engine)"
+PROBE_H100 = "probe on H100, cuDNN 9.19.0, 2026-11-23 (benchmarks/results/probe_h100.json)"
 
 SUB_ARBITRARY = "F16_arbitrary_seqlen"
 SUB_MAX512 = "F16_max512_seqlen"
@@ -61,6 +66,24 @@ def _cudnn_int_of(text: str | None) -> int | None:
 @functools.lru_cache(maxsize=256)
 def _version_of(text: str | None) -> Version | None:
     return parse_version(text)
+
+
+# The stack the H100 probe ran on (PROBE_H100): relaxations of TE's rules hold from these versions on.
+PROBED_SM = 90
+PROBED_CUDNN = 91900
+PROBED_PACKAGES = {"frontend": ("cudnn-frontend", Version("1.32.0")), "torch": ("torch", Version("2.11"))}
+PROBED_TEXT = {"frontend": "sm90, cuDNN >= 9.19.0, cudnn-frontend >= 1.32.0",
+               "torch": "sm90, cuDNN >= 9.19.0, torch >= 2.11"}
+
+
+def probed(plat: Platform, provider: str) -> bool:
+    """True on the stack the H100 probe observed for this provider (or a newer one of the same architecture)."""
+    c = cudnn_int(plat)
+    if plat.device_type != "cuda" or plat.sm != PROBED_SM or c is None or c < PROBED_CUDNN:
+        return False
+    package, minimum = PROBED_PACKAGES[provider]
+    found = _version_of(plat.torch_version if package == "torch" else plat.package(package).version)
+    return found is not None and found.release >= minimum.release
 
 
 def version_text(number: int) -> str:
@@ -253,7 +276,11 @@ def rule_head_dim_limit(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fa
     return fail(*problem) if problem else None
 
 
-def rule_hopper_mla_bwd_bug(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+# (d_qk, d_v) pairs inside TE's Hopper MLA-backward exclusion that the probe ran and checked (PROBE_H100).
+PROBED_MLA_BWD = ((128, 256), (256, 128))
+
+
+def rule_hopper_mla_bwd_bug(p: AttentionParams, plat: Platform, env: EnvFlags, *, provider: str) -> Failure | None:
     c, dqk, dv = cudnn_int(plat), p.head_dim_qk, p.head_dim_v
     if (c is not None and 91100 <= c < 91300 and p.is_training and plat.sm == 90 and 128 < dqk <= 192
             and 64 < dv <= 128 and dv != 128 and dqk != 192):
@@ -262,9 +289,14 @@ def rule_hopper_mla_bwd_bug(p: AttentionParams, plat: Platform, env: EnvFlags) -
                     "upgrade cuDNN to >= 9.13, or use (192, 128)")
     if (c is not None and c >= 91100 and p.is_training and plat.sm == 90 and dqk >= 128 and dv >= 128
             and not (dqk == 192 and dv == 128) and dqk != dv):
+        if (dqk, dv) in PROBED_MLA_BWD and probed(plat, provider):
+            return None  # ran and matched the reference, forward and backward (PROBE_H100)
+        probed_pairs = " and ".join(f"({a}, {b})" for a, b in PROBED_MLA_BWD)
         return fail(f"cuDNN {_cudnn_text(plat)} on sm90: backward with 128 <= head dims <= 256 and "
-                    f"head_dim_qk={dqk} != head_dim_v={dv} is excluded (TE: '9.11+ bug ... Hopper + bprop + MLA')",
-                    "use equal head dims, or (192, 128)")
+                    f"head_dim_qk={dqk} != head_dim_v={dv} is excluded (TE: '9.11+ bug ... Hopper + bprop + MLA'); "
+                    f"only {probed_pairs} are verified, on {PROBED_TEXT[provider]}",
+                    "use equal head dims, or (192, 128)" + (
+                        "" if (dqk, dv) not in PROBED_MLA_BWD else f", or upgrade to {PROBED_TEXT[provider]}"))
     return None
 
 
@@ -328,7 +360,7 @@ def _br_restrictions(mask: str, c: int, aligned: bool, sq: int, skv: int, bias: 
     return None
 
 
-def rule_bias_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+def rule_bias_type(p: AttentionParams, plat: Platform, env: EnvFlags, *, provider: str) -> Failure | None:
     c, sm = cudnn_int(plat), plat.sm
     if c is None:
         return None
@@ -344,8 +376,12 @@ def rule_bias_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
         problems = []
         if sm < 90:
             problems.append(f"Hopper or newer (this is sm{sm})")
-        if effective_mask(p) not in ("causal", "causal_bottom_right"):
-            problems.append(f"a causal mask without padding (got {p.attn_mask_type!r})")
+        # Without a causal mask our engine passes ALiBi as a [1, h, sq, skv] post-scale bias tensor (cuDNN's
+        # built-in ALiBi is causal only); the probe saw that run on the probed stack.
+        unmasked_ok = effective_mask(p) == "no_mask" and provider == "frontend" and probed(plat, provider)
+        if effective_mask(p) not in ("causal", "causal_bottom_right") and not unmasked_ok:
+            problems.append(f"a causal mask without padding (got {p.attn_mask_type!r}; no_mask is verified on "
+                            f"{PROBED_TEXT['frontend']} through cudnn_fused:frontend)")
         if problems:
             return fail("cuDNN's built-in ALiBi needs " + " and ".join(problems),
                         "use a causal mask on sm90+, or pass the ALiBi bias as a post_scale_bias tensor")
@@ -375,7 +411,7 @@ def rule_bias_grad_shape(p: AttentionParams, plat: Platform, env: EnvFlags) -> F
     return None
 
 
-def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags, *, provider: str) -> Failure | None:
     c = cudnn_int(plat)
     if c is None or not _has_window(p):
         return None
@@ -399,13 +435,16 @@ def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fa
     if right == 0 and mask in ("no_mask", "causal", "causal_bottom_right") and p.qkv_format != "thd":
         if mask == "causal_bottom_right" and sq != skv and c < 90600:
             common_problems.append("equal sequence lengths for a bottom-right window before cuDNN 9.6")
+    elif mask == "no_mask" and left >= 0 and provider == "frontend" and probed(plat, provider):
+        pass  # the engine declares a diagonal band (left + 1, right); the probe ran it (PROBE_H100)
     elif c < 90600:
         return fail(f"window {p.window_size} with attn_mask_type={p.attn_mask_type!r} needs cuDNN >= 9.6.0 "
                     f"(9.2 takes only (left, 0) windows with no/causal masks on bshd/sbhd); found {_cudnn_text(plat)}",
                     "upgrade cuDNN to >= 9.6")
     elif mask not in ("causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"):
-        return fail(f"a window {p.window_size} with right > 0 needs attn_mask_type in causal_bottom_right, padding, "
-                    f"padding_causal or padding_causal_bottom_right; got {p.attn_mask_type!r}",
+        return fail(f"a window {p.window_size} with right != 0 needs attn_mask_type in causal_bottom_right, padding, "
+                    f"padding_causal or padding_causal_bottom_right; got {p.attn_mask_type!r} (no_mask with a left "
+                    f"bound is verified on {PROBED_TEXT['frontend']} through cudnn_fused:frontend)",
                     "use attn_mask_type='padding' (full lengths) for a two-sided window")
     elif plat.sm >= 100 and c <= 90700 and "bottom_right" in mask and sq != skv:
         common_problems.append("equal sequence lengths for bottom-right windows on Blackwell before cuDNN 9.7.1")
@@ -603,8 +642,11 @@ def sub_backend_detail(p: AttentionParams, plat: Platform, env: EnvFlags) -> dic
 # --------------------------------------------------------------------------------------------
 # Assembling the tables
 # --------------------------------------------------------------------------------------------
-def _add(table: Table, name: str, requires: str, topic: str, source: str, fn: Rule) -> None:
-    table.add(Check(f"{table.family}.{name}", requires, topic, source, fn))
+def _add(table: Table, name: str, requires: str, topic: str, source: str, fn: Rule, *,
+         per_provider: bool = False) -> None:
+    """per_provider: fn takes provider= (its relaxation depends on the provider's probed stack)."""
+    check = functools.partial(fn, provider=table.provider) if per_provider else fn
+    table.add(Check(f"{table.family}.{name}", requires, topic, source, check))
 
 
 def _cudnn_rules(table: Table) -> None:
@@ -625,21 +667,26 @@ def _cudnn_rules(table: Table) -> None:
          rule_head_dim_qk_ne_v)
     _add(table, "head_dim_limit", "<= 128; <= 256 on sm90 (fwd 9.1+, bwd 9.5+); larger: fwd only (9.10.2+)",
          "head_dim", TE_CPP + " (head-dim clause); " + FE_DOCS, rule_head_dim_limit)
-    _add(table, "head_dim_hopper_mla_bwd", "not (sm90 bwd, cuDNN >= 9.11, 128 <= d <= 256, d_qk != d_v)",
-         "head_dim", TE_CPP + " ('9.11+ bug ... Hopper + bprop + MLA')", rule_hopper_mla_bwd_bug)
+    _add(table, "head_dim_hopper_mla_bwd", "not (sm90 bwd, cuDNN >= 9.11, 128 <= d <= 256, d_qk != d_v); "
+         "(128, 256) and (256, 128) allowed on sm90 with cuDNN >= 9.19 (probe)", "head_dim",
+         TE_CPP + " ('9.11+ bug ... Hopper + bprop + MLA'); " + PROBE_H100, rule_hopper_mla_bwd_bug,
+         per_provider=True)
     _add(table, "sm120_training_head_dim", "sm120 training: head_dim_qk <= 128", "head_dim", TE_PY,
          rule_sm120_training_head_dim)
     _add(table, "mask_type", "masks per cuDNN version: padding 8.9.6, thd 9.1, bottom-right 9.3 (9.6 padded)",
          "mask", TE_CPP + " (mask clause)", rule_mask_type)
-    _add(table, "bias_type", "post_scale_bias (sm90 8.9.6+, any 9.0+), ALiBi (sm90, causal); no pre_scale_bias",
-         "bias", TE_CPP + " (bias clause); " + TE_PY + " (ALiBi -> post_scale_bias conversion)", rule_bias_type)
+    _add(table, "bias_type", "post_scale_bias (sm90 8.9.6+, any 9.0+), ALiBi (sm90, causal; frontend: also no_mask "
+         "with cuDNN >= 9.19); no pre_scale_bias", "bias",
+         TE_CPP + " (bias clause); " + TE_PY + " (ALiBi -> post_scale_bias conversion); " + PROBE_H100,
+         rule_bias_type, per_provider=True)
     _add(table, "bias_with_padding", "no post_scale_bias with padding/padding_causal", "bias",
          TE_CPP + " (bias + padding exclusion)", rule_bias_with_padding)
     _add(table, "bias_grad_shape", "bias gradient only for [1, h, sq, skv]", "bias",
          TE_PY + "; fused_attn_f16_arbitrary_seqlen.cu (dBias only when bias_b == 1 and bias_h == h)",
          rule_bias_grad_shape)
-    _add(table, "sliding_window", "windows: (left, 0) from 9.2, two-sided with padding/bottom-right from 9.6",
-         "window", TE_CPP + " (sliding-window clause)", rule_sliding_window)
+    _add(table, "sliding_window", "windows: (left, 0) from 9.2, two-sided with padding/bottom-right from 9.6; "
+         "frontend: (left >= 0, any right) with no_mask on sm90 with cuDNN >= 9.19 (probe)", "window",
+         TE_CPP + " (sliding-window clause); " + PROBE_H100, rule_sliding_window, per_provider=True)
     _add(table, "qkv_format", "thd: sm90+, cuDNN 9.1 (GQA 9.6)", "format", TE_CPP + " (qkv format clause); " + TE_PY,
          rule_qkv_format)
     _add(table, "softmax_type", "off-by-one/learnable softmax: cuDNN >= 9.13.1, not thd, CP only a2a", "softmax",
@@ -796,11 +843,17 @@ def _torch_bias(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | 
 
 
 @TORCH_TABLE.check("torch_deterministic", requires="no deterministic backward demanded", topic="determinism",
-                   source=TORCH_SDP + " ('cuDNN SDPA is not deterministic')")
+                   source=TORCH_SDP + " (check_cudnn_deterministic: 'cuDNN SDPA is not deterministic'); "
+                   "aten._scaled_dot_product_cudnn_attention_backward schema (no deterministic flag)")
 def _torch_deterministic(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    # The op runs under deterministic=True (the H100 probe saw it match the reference), but matching is not
+    # bitwise repeatability, which nothing here can promise: so the rule stays on every version.
     if p.is_training and deterministic_demanded(p, env):
         why = "deterministic=True" if p.deterministic else "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
-        return fail(f"{why}: torch's cuDNN op has no deterministic backward", "use the cudnn_fused:frontend provider")
+        return fail(f"{why}: torch's cuDNN backward cannot be asked for cuDNN's deterministic algorithm (the op takes "
+                    "no such flag), and torch itself refuses cuDNN SDPA in deterministic mode ('cuDNN SDPA is not "
+                    "deterministic'); a run that matches the reference does not show bitwise repeatability",
+                    "use the cudnn_fused:frontend provider (it requests cuDNN's deterministic backward)")
     return None
 
 
@@ -813,13 +866,18 @@ def _torch_dropout(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
     return None
 
 
-@TORCH_TABLE.check("torch_shape_limits", requires="batch and heads <= 65535; max_seqlen_kv > 1", topic="seqlen",
-                   source=TORCH_SDP + " (check_cudnn_tensor_shapes)")
+@TORCH_TABLE.check("torch_shape_limits", requires="batch and heads <= 65535; max_seqlen_kv > 1 (= 1 allowed "
+                   "with max_seqlen_q > 1 on sm90, cuDNN >= 9.19, torch >= 2.11: probe)", topic="seqlen",
+                   source=TORCH_SDP + " (check_cudnn_tensor_shapes); " + PROBE_H100)
 def _torch_shape_limits(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     problems = [f"{n}={v} > 65535" for n, v in (("batch_size", p.batch_size), ("num_heads", p.num_heads)) if v > 65535]
-    if p.max_seqlen_kv == 1:
-        problems.append("max_seqlen_kv=1 ('cudnn SDPA does not support key/value sequence length 1')")
-    return fail("torch's cuDNN SDPA limits: " + "; ".join(problems)) if problems else None
+    fix = None
+    # The probe ran s_q = 512, s_kv = 1 through the op (which skips sdp_utils' check) and it matched the reference.
+    if p.max_seqlen_kv == 1 and not (p.max_seqlen_q > 1 and probed(plat, "torch")):
+        problems.append("max_seqlen_kv=1 ('cudnn SDPA does not support key/value sequence length 1'; verified "
+                        f"with max_seqlen_q > 1 on {PROBED_TEXT['torch']})")
+        fix = f"upgrade to {PROBED_TEXT['torch']}, or use the cudnn_fused:frontend provider"
+    return fail("torch's cuDNN SDPA limits: " + "; ".join(problems), fix) if problems else None
 
 
 @TORCH_TABLE.check("torch_sub_backend_pin", requires="NVTE_FUSED_ATTN_BACKEND unset or 1", topic="environment",
