@@ -689,7 +689,7 @@ def _cudnn_rules(table: Table) -> None:
          TE_CPP + " (sliding-window clause); " + PROBE_H100, rule_sliding_window, per_provider=True)
     _add(table, "qkv_format", "thd: sm90+, cuDNN 9.1 (GQA 9.6)", "format", TE_CPP + " (qkv format clause); " + TE_PY,
          rule_qkv_format)
-    _add(table, "softmax_type", "off-by-one/learnable softmax: cuDNN >= 9.13.1, not thd, CP only a2a", "softmax",
+    _add(table, "softmax_type", "off-by-one/learnable softmax: cuDNN >= 9.13.1, not thd", "softmax",
          TE_CPP + " (softmax clause); " + TE_PY, rule_softmax_type)
     _add(table, "determinism", "deterministic bwd: sm90 8.9.5+, sm80 9.0+, Blackwell 9.18.1+ (no dropout/bias)",
          "determinism", TE_CPP + " (Blackwell determinism); " + TE_PY + "; " + FE_TESTS, rule_determinism)
