@@ -19,6 +19,7 @@ import torch
 from .backends import get_engine
 from .backends.base import AttnAux, AttnConfig, Engine
 from .decision import Decision
+from .env import _ENCODED_NAMES as _ENCODED_ENV_NAMES, _ENVIRON_DATA, ENV_VARS, _read_process_environ
 from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -90,6 +91,29 @@ class Entry:
     dynamic: bool
     seq: "SeqInfo | None" = None
     plans: dict = field(default_factory=dict)
+
+
+@dataclass
+class FastHit:
+    """A validated plan for calls passing only q, k, v; aux is shared by those calls (None: built per call)."""
+
+    plan: Plan
+    aux: AttnAux | None
+    max_q: int
+    max_kv: int
+    env: tuple  # env_raw() when validated: any change to the environment misses
+
+
+_ENV_NAMES = frozenset(_ENCODED_ENV_NAMES)
+_NO_ENV = (None,) * len(ENV_VARS)
+
+
+def env_raw() -> tuple:
+    """The raw values of the variables EnvFlags reads; one shared tuple when none is set (the usual case),
+    which a set intersection finds faster than reading each variable."""
+    if _ENVIRON_DATA is not None and not _ENVIRON_DATA.keys() & _ENV_NAMES:
+        return _NO_ENV
+    return _read_process_environ()
 
 
 def arg_signature(x: Any, grad: bool = False) -> Any:
@@ -506,6 +530,6 @@ def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi
     )
 
 
-__all__ = ["Entry", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
+__all__ = ["Entry", "FastHit", "env_raw", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
            "build_params", "check_window", "default_alibi_slopes", "make_aux", "make_plan", "normalize_mask_type",
            "sequence_info"]

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import inputs
 from .backends._cudnn_graph import CudnnGraphError
+from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .decision import Decision
 from .env import FAMILIES, EnvFlags
@@ -100,6 +101,7 @@ class DotProductAttention(torch.nn.Module):
             deterministic=not env.allow_nondeterministic or torch.are_deterministic_algorithms_enabled(),
             cp_comm_type=cp_comm_type, backend=backend)
         self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
+        self._fast: dict[tuple, inputs.FastHit] = {}  # q, k, v facts -> plan, for calls passing nothing else
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self.last_decision: Decision | None = None
 
@@ -121,6 +123,16 @@ class DotProductAttention(torch.nn.Module):
                 alibi_slopes: torch.Tensor | None = None, fast_zero_fill: bool = True, inference_params: Any = None,
                 pad_between_seqs: bool | None = None, fp8_output: bool = False):
         # fast_zero_fill only picks how Transformer Engine zero-initialises outputs; results are the same.
+        # The fast path: a repeat of a validated signature, passing nothing but q, k, v (dynamo never sees it).
+        if not torch.compiler.is_compiling() and self._fast and attention_mask is None and qkv_format is None and cu_seqlens_q is None and cu_seqlens_kv is None \
+                and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None and max_seqlen_q is None \
+                and max_seqlen_kv is None and attn_mask_type is None and window_size is None \
+                and not checkpoint_core_attention and core_attention_bias_type == "no_bias" \
+                and core_attention_bias is None and alibi_slopes is None and inference_params is None \
+                and pad_between_seqs is None and not fp8_output and self.cp_group is None:
+            hit = self._fast.get(_fast_key(query_layer, key_layer, value_layer, self.training))
+            if hit is not None and hit.env == inputs.env_raw():
+                return self._run_fast(hit, query_layer, key_layer, value_layer)
         _reject_unbuilt(inference_params, fp8_output)
         if self.cp_group is not None:
             from .context_parallel import module_glue
@@ -141,6 +153,27 @@ class DotProductAttention(torch.nn.Module):
                         window_size, checkpoint_core_attention, core_attention_bias_type, core_attention_bias,
                         alibi_slopes, pad_between_seqs)
 
+    def _run_fast(self, hit: inputs.FastHit, q, k, v):
+        """A call with only q, k, v whose signature was validated before: the plan's engine, straight."""
+        plan = hit.plan
+        if self.__dict__["last_decision"] is not plan.decision:
+            self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
+        aux = hit.aux
+        if aux is None:  # a sink offset: read per call, since .to() replaces buffers
+            aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
+        try:
+            out, _, max_logit = plan.engine(q, k, v, aux, plan.cfg, flatten_heads=True)
+        except CudnnGraphError:
+            return self._refused(q, k, v)
+        return (out, max_logit) if self.return_max_logit else out
+
+    def _refused(self, q, k, v):
+        """cuDNN refused a cached plan's graph at run time: select again (see _dispatch)."""
+        self._entries.clear()
+        self._fast.clear()
+        return self._dispatch(q, k, v, None, None, None, None, None, None, None, None, None, None, False, "no_bias",
+                              None, None, None)
+
     def _dispatch(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                   checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes,
@@ -149,18 +182,32 @@ class DotProductAttention(torch.nn.Module):
                 cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                 core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs)
         plan, aux = self._prepare(*args)
-        self.last_decision = plan.decision
+        self.__dict__["last_decision"] = plan.decision
         try:
             out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
         except CudnnGraphError:
             # cuDNN refused a graph the table let through: the engine recorded cuDNN's message (the table's
             # cudnn_rejected check now reports it) and cleared the decision cache, so selecting again moves on.
             self._entries.clear()
+            self._fast.clear()
             plan, aux = self._prepare(*args)
-            self.last_decision = plan.decision
+            self.__dict__["last_decision"] = plan.decision
             out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
-        out = out.reshape(*out.shape[:-2], -1)
+        if _only_qkv(args) and not checkpoint_core_attention and self.cp_group is None:
+            self._remember_fast(plan, aux, query_layer, key_layer, value_layer)
         return (out, max_logit) if self.return_max_logit else out
+
+    def _remember_fast(self, plan: inputs.Plan, aux: AttnAux, q, k, v) -> None:
+        """Lets later calls with only q, k, v of this signature skip _prepare: only for plans whose aux holds
+        nothing per call (no dropout seed, no cu_seqlens, mask, bias or slopes), so one aux serves them all."""
+        if plan.cfg.dropout_p > 0.0 or plan.cfg.bias_type != "no_bias" or aux.cu_seqlens_q is not None \
+                or aux.attention_mask is not None or aux.extra:
+            return
+        if len(self._fast) >= 64:
+            self._fast.clear()
+        template = aux if aux.softmax_offset is None else None
+        self._fast[_fast_key(q, k, v, self.training)] = inputs.FastHit(plan, template, aux.max_seqlen_q,
+                                                                       aux.max_seqlen_kv, inputs.env_raw())
 
     @torch.compiler.disable
     def _dispatch_opaque(self, *args):
@@ -243,6 +290,7 @@ class DotProductAttention(torch.nn.Module):
             plan = entry.plans[seq_key] = inputs.make_plan(self._spec, params)
             if len(self._entries) >= 64:
                 self._entries.clear()
+                self._fast.clear()
             if not entry.dynamic:
                 entry.seq = seq
             self._entries[key] = entry
@@ -266,11 +314,24 @@ class DotProductAttention(torch.nn.Module):
                 # Drawn here, inside the tracker's fork, so that recomputation (checkpointing) reuses it.
                 aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
             if checkpoint_core_attention and torch.is_grad_enabled():
-                out, _, max_logit = checkpoint(lambda q_, k_, v_: engine(q_, k_, v_, aux, cfg), q, k, v,
-                                               use_reentrant=False)
+                out, _, max_logit = checkpoint(lambda q_, k_, v_: engine(q_, k_, v_, aux, cfg, flatten_heads=True),
+                                               q, k, v, use_reentrant=False)
             else:
-                out, _, max_logit = engine(q, k, v, aux, cfg)
+                out, _, max_logit = engine(q, k, v, aux, cfg, flatten_heads=True)
         return out, max_logit
+
+
+def _only_qkv(args: tuple) -> bool:
+    """_dispatch's arguments hold forward's defaults after q, k, v: what the fast path takes."""
+    return all(a is None for a in args[3:13]) and args[13] == "no_bias" and all(a is None for a in args[14:])
+
+
+def _fast_key(q, k, v, training: bool) -> tuple | None:
+    """What a validated plan depends on besides the defaults; None (never cached) if q, k, v are not tensors."""
+    try:
+        return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training)
+    except AttributeError:
+        return None
 
 
 _PREPARE_KEYS = ("attention_mask", "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",

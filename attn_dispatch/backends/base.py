@@ -78,33 +78,74 @@ class Engine:
                  lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
         raise NotImplementedError
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
-                 cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Differentiable attention: (out, lse, max_logit). Gradients flow to q, k, v, bias and the sink."""
-        out, lse, max_logit = _EngineFunction.apply(self, aux, cfg, q, k, v, aux.bias, aux.softmax_offset)
-        return out, lse, max_logit
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
+                 flatten_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Differentiable attention: (out, lse, max_logit). Gradients flow to q, k, v, bias and the sink.
+        flatten_heads=True returns out with its last two dims merged ([..., h * d_v], what DotProductAttention
+        returns), taken inside the autograd wrapper so that no separate view node is recorded."""
+        bias, offset = aux.bias, aux.softmax_offset
+        if not torch.is_grad_enabled():
+            # Nothing to record: the autograd wrapper would only cost host time (its forward runs without grad too).
+            out, lse, _, max_logit = self.forward(q, k, v, aux, cfg)
+            return (out.flatten(-2) if flatten_heads else out), lse, max_logit
+        if not (q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad)
+                or (offset is not None and offset.requires_grad)):
+            with torch.no_grad():  # as inside the wrapper: no graph through any other aux tensor either
+                out, lse, _, max_logit = self.forward(q, k, v, aux, cfg)
+            return (out.flatten(-2) if flatten_heads else out), lse, max_logit
+        if _RAW_APPLY is None or torch._C._are_functorch_transforms_active():
+            return _EngineFunction.apply(self, aux, cfg, flatten_heads, q, k, v, bias, offset)
+        # Function.apply's Python layer binds no defaults here (no setup_context) and only unwraps dead functorch
+        # wrappers: done for the tensors directly, it saves a few microseconds per call.
+        return _RAW_APPLY(self, aux, cfg, flatten_heads, _unwrap(q), _unwrap(k), _unwrap(v),
+                          None if bias is None else _unwrap(bias), None if offset is None else _unwrap(offset))
 
 
 class _EngineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, engine: Engine, aux: AttnAux, cfg: AttnConfig, q, k, v, bias, softmax_offset):  # noqa: D401
-        result = engine.forward(q, k, v, aux, cfg)
-        ctx.engine, ctx.aux, ctx.cfg, ctx.state = engine, aux, cfg, result.state
-        ctx.save_for_backward(q, k, v, result.out, result.lse)
-        ctx.mark_non_differentiable(result.lse)
-        if result.max_logit is not None:
-            ctx.mark_non_differentiable(result.max_logit)
-        return result.out, result.lse, result.max_logit
+    def forward(ctx, engine: Engine, aux: AttnAux, cfg: AttnConfig, flatten_heads: bool, q, k, v, bias,
+                softmax_offset):  # noqa: D401
+        out, lse, state, max_logit = engine.forward(q, k, v, aux, cfg)
+        ctx.engine, ctx.aux, ctx.cfg, ctx.state = engine, aux, cfg, state
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)  # lse and max_logit take no gradient: no zero tensors for them
+        if max_logit is not None:
+            ctx.mark_non_differentiable(lse, max_logit)
+        else:
+            ctx.mark_non_differentiable(lse)
+        return (out.flatten(-2) if flatten_heads else out), lse, max_logit
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dmax_logit):
+        if dout is None:  # out took no gradient (only possible with materialisation off)
+            return (None,) * 9
         q, k, v, out, lse = ctx.saved_tensors
+        if dout.dim() != out.dim():  # flatten_heads: the gradient of [..., h * d_v]
+            dout = dout.reshape(out.shape)
         grads = ctx.engine.backward(dout.contiguous() if not dout.is_contiguous() else dout,
                                     q, k, v, out, lse, ctx.state, ctx.aux, ctx.cfg)
         aux = ctx.aux
         dbias = grads.dbias if aux.bias is not None and aux.bias.requires_grad else None
         dsink = grads.dsoftmax_offset if aux.softmax_offset is not None and aux.softmax_offset.requires_grad else None
-        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, dsink
+        return None, None, None, None, grads.dq, grads.dk, grads.dv, dbias, dsink
+
+
+def _raw_apply():
+    """torch's C-level Function.apply bound to _EngineFunction, or None where this torch lays it out otherwise."""
+    try:
+        if torch.autograd.function._is_setup_context_defined(_EngineFunction.setup_context):
+            return None
+        raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EngineFunction)
+        from torch._C._functorch import unwrap_if_dead
+    except (AttributeError, KeyError, ImportError):
+        return None
+    global _unwrap
+    _unwrap = unwrap_if_dead
+    return raw
+
+
+_unwrap = None
+_RAW_APPLY = _raw_apply()
 
 
 class EngineUnavailableError(RuntimeError):
