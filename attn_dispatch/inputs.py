@@ -111,9 +111,12 @@ _NO_ENV = (None,) * len(ENV_VARS)
 def env_raw() -> tuple:
     """The raw values of the variables EnvFlags reads; one shared tuple when none is set (the usual case),
     which a set intersection finds faster than reading each variable."""
-    if _ENVIRON_DATA is not None and not _ENVIRON_DATA.keys() & _ENV_NAMES:
+    if _ENVIRON_KEYS is not None and not _ENVIRON_KEYS & _ENV_NAMES:
         return _NO_ENV
     return _read_process_environ()
+
+
+_ENVIRON_KEYS = None if _ENVIRON_DATA is None else _ENVIRON_DATA.keys()  # a live view of the process environment
 
 
 def arg_signature(x: Any, grad: bool = False) -> Any:
