@@ -277,6 +277,8 @@ class DotProductAttention(torch.nn.Module):
         skips validation; tensor contents (cu_seqlens, padding masks) are re-checked, cached on the tensors."""
         if isinstance(window_size, list):
             window_size = tuple(window_size)
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            _guard_ranks(self._resolve(qkv_format, attn_mask_type, window_size)[0], q, k, v)  # raises ValueError
         key = (qkv_format, attn_mask_type, window_size, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, max_seqlen_q, max_seqlen_kv, cu_seqlens_q is None, cu_seqlens_kv is None,
                cu_seqlens_q_padded is None, cu_seqlens_kv_padded is None, pad_between_seqs,
