@@ -29,7 +29,7 @@ PROVIDER = "unfused:pytorch"  # the id the trivial engine stands in for (the mod
 
 
 class TrivialEngine(Engine):
-    """Returns preallocated tensors: whatever time a call takes is the caller's own."""
+    """Returns preallocated tensors: whatever time a call takes beyond engine.forward is the caller's own."""
 
     family, provider = "unfused", "pytorch"
 
@@ -39,7 +39,9 @@ class TrivialEngine(Engine):
         self.lse = torch.zeros(b, h, s, dtype=torch.float32)
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
-        return FwdResult(self.out, self.lse)
+        # Fresh tensor objects (aliases of preallocated storage), as a real engine returns new outputs: autograd
+        # then attaches each call's node to new tensors rather than re-pointing one tensor's grad_fn.
+        return FwdResult(self.out.detach(), self.lse.detach())
 
     def backward(self, dout, q, k, v, out, lse, state, aux, cfg) -> BwdResult:
         return BwdResult(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
