@@ -365,3 +365,43 @@ def test_checkpoint_core_attention_gives_the_same_results(dropout):
     assert torch.equal(o1, o2)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------------------------------------
+# The cached fast path must not skip what a fresh call would check
+# -------------------------------------------------------------------------------------------------
+def test_fast_path_still_rejects_mismatched_dtype_or_shape_after_a_cached_call():
+    q, k, v = qkv()
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask")
+    dpa(q, k, v)
+    dpa(q, k, v)  # now cached
+    with pytest.raises(ValueError, match="dtype"):
+        dpa(q, k.double(), v)
+    with pytest.raises(ValueError):
+        dpa(q, k[:, :, :1], v)  # one kv head: not the configured num_gqa_groups
+
+
+def test_fast_path_sees_environment_changes(monkeypatch):
+    q, k, v = qkv()
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    dpa(q, k, v)
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    with pytest.raises(NoBackendAvailableError, match="NVTE_UNFUSED_ATTN=0"):
+        dpa(q, k, v)
+
+
+def test_fast_path_gradients_match_a_fresh_module():
+    q, k, v = qkv(seed=3)
+    grads = []
+    for calls in (1, 3):  # the third call takes the cached path
+        dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        for _ in range(calls - 1):
+            dpa(*leaves).sum().backward()
+            for t in leaves:
+                t.grad = None
+        out = dpa(*leaves)
+        out.backward(torch.ones_like(out) * torch.arange(out.shape[-1], dtype=out.dtype))
+        grads.append([out.detach()] + [t.grad for t in leaves])
+    for fresh, cached in zip(*grads):
+        torch.testing.assert_close(cached, fresh, rtol=0, atol=0)
