@@ -745,7 +745,7 @@ def _frontend_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
     if p.softmax_type == "vanilla":
         return None
     fe = _version_of(plat.package("cudnn-frontend").version)
-    if fe is not None and fe < Version("1.14.1"):
+    if fe is not None and fe < parse_version("1.14.1"):
         return fail(f"softmax_type={p.softmax_type!r} needs cudnn-frontend >= 1.14.1 (sink_token); found {fe}",
                     "pip install -U 'nvidia-cudnn-frontend>=1.14.1'")
     return None

@@ -5,7 +5,7 @@ from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams
-from ..platform import Platform
+from ..platform import parse_version, Platform
 from . import common
 from .base import Failure, Table, fail
 from .flash_common import (CONSUMER_SM, CP, FA_CHANGELOG, MASKS, TE_UTILS, check, deterministic_backward, gqa,
@@ -35,7 +35,7 @@ def _installed_with_metadata(p: AttentionParams, plat: Platform, env: EnvFlags) 
 
 def _blackwell_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     version = plat.package_version("flash-attn")
-    if plat.sm >= 100 and version is not None and version < Version("2.7.3"):
+    if plat.sm >= 100 and version is not None and version < parse_version("2.7.3"):
         return fail(f"flash-attn {plat.package('flash-attn').version} has no kernels for sm{plat.sm} (Blackwell); "
                     "it needs flash-attn >= 2.7.3", "pip install -U 'flash-attn>=2.7.3'")
     return None
@@ -46,7 +46,7 @@ def _consumer_gpu_backward(p: AttentionParams, plat: Platform, env: EnvFlags) ->
     if not p.is_training or plat.sm not in CONSUMER_SM or p.head_dim_qk <= 192:
         return None
     version = plat.package_version("flash-attn")
-    if version is not None and version < Version("2.5.5"):
+    if version is not None and version < parse_version("2.5.5"):
         return fail(f"backward with head_dim={p.head_dim_qk} > 192 on sm{plat.sm} needs flash-attn >= 2.5.5 (before "
                     f"that only sm80/sm90 trained head dims above 192); {plat.package('flash-attn').version} is "
                     "installed", "pip install -U 'flash-attn>=2.5.5', or use head_dim <= 192, or run inference")
@@ -123,7 +123,7 @@ def _torch_build(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure |
 
 
 def _torch_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    if plat.torch < Version("2.4"):
+    if plat.torch < parse_version("2.4"):
         return fail(f"torch {plat.torch_version} predates the FA2 2.5 interface of aten::_flash_attention_forward "
                     "(window sizes, ALiBi slopes, the [h, t] varlen lse) that flash_attn_2:torch calls",
                     "pip install -U 'torch>=2.4'")
@@ -201,7 +201,7 @@ def _torch_determinism(p: AttentionParams, plat: Platform) -> str | None:
 
 @T.note
 def _torch_fa4_registration(p: AttentionParams, plat: Platform) -> str | None:
-    if plat.device_type == "cuda" and plat.torch >= Version("2.11"):
+    if plat.device_type == "cuda" and plat.torch >= parse_version("2.11"):
         return ("torch.nn.attention.activate_flash_attention_impl('FA4') would reroute aten::_flash_attention_forward "
                 "to flash-attn-4, and fails with flash-attn-4 4.0.0b36 ('too many values to unpack'); attn-dispatch "
                 "leaves it off (flash_attn_4:cute calls flash_attn.cute directly)")

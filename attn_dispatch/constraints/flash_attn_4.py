@@ -9,7 +9,7 @@ from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams
-from ..platform import Platform
+from ..platform import parse_version, Platform
 from . import common
 from . import flash_attn_4_sm90 as sm90
 from .base import Failure, Table, fail
@@ -33,11 +33,11 @@ def _package(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | Non
     version = plat.package_version("flash-attn-4")
     if version is None:
         return None  # an unparsable version: the import check decides
-    if version < Version(MINIMUM):
+    if version < parse_version(MINIMUM):
         return fail(f"flash-attn-4 {status.version} is installed; flash_attn_4:cute calls the internal API of "
                     f"{MINIMUM} and later (_flash_attn_fwd returning 5 values, _flash_attn_bwd taking learnable_sink)",
                     f"pip install -U 'flash-attn-4=={TESTED}'")
-    if version > Version(TESTED) and not env.allow_untested_versions:
+    if version > parse_version(TESTED) and not env.allow_untested_versions:
         return fail(f"flash-attn-4 {status.version} is newer than the release tested here ({TESTED}); its internal "
                     "API changes between betas, so it is not used unless allowed",
                     f"set ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS=1 to use it anyway, or pip install "
@@ -149,7 +149,7 @@ def _jit(p: AttentionParams, plat: Platform) -> str | None:
 
 @T.note
 def _torch_registration(p: AttentionParams, plat: Platform) -> str | None:
-    if plat.package("flash-attn-4").installed and plat.torch >= Version("2.11"):
+    if plat.package("flash-attn-4").installed and plat.torch >= parse_version("2.11"):
         return ("called through flash_attn.cute directly: torch 2.11's own FA4 registration "
                 "(torch.nn.attention.activate_flash_attention_impl('FA4')) fails with flash-attn-4 4.0.0b36 "
                 "('too many values to unpack': _flash_attn_fwd returns 5 values)")

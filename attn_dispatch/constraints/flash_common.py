@@ -12,7 +12,7 @@ from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams
-from ..platform import Platform
+from ..platform import parse_version, Platform
 from .base import Check, Failure, Table, fail
 
 FA_CHANGELOG = "flash-attn README.md, 'Changelog' (Dao-AILab/flash-attention)"
@@ -76,7 +76,7 @@ def version_for(table: Table, name: str, key: str, minimum: str, *, feature: str
 
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         version = plat.package_version(key)
-        if version is None or not applies(p, env) or version >= Version(minimum):
+        if version is None or not applies(p, env) or version >= parse_version(minimum):
             return None
         return fail(f"{feature} needs {distribution} >= {minimum}; {plat.package(key).version} is installed",
                     f"pip install -U '{distribution}>={minimum}'")
