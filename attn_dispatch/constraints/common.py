@@ -219,10 +219,12 @@ def context_parallel(table: Table) -> Check:
         ours = params_failures(p)
         if ours:
             return fail("; ".join(message for _, message, _ in ours), next((f for _, _, f in ours if f), None))
-        # platform, package and environment reasons are the same for the blocks: the call's own verdict has them
-        static = {c.code for c in table.checks if c.topic in ("platform", "package", "environment")}
+        # Reasons the call itself already fails on (platform, package, a seqlen rule...) are in its own verdict:
+        # report only what the per-block calls add.
+        own = f"{table.family}.cp_support"
+        already = {c.code for c in table.checks if c.code != own and c.fn(p, plat, env) is not None}
         for block in engine_block_params(p):
-            reasons = [r for r in table.failures(block, plat, env) if r.code not in static]
+            reasons = [r for r in table.failures(block, plat, env) if r.code not in already]
             if reasons:
                 return fail(f"under cp_comm_type={p.cp_comm_type!r}, {table.id} would run per-block calls "
                             f"(sq={block.max_seqlen_q}, skv={block.max_seqlen_kv}, {block.attn_mask_type}, "
