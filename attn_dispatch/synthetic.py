@@ -37,7 +37,7 @@ def config_for(params: AttentionParams, softmax_scale: float | None = None) -> A
 def _lengths(generator: torch.Generator, batch: int, longest: int, ragged: bool) -> list[int]:
     if not ragged:
         return [longest] * batch
-    lengths = torch.randint(1, longest + 1, (batch,), generator=generator).tolist()
+    lengths = torch.randint(1, longest + 1, (batch,), generator=generator, device=generator.device).tolist()
     lengths[0] = longest  # the max is reached, as max_seqlen promises
     return lengths
 
@@ -47,21 +47,25 @@ def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", seed: int = 0,
-              requires_grad: bool = True, dtype: torch.dtype | None = None) -> SyntheticCall:
-    """Fresh random q, k, v (and bias, slopes, sink, masks, cu_seqlens) that match `params`."""
+              requires_grad: bool = True, dtype: torch.dtype | None = None,
+              full_lengths: bool = False) -> SyntheticCall:
+    """Fresh random q, k, v (and bias, slopes, sink, masks, cu_seqlens) that match `params`, drawn on `device`.
+    Padded calls get random per-sequence lengths unless `full_lengths` (timing wants an exact flop count)."""
     device = torch.device(device)
-    generator = torch.Generator().manual_seed(seed)
+    if dtype is None and params.dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype={params.dtype!r} has no synthetic inputs; expected one of {', '.join(TORCH_DTYPES)}")
     dtype = dtype or TORCH_DTYPES[params.dtype]
+    generator = torch.Generator(device=device).manual_seed(seed)
     b, h, hk = params.batch_size, params.num_heads, params.num_gqa_groups
     sq, skv, dqk, dv = params.max_seqlen_q, params.max_seqlen_kv, params.head_dim_qk, params.head_dim_v
     ragged = params.has_padding
-    lens_q = _lengths(generator, b, sq, ragged)
+    lens_q = _lengths(generator, b, sq, ragged and not full_lengths)
     # Self-attention (equal max lengths) keeps each sequence's q and kv lengths equal, as real batches do; the
     # tables see only the maxima, so per-sequence mismatches are the module's to validate, not the probe's.
-    lens_kv = list(lens_q) if sq == skv else _lengths(generator, b, skv, ragged)
+    lens_kv = list(lens_q) if sq == skv else _lengths(generator, b, skv, ragged and not full_lengths)
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+    def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dt)
 
     if params.qkv_format == "thd":
         tq, tk = sum(lens_q), sum(lens_kv)
@@ -76,19 +80,17 @@ def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", se
     if ragged:
         aux.cu_seqlens_q, aux.cu_seqlens_kv = _cumulative(lens_q, device), _cumulative(lens_kv, device)
     if params.attn_mask_type == "arbitrary":
-        masked = torch.rand(b, 1, sq, skv, generator=generator) < 0.3
+        masked = torch.rand(b, 1, sq, skv, generator=generator, device=device) < 0.3
         masked[..., 0] = False  # every row keeps one key
-        aux.attention_mask = masked.to(device)
+        aux.attention_mask = masked
     if params.has_bias_tensor:
         dims = {"1hss": (1, h), "b1ss": (b, 1), "bhss": (b, h), "11ss": (1, 1)}[params.bias_shape]
         aux.bias = rand(*dims, sq, skv).requires_grad_(params.bias_requires_grad and requires_grad)
     if params.bias_type == "alibi":
         shape = (h,) if params.alibi_slopes_shape == "h" else (b, h)
-        aux.alibi_slopes = (torch.rand(*shape, generator=generator) * 0.5 + 0.01).to(device)
+        aux.alibi_slopes = torch.rand(*shape, generator=generator, device=device) * 0.5 + 0.01
     if params.softmax_type == "learnable":
-        aux.softmax_offset = torch.randn(h, generator=generator).to(device).requires_grad_(requires_grad)
-    if params.dropout and params.is_training:
-        aux.dropout_generator = None  # engines draw from the default generator of the device
+        aux.softmax_offset = rand(h, dt=torch.float32).requires_grad_(requires_grad)
     return SyntheticCall(q, k, v, aux, config_for(params), lens_q, lens_kv)
 
 

@@ -111,9 +111,6 @@ class SyntheticCall:
     dout: "torch.Tensor | None" = None
 
 
-_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64"}
-
-
 def device_for(params: AttentionParams) -> "torch.device":
     import torch
 
@@ -126,52 +123,19 @@ def device_for(params: AttentionParams) -> "torch.device":
 
 
 def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False) -> SyntheticCall:
-    """Random q, k, v (and the per-call tensors the params imply) in the call's layout; full-length sequences."""
+    """Random q, k, v (and the per-call tensors the params imply) in the call's layout, drawn on the device;
+    full-length sequences, so that the flop count is exact (attn_dispatch.synthetic builds them)."""
     import torch
 
-    from ..backends.base import AttnAux, AttnConfig
+    from ..synthetic import make_call
 
-    if params.dtype not in _TORCH_DTYPES:
-        raise ValueError(f"dtype={params.dtype!r} cannot be timed on synthetic inputs; "
-                         f"expected one of {', '.join(_TORCH_DTYPES)}")
-    device = device_for(params)
-    dtype = getattr(torch, _TORCH_DTYPES[params.dtype])
-    gen = torch.Generator(device=device).manual_seed(seed)
-    b, sq, skv = params.batch_size, params.max_seqlen_q, params.max_seqlen_kv
-    h, hkv, dqk, dv = params.num_heads, params.num_gqa_groups, params.head_dim_qk, params.head_dim_v
-
-    def shaped(s: int, heads: int, d: int) -> tuple[int, ...]:
-        return {"bshd": (b, s, heads, d), "sbhd": (s, b, heads, d), "thd": (b * s, heads, d)}[params.qkv_format]
-
-    def randn(*shape: int, dt: "torch.dtype" = dtype) -> "torch.Tensor":
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
-
-    q, k, v = randn(*shaped(sq, h, dqk)), randn(*shaped(skv, hkv, dqk)), randn(*shaped(skv, hkv, dv))
-    aux = AttnAux(max_seqlen_q=sq, max_seqlen_kv=skv)
-    if params.has_padding:
-        aux.cu_seqlens_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
-        aux.cu_seqlens_kv = torch.arange(0, (b + 1) * skv, skv, dtype=torch.int32, device=device)
-        aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = aux.cu_seqlens_q, aux.cu_seqlens_kv
-    if params.attn_mask_type == "arbitrary":
-        mask = torch.rand(b, 1, sq, skv, generator=gen, device=device) < 0.25
-        mask[..., 0] = False  # no fully masked row
-        aux.attention_mask = mask
-    if params.has_bias_tensor:
-        shape = {"1hss": (1, h), "b1ss": (b, 1), "bhss": (b, h), "11ss": (1, 1)}[params.bias_shape]
-        aux.bias = randn(*shape, sq, skv)
-    if params.bias_type == "alibi":
-        aux.alibi_slopes = torch.rand(*((h,) if params.alibi_slopes_shape == "h" else (b, h)), generator=gen,
-                                      device=device)
-    if params.softmax_type == "learnable":
-        aux.softmax_offset = randn(h, dt=torch.float32)
-    cfg = AttnConfig(
-        qkv_format=params.qkv_format, attn_mask_type=params.attn_mask_type, window_size=params.window_size,
-        softmax_scale=1.0 / math.sqrt(dqk), dropout_p=params.dropout if params.is_training else 0.0,
-        bias_type=params.bias_type, softmax_type=params.softmax_type, deterministic=params.deterministic,
-        return_max_logit=params.return_max_logit,
-    )
-    dout = randn(*shaped(sq, h, dv)) if with_dout else None
-    return SyntheticCall(q, k, v, aux, cfg, dout)
+    call = make_call(params, device=device_for(params), seed=seed, requires_grad=False, full_lengths=True)
+    dout = None
+    if with_dout:
+        gen = torch.Generator(device=call.q.device).manual_seed(seed + 1)
+        dout = torch.randn(*call.q.shape[:-1], params.head_dim_v, generator=gen, device=call.q.device,
+                           dtype=torch.float32).to(call.q.dtype)
+    return SyntheticCall(call.q, call.k, call.v, call.aux, call.cfg, dout)
 
 
 def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[], None]:
