@@ -64,7 +64,12 @@ def test_bucket_representative_is_the_largest_shape_and_keeps_the_kernel_choosin
     p = AttentionParams(batch_size=6, max_seqlen_q=3000, max_seqlen_kv=1000, num_heads=16, num_gqa_groups=4,
                         head_dim_qk=128, attn_mask_type="causal", dtype="bf16")
     rep = scheme.representative(p)
-    assert (rep.batch_size, rep.max_seqlen_q, rep.max_seqlen_kv) == (8, 3072, 1024)
+    # off the 128 grid, the representative stays off it (the tail-masking kernels are what runs)
+    assert (rep.batch_size, rep.max_seqlen_q, rep.max_seqlen_kv) == (8, 3071, 1023)
+    aligned = scheme.representative(p.replace(max_seqlen_q=2944, max_seqlen_kv=960))
+    assert (aligned.max_seqlen_q, aligned.max_seqlen_kv) == (3072, 960)  # 2944 = 23 * 128; 960 = 7.5 * 128
+    assert scheme.representative(p.replace(max_seqlen_q=2880)).max_seqlen_q == 3008  # multiple of 64, not of 128
+    assert scheme.key(p) != scheme.key(p.replace(max_seqlen_q=3072))
     assert rep.replace(batch_size=6, max_seqlen_q=3000, max_seqlen_kv=1000) == p
     assert scheme.key(p) == scheme.key(p.replace(batch_size=7, max_seqlen_q=2900))
     for change in (dict(dtype="fp16"), dict(attn_mask_type="no_mask"), dict(is_training=False),

@@ -6,7 +6,7 @@ a multiple of 64 always rounds to a multiple of 64 (cuDNN's older seqlen rule ke
 to a power of two. Heads, head dims, dtype, layout, mask, window and every feature flag stay exact: they change
 which kernel runs, not just how long it runs.
 
-A bucket is tuned at its representative: the largest shape in it.
+A bucket is tuned at its representative: the largest shape in it, on the same side of the 128 grid as the call.
 """
 from __future__ import annotations
 
@@ -42,7 +42,12 @@ class BucketScheme:
                              f"expected one of {', '.join(map(str, STEPS_PER_OCTAVE))}")
 
     def round_seqlen(self, n: int) -> int:
-        return round_up_steps(n, self.seq_steps_per_octave)
+        """The bucket's largest length. A length off the 128 grid stays off it: kernels mask their last tile
+        there, and on the H100 that alone moved the fastest engine (d128 s3000: cuDNN; s3072: flash-attn-4)."""
+        rounded = round_up_steps(n, self.seq_steps_per_octave)
+        if n % 128 and not rounded % 128:
+            rounded -= 64 if n % 64 == 0 else 1  # still >= n, and a multiple of 64 stays one
+        return rounded
 
     @staticmethod
     def round_batch(n: int) -> int:
