@@ -66,12 +66,7 @@ class TorchFlashEngine(FlashEngineBase):
 
     def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out):
         kwargs = dict(scale=call.scale, **self._window_kwargs(call))
-        if varlen is None:
-            cum_q = cum_k = None
-            max_q, max_k = q.shape[1], k.shape[1]
-        else:
-            cum_q, cum_k = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
-            max_q, max_k = varlen.max_seqlen_q, varlen.max_seqlen_kv
+        cum_q, cum_k, max_q, max_k = _cum_and_max(q, k, varlen)
         out, lse, rng_state, unused, _ = self._fwd(q, k, v, cum_q, cum_k, max_q, max_k, call.dropout_p,
                                                    call.causal, False, **kwargs)
         expected = (q.shape[-2], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
@@ -87,12 +82,7 @@ class TorchFlashEngine(FlashEngineBase):
             empty = torch.empty(0, dtype=torch.uint64, device=q.device)
             kernel_state = (empty, empty, None, None)
         rng_state, unused, _, _ = kernel_state
-        if varlen is None:
-            cum_q = cum_k = None
-            max_q, max_k = q.shape[1], k.shape[1]
-        else:
-            cum_q, cum_k = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
-            max_q, max_k = varlen.max_seqlen_q, varlen.max_seqlen_kv
+        cum_q, cum_k, max_q, max_k = _cum_and_max(q, k, varlen)
         with _torch_deterministic(call.deterministic):
             dq, dk, dv = self._bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, call.dropout_p,
                                    call.causal, rng_state, unused, scale=call.scale, **self._window_kwargs(call))
@@ -158,3 +148,10 @@ class FlashAttn2PackageEngine(FlashEngineBase):
         values.update(self._common(fn, call), deterministic=call.deterministic, rng_state=kernel_state)
         fn(**bind_supported(fn, values))
         return dq, dk, dv, None
+
+
+def _cum_and_max(q, k, varlen: Varlen | None):
+    """(cu_seqlens_q, cu_seqlens_kv, max_q, max_k) as the aten ops take them: None offsets for dense bshd."""
+    if varlen is None:
+        return None, None, q.shape[1], k.shape[1]
+    return varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.max_seqlen_q, varlen.max_seqlen_kv
