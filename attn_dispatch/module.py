@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
+from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
 from . import inputs
@@ -26,6 +27,13 @@ from .env import FAMILIES, EnvFlags
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
+_MISS = object()  # _fast_forward found no validated plan
+_MODULE_CALL = torch.nn.Module.__call__
+# nn.Module's process-wide hook registries (dicts that registration fills in place), checked by __call__'s shortcut.
+_GLOBAL_FORWARD_PRE_HOOKS = _nn_module._global_forward_pre_hooks
+_GLOBAL_FORWARD_HOOKS = _nn_module._global_forward_hooks
+_GLOBAL_BACKWARD_PRE_HOOKS = _nn_module._global_backward_pre_hooks
+_GLOBAL_BACKWARD_HOOKS = _nn_module._global_backward_hooks
 
 
 class DotProductAttention(torch.nn.Module):
@@ -114,6 +122,52 @@ class DotProductAttention(torch.nn.Module):
             cp_group, cp_global_ranks, cp_stream, cp_comm_type
 
     # ------------------------------------------------------------------------------------------
+    def __call__(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor, *args: Any,
+                 **kwargs: Any):
+        """nn.Module's call, with a shortcut for the commonest call: a repeat of a validated signature passing only
+        q, k, v, on a module with no hooks, outside tracing and compilation. nn.Module's own __call__ costs a
+        few microseconds, which the hot-path budget (5 us over the engine) cannot spare; every other call, and
+        any module with hooks, goes through it unchanged."""
+        if not args and not kwargs and self._fast and not (
+                self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
+                or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
+                or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None
+                or torch._C._get_tracing_state() or torch.compiler.is_compiling()):
+            result = self._fast_forward(query_layer, key_layer, value_layer)
+            if result is not _MISS:
+                return result
+        return _MODULE_CALL(self, query_layer, key_layer, value_layer, *args, **kwargs)
+
+    def _fast_forward(self, query_layer, key_layer, value_layer):
+        """The cached path for a call passing only q, k, v: _MISS unless this signature was validated before
+        (dynamo never traces it: both callers check first)."""
+        if self.cp_group is not None:
+            return _MISS
+        try:  # the key spelled out here, not in a helper: this path is counted in microseconds
+            key = (query_layer.shape, key_layer.shape, value_layer.shape, query_layer.dtype, key_layer.dtype,
+                   value_layer.dtype, query_layer.device, key_layer.device, value_layer.device, self.training)
+        except AttributeError:  # not tensors: the full path says what is wrong
+            return _MISS
+        last_key, hit = self._fast_last  # comparing with the previous call's key skips hashing it
+        if key != last_key:
+            hit = self._fast.get(key)
+            if hit is None:
+                return _MISS
+            self._fast_last = (key, hit)
+        if hit.env != inputs.env_raw():
+            return _MISS
+        plan = hit.plan
+        if self.__dict__["last_decision"] is not plan.decision:
+            self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
+        aux = hit.aux
+        if aux is None:  # a sink offset: read per call, since .to() replaces buffers
+            aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
+        try:
+            out, _, max_logit = plan.engine(query_layer, key_layer, value_layer, aux, plan.cfg, flatten_heads=True)
+        except CudnnGraphError:
+            return self._refused(query_layer, key_layer, value_layer)
+        return (out, max_logit) if self.return_max_logit else out
+
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 attention_mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
                 qkv_format: str | None = None, cu_seqlens_q: torch.Tensor | None = None,
@@ -125,37 +179,15 @@ class DotProductAttention(torch.nn.Module):
                 alibi_slopes: torch.Tensor | None = None, fast_zero_fill: bool = True, inference_params: Any = None,
                 pad_between_seqs: bool | None = None, fp8_output: bool = False):
         # fast_zero_fill only picks how Transformer Engine zero-initialises outputs; results are the same.
-        # The fast path: a repeat of a validated signature passing nothing but q, k, v (dynamo never sees it).
-        if not torch.compiler.is_compiling() and self._fast and attention_mask is None and qkv_format is None \
-                and cu_seqlens_q is None and cu_seqlens_kv is None and cu_seqlens_q_padded is None \
-                and cu_seqlens_kv_padded is None and max_seqlen_q is None and max_seqlen_kv is None \
-                and attn_mask_type is None and window_size is None and not checkpoint_core_attention \
-                and core_attention_bias_type == "no_bias" and core_attention_bias is None and alibi_slopes is None \
-                and inference_params is None and pad_between_seqs is None and not fp8_output \
-                and self.cp_group is None:
-            try:  # the key spelled out here, not in a helper: this path is counted in microseconds
-                key = (query_layer.shape, key_layer.shape, value_layer.shape, query_layer.dtype, key_layer.dtype,
-                       value_layer.dtype, query_layer.device, key_layer.device, value_layer.device, self.training)
-            except AttributeError:  # not tensors: the full path says what is wrong
-                key = None
-            last_key, hit = self._fast_last  # comparing with the previous call's key skips hashing it
-            if key != last_key:
-                hit = self._fast.get(key)
-                if hit is not None:
-                    self._fast_last = (key, hit)
-            if hit is not None and hit.env == inputs.env_raw():
-                plan = hit.plan
-                if self.__dict__["last_decision"] is not plan.decision:
-                    self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
-                aux = hit.aux
-                if aux is None:  # a sink offset: read per call, since .to() replaces buffers
-                    aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
-                try:
-                    out, _, max_logit = plan.engine(query_layer, key_layer, value_layer, aux, plan.cfg,
-                                                    flatten_heads=True)
-                except CudnnGraphError:
-                    return self._refused(query_layer, key_layer, value_layer)
-                return (out, max_logit) if self.return_max_logit else out
+        if self._fast and attention_mask is None and qkv_format is None and cu_seqlens_q is None \
+                and cu_seqlens_kv is None and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None \
+                and max_seqlen_q is None and max_seqlen_kv is None and attn_mask_type is None and window_size is None \
+                and not checkpoint_core_attention and core_attention_bias_type == "no_bias" \
+                and core_attention_bias is None and alibi_slopes is None and inference_params is None \
+                and pad_between_seqs is None and not fp8_output and not torch.compiler.is_compiling():
+            result = self._fast_forward(query_layer, key_layer, value_layer)
+            if result is not _MISS:
+                return result
         _reject_unbuilt(inference_params, fp8_output)
         if self.cp_group is not None:
             from .context_parallel import module_glue

@@ -37,11 +37,16 @@ class TrivialEngine(Engine):
         b, s, h, _ = q.shape
         self.out = torch.zeros(b, s, h, v.shape[-1], dtype=q.dtype)
         self.lse = torch.zeros(b, h, s, dtype=torch.float32)
+        self.flat_out = torch.zeros(b, s, h * v.shape[-1], dtype=q.dtype)  # its own storage: not a view
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
         # Fresh tensor objects (aliases of preallocated storage), as a real engine returns new outputs: autograd
         # then attaches each call's node to new tensors rather than re-pointing one tensor's grad_fn.
         return FwdResult(self.out.detach(), self.lse.detach())
+
+    def forward_flat(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        # As the cuDNN frontend engine does: the output is allocated with heads merged, so no view is taken.
+        return FwdResult(self.flat_out.detach(), self.lse.detach())
 
     def backward(self, dout, q, k, v, out, lse, state, aux, cfg) -> BwdResult:
         return BwdResult(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))

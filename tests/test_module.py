@@ -405,3 +405,65 @@ def test_fast_path_gradients_match_a_fresh_module():
         grads.append([out.detach()] + [t.grad for t in leaves])
     for fresh, cached in zip(*grads):
         torch.testing.assert_close(cached, fresh, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scope", ["module", "global"])
+def test_hooks_run_on_the_cached_path(scope):
+    """__call__'s shortcut skips nn.Module.__call__ only when no hook is registered: hooks added after the call
+    signature is cached still see every call, and a forward hook's replacement output is what the caller gets."""
+    q, k, v = qkv(seed=4)
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    expected = dpa(q, k, v)
+    dpa(q, k, v)  # now cached
+    seen = []
+
+    def pre_hook(module, args):
+        seen.append(("pre", len(args)))
+
+    def post_hook(module, args, out):
+        seen.append(("post", tuple(out.shape)))
+        return out * 2
+
+    if scope == "module":
+        handles = [dpa.register_forward_pre_hook(pre_hook), dpa.register_forward_hook(post_hook)]
+    else:
+        handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+                   torch.nn.modules.module.register_module_forward_hook(post_hook)]
+    try:
+        out = dpa(q, k, v)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [("pre", 3), ("post", tuple(expected.shape))]
+    torch.testing.assert_close(out, expected * 2, rtol=0, atol=0)
+    torch.testing.assert_close(dpa(q, k, v), expected, rtol=0, atol=0)  # hooks removed: the shortcut again
+
+
+def test_full_backward_hook_sees_the_gradient_on_the_cached_path():
+    q, k, v = qkv(seed=5)
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask")
+    dpa(q, k, v)
+    dpa(q, k, v)
+    grads_out = []
+    handle = dpa.register_full_backward_hook(lambda module, gin, gout: grads_out.append(gout[0]))
+    try:
+        out = dpa(q, k, v)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+        out.backward(dout)
+    finally:
+        handle.remove()
+    assert len(grads_out) == 1
+    torch.testing.assert_close(grads_out[0], dout, rtol=0, atol=0)
+
+
+def test_keyword_and_extra_arguments_bypass_the_shortcut_and_still_work():
+    q, k, v = qkv(seed=7)
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    positional = dpa(q, k, v)
+    dpa(q, k, v)
+    by_keyword = dpa(query_layer=q, key_layer=k, value_layer=v)
+    explicit = dpa(q, k, v, attn_mask_type="causal")
+    torch.testing.assert_close(by_keyword, positional, rtol=0, atol=0)
+    torch.testing.assert_close(explicit, positional, rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        dpa(q, k)  # value_layer missing: Python's own message, as with nn.Module.__call__

@@ -74,6 +74,14 @@ class Engine:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
         raise NotImplementedError
 
+    def forward_flat(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                     cfg: AttnConfig) -> FwdResult:
+        """forward, with out's last two dims merged ([..., h * d_v], what DotProductAttention returns). Engines
+        that allocate their own output override this to allocate that shape directly: the view costs host time
+        on every call."""
+        out, lse, state, max_logit = self.forward(q, k, v, aux, cfg)
+        return FwdResult(out.flatten(-2), lse, state, max_logit)
+
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
         raise NotImplementedError
@@ -86,13 +94,13 @@ class Engine:
         bias, offset = aux.bias, aux.softmax_offset
         if not torch.is_grad_enabled():
             # Nothing to record: the autograd wrapper would only cost host time (its forward runs without grad too).
-            out, lse, _, max_logit = self.forward(q, k, v, aux, cfg)
-            return (out.flatten(-2) if flatten_heads else out), lse, max_logit
+            out, lse, _, max_logit = (self.forward_flat if flatten_heads else self.forward)(q, k, v, aux, cfg)
+            return out, lse, max_logit
         if not (q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad)
                 or (offset is not None and offset.requires_grad)):
             with torch.no_grad():  # as inside the wrapper: no graph through any other aux tensor either
-                out, lse, _, max_logit = self.forward(q, k, v, aux, cfg)
-            return (out.flatten(-2) if flatten_heads else out), lse, max_logit
+                out, lse, _, max_logit = (self.forward_flat if flatten_heads else self.forward)(q, k, v, aux, cfg)
+            return out, lse, max_logit
         if _RAW_APPLY is None or torch._C._are_functorch_transforms_active():
             return _EngineFunction.apply(self, aux, cfg, flatten_heads, q, k, v, bias, offset)
         # Function.apply's Python layer binds no defaults here (no setup_context) and only unwraps dead functorch
@@ -105,7 +113,7 @@ class _EngineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: Engine, aux: AttnAux, cfg: AttnConfig, flatten_heads: bool, q, k, v, bias,
                 softmax_offset):  # noqa: D401
-        out, lse, state, max_logit = engine.forward(q, k, v, aux, cfg)
+        out, lse, state, max_logit = (engine.forward_flat if flatten_heads else engine.forward)(q, k, v, aux, cfg)
         ctx.engine, ctx.aux, ctx.cfg, ctx.state = engine, aux, cfg, state
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)  # lse and max_logit take no gradient: no zero tensors for them
@@ -113,14 +121,15 @@ class _EngineFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(lse, max_logit)
         else:
             ctx.mark_non_differentiable(lse)
-        return (out.flatten(-2) if flatten_heads else out), lse, max_logit
+        return out, lse, max_logit
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dmax_logit):
         if dout is None:  # out took no gradient (only possible with materialisation off)
             return (None,) * 9
         q, k, v, out, lse = ctx.saved_tensors
-        if dout.dim() != out.dim():  # flatten_heads: the gradient of [..., h * d_v]
+        if out.dim() != q.dim():  # flatten_heads: out and its gradient are [..., h * d_v]
+            out = out.unflatten(-1, (q.shape[-2], -1))
             dout = dout.reshape(out.shape)
         grads = ctx.engine.backward(dout.contiguous() if not dout.is_contiguous() else dout,
                                     q, k, v, out, lse, ctx.state, ctx.aux, ctx.cfg)

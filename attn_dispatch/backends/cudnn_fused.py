@@ -267,6 +267,7 @@ class _FastFwd:
     key: SdpaKey
     call: _Call
     out_shape: tuple
+    flat_out_shape: tuple  # out_shape with heads merged: [..., h * d_v]
     lse_shape: tuple
     dtype: torch.dtype
     device: torch.device
@@ -529,17 +530,34 @@ class CudnnFrontendEngine(Engine):
 
     # --- Engine interface ---
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        fast = self._fast_entry(q, k, v, aux, cfg)
+        if fast is not None:
+            return self._forward_fast(fast, q, k, v, aux, cfg, fast.out_shape)
+        return self._forward_general(q, k, v, aux, cfg)
+
+    def forward_flat(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                     cfg: AttnConfig) -> FwdResult:
+        """The cached path allocates out as [..., h * d_v] and hands cuDNN its pointer: no view per call."""
+        fast = self._fast_entry(q, k, v, aux, cfg)
+        if fast is not None:
+            return self._forward_fast(fast, q, k, v, aux, cfg, fast.flat_out_shape)
+        out, lse, state, max_logit = self._forward_general(q, k, v, aux, cfg)
+        return FwdResult(out.flatten(-2), lse, state, max_logit)
+
+    def _fast_entry(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                    cfg: AttnConfig) -> _FastFwd | None:
         fast = self._fast.get((id(cfg), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                                k.dtype, v.dtype, q.device, k.device, v.device,
                                q.requires_grad or k.requires_grad or v.requires_grad))
         if fast is not None and (fast.cfg is cfg or fast.cfg == cfg) and "cudnn_rng_dump" not in aux.extra:
-            return self._forward_fast(fast, q, k, v, aux, cfg)
-        return self._forward_general(q, k, v, aux, cfg)
+            return fast
+        return None
 
     def _forward_fast(self, fast: _FastFwd, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
-                      cfg: AttnConfig) -> FwdResult:
+                      cfg: AttnConfig, out_shape: tuple) -> FwdResult:
+        """out_shape: fast.out_shape, or fast.flat_out_shape (the same memory, heads merged)."""
         self.stats["hits"] += 1
-        out = torch.empty(fast.out_shape, dtype=fast.dtype, device=fast.device)
+        out = torch.empty(out_shape, dtype=fast.dtype, device=fast.device)
         lse = torch.empty(fast.lse_shape, dtype=torch.float32, device=fast.device)
         ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(), "stats": lse.data_ptr()}
         seed = None
@@ -600,7 +618,8 @@ class CudnnFrontendEngine(Engine):
         fast = None
         if (compiled.path == "raw" and call.fmt != "thd" and not call.padding and bias is None and not alibi
                 and cfg.softmax_type != "learnable" and rng_dump is None):
-            fast = _FastFwd(cfg, compiled, key, call, tuple(out.shape), tuple(lse.shape), q.dtype, q.device, dev, sink)
+            fast = _FastFwd(cfg, compiled, key, call, tuple(out.shape), tuple(out.shape[:-2]) + (out.shape[-2] * out.shape[-1],),
+                            tuple(lse.shape), q.dtype, q.device, dev, sink)
             if len(self._fast) >= FAST_CACHE_SIZE:
                 self._fast.clear()
             self._fast[(id(cfg), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
