@@ -29,6 +29,7 @@ from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 _MISS = object()  # _fast_forward found no validated plan
 _MODULE_CALL = torch.nn.Module.__call__
+_MODULE_CALL_EAGER = torch.compiler.disable(_MODULE_CALL)
 # nn.Module's process-wide hook registries (dicts that registration fills in place), checked by __call__'s shortcut.
 _GLOBAL_FORWARD_PRE_HOOKS = _nn_module._global_forward_pre_hooks
 _GLOBAL_FORWARD_HOOKS = _nn_module._global_forward_hooks
@@ -128,11 +129,12 @@ class DotProductAttention(torch.nn.Module):
         q, k, v, on a module with no hooks, outside tracing and compilation. nn.Module's own __call__ costs a
         few microseconds, which the hot-path budget (5 us over the engine) cannot spare; every other call, and
         any module with hooks, goes through it unchanged."""
+        if torch.compiler.is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
+            return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
         if not args and not kwargs and self._fast and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
-                or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None
-                or torch._C._get_tracing_state() or torch.compiler.is_compiling()):
+                or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
             result = self._fast_forward(query_layer, key_layer, value_layer)
             if result is not _MISS:
                 return result

@@ -4,7 +4,7 @@
    shapes off the bucket steps), each forward and forward+backward. Per row: the static order's pick
    (selection.preference_order), the measured policy's pick through selection's real hook with an empty cache
    (so it comes from its own tuning pass), then every eligible engine timed again for the evaluation (CUDA
-   events, median). Reported: time(pick) / time(fastest) per policy; target measured <= 1.03 everywhere.
+   events, interleaved call by call after a warm period, median; longer than tuning, on other random inputs). Reported: time(pick) / time(fastest) per policy; target measured <= 1.03 everywhere.
 2. Hot path at a small shape: cached DotProductAttention.forward vs the chosen engine called directly (host
    microseconds per call; target <= 5 us added), in inference, with autograd, and under the measured policy.
 3. CUDA graph capture (forward, and forward+backward via make_graphed_callables) and torch.compile (output vs
@@ -31,12 +31,11 @@ import torch
 
 from attn_dispatch import Platform, explain
 from attn_dispatch.policy import hotpath
-from attn_dispatch.policy.bench import BenchConfig, render_table, report, run_bench
+from attn_dispatch.policy.bench import EVAL_SETTINGS, BenchConfig, render_table, report, run_bench
 from attn_dispatch.policy.grid import default_grid, quick_grid
 from attn_dispatch.policy.measured import TUNING_SETTINGS, MeasuredPolicy, install
 from attn_dispatch.policy.timing import TimerSettings
 
-EVAL = TimerSettings(warmup=3, reps=7, max_reps=50, target_ms=40.0)
 QUICK = TimerSettings(warmup=1, reps=2, max_reps=2, target_ms=0.0)
 QUICK_SHAPE = dict(batch=1, seqlen=16, heads=2, head_dim=16)
 
@@ -80,9 +79,8 @@ def grid_section(run: Run, platform: Platform, args: argparse.Namespace) -> None
     tune_dir = tempfile.mkdtemp(prefix="attn-dispatch-tune-")
     measured = MeasuredPolicy(directory=tune_dir, settings=QUICK if args.quick else TUNING_SETTINGS)
     providers = tuple(args.providers.split(",")) if args.providers else None
-    config = BenchConfig(settings=QUICK if args.quick else EVAL, providers=providers,
+    config = BenchConfig(settings=QUICK if args.quick else EVAL_SETTINGS, providers=providers,
                          extra={"measured_policy": {"cache_dir": tune_dir, "settings": measured.settings.to_dict(),
-                                                    "probe_settings": measured.probe_settings.to_dict(),
                                                     "prune_ratio": measured.prune_ratio,
                                                     "buckets": "seqlen: quarter-octave steps; batch: power of two"}})
     def save_partial(rows: list[dict]) -> None:

@@ -467,3 +467,48 @@ def test_keyword_and_extra_arguments_bypass_the_shortcut_and_still_work():
     torch.testing.assert_close(explicit, positional, rtol=0, atol=0)
     with pytest.raises(TypeError):
         dpa(q, k)  # value_layer missing: Python's own message, as with nn.Module.__call__
+
+
+def test_torch_compile_runs_the_module_eagerly_without_recompiling():
+    """Inside a compiled model the attention call is one graph break (the dispatcher runs eagerly, on its cached
+    path), later calls with fresh tensors compile nothing new, and outputs and gradients match eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+            self.attn = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal")
+
+        def forward(self, q, k, v):
+            q = self.proj(q.flatten(-2)).unflatten(-1, (2, 8))
+            return torch.tanh(self.attn(q, k, v))
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    block = Block()
+    compiled = torch.compile(block, backend=counting_backend)
+    try:
+        for seed in range(4):
+            q, k, v = qkv(b=2, sq=12, skv=12, h=2, hk=2, d=8, dv=8, seed=20 + seed)
+            out = compiled(q, k, v)
+            dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+            if seed == 0:
+                first = len(graphs)
+            eager = block(q, k, v)
+            eager_grads = torch.autograd.grad(eager.sum(), (q, k, v))
+            torch.testing.assert_close(out, eager, rtol=1e-6, atol=1e-6)
+            for g, e in zip((dq, dk, dv), eager_grads):
+                torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+        assert first >= 1 and len(graphs) == first  # nothing compiled after the first call
+        assert len(counters["graph_break"]) == 1 and "disable" in next(iter(counters["graph_break"]))
+        assert block.attn.last_decision is not None and block.attn._fast  # the eager island used the cached path
+    finally:
+        torch._dynamo.reset()

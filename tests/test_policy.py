@@ -26,7 +26,8 @@ from attn_dispatch.policy.buckets import round_up_steps
 from attn_dispatch.policy.cache import CorruptCacheWarning, cache_dir, platform_key
 from attn_dispatch.policy.grid import load_shapes, shape_label
 from attn_dispatch.policy.measured import why_not_tunable
-from attn_dispatch.policy.timing import attended_pairs, attention_flops, build_inputs, engine_step, time_engine
+from attn_dispatch.policy.timing import (attended_pairs, attention_flops, build_inputs, engine_step, time_engine,
+                                        time_interleaved)
 
 FAST = TimerSettings(warmup=1, reps=3, max_reps=5, target_ms=0.0)
 
@@ -143,9 +144,55 @@ def test_timing_runs_the_engine_warmup_plus_reps_and_leaves_the_random_state_alo
     assert (inference.forwards, inference.backwards) == (3, 0)
     cut = CountingEngine(delay_s=0.01)
     timing = time_engine(cut, cpu_params(is_training=False), None, TimerSettings(warmup=3, reps=5), cutoff_ms=5.0)
-    assert timing.cut_short and timing.reps == 1 and timing.median_ms >= 10.0 and cut.forwards == 2
+    assert timing.cut_short and timing.reps == 1 and timing.median_ms >= 10.0 and cut.forwards == 3 + 1  # warm-up, estimate
     with pytest.raises(ValueError, match="max_reps=2 must be >= reps=3"):
         TimerSettings(reps=3, max_reps=2)
+    with pytest.raises(ValueError, match="warm_ms=-1"):
+        TimerSettings(warm_ms=-1)
+
+
+def test_interleaved_timing_rotates_the_order_and_settles_before_timing():
+    """Each function takes each position in a round equally often (so that no engine always runs first, after
+    a pause), a warm period runs them all before the timed rounds, and times match what each function costs."""
+    calls: list[str] = []
+
+    def sleeper(name: str, seconds: float):
+        def fn() -> None:
+            calls.append(name)
+            time.sleep(seconds)
+        return fn
+
+    fns = {"a": sleeper("a", 0.004), "b": sleeper("b", 0.001), "c": sleeper("c", 0.002)}
+    settings = TimerSettings(warmup=1, reps=6, max_reps=6, target_ms=0.0, warm_ms=30.0)
+    timings, errors = time_interleaved(fns, "cpu", settings)
+    assert not errors and {name: t.reps for name, t in timings.items()} == {"a": 6, "b": 6, "c": 6}
+    assert timings["b"].min_ms < timings["c"].min_ms < timings["a"].min_ms
+    assert timings["a"].min_ms >= 4.0 and timings["b"].min_ms >= 1.0
+    timed = calls[-18:]  # the six timed rounds
+    firsts = [timed[i] for i in range(0, 18, 3)]
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    warm = calls[3 + 3:-18]  # after the warm-up and estimate rounds: ceil(30 ms / 7 ms) = 5 rounds
+    assert len(warm) == 15 and sorted(set(warm)) == ["a", "b", "c"]
+
+
+def test_interleaved_timing_cuts_far_slower_functions_and_survives_a_failing_one():
+    def fail() -> None:
+        raise RuntimeError("deliberate")
+
+    counts = {"fast": 0, "slow": 0}
+
+    def make(name: str, seconds: float):
+        def fn() -> None:
+            counts[name] += 1
+            time.sleep(seconds)
+        return fn
+
+    fns = {"fast": make("fast", 0.001), "slow": make("slow", 0.05), "broken": fail}
+    timings, errors = time_interleaved(fns, "cpu", TimerSettings(warmup=2, reps=4, max_reps=4, target_ms=0.0),
+                                       cutoff_ratio=3.0)
+    assert set(errors) == {"broken"} and "deliberate" in str(errors["broken"])
+    assert timings["slow"].cut_short and counts["slow"] == 2 + 1
+    assert not timings["fast"].cut_short and timings["fast"].reps == 4 and counts["fast"] == 2 + 4
 
 
 def test_timed_step_computes_real_attention():

@@ -1,8 +1,9 @@
 """Benchmark core (behind `attn-dispatch bench` and benchmarks/bench_policy.py).
 
 For each shape and mode: what each policy picks (the measured policy through selection's real hook, so its
-pick comes from its own tuning pass), then every eligible engine timed again for the evaluation, and the ratio
-time(picked) / time(fastest) for each policy.
+pick comes from its own tuning pass), then every eligible engine timed again for the evaluation (interleaved
+call by call after a warm period, longer than tuning, on fresh inputs), and the ratio time(picked) /
+time(fastest) for each policy.
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from ..platform import Platform
 from .grid import shape_label
 from .measured import MeasuredPolicy
 from .progress import progress
-from .timing import MODES, TimerSettings, attention_flops, check_mode, time_engine
+from .timing import MODES, TimerSettings, attention_flops, check_mode, time_engines
 
 POLICIES = ("order", "measured")
 RATIO_TARGET = 1.03
-EVAL_SETTINGS = TimerSettings(warmup=3, reps=10, max_reps=100, target_ms=60.0)
-CUTOFF_RATIO = 3.0  # an engine 3x slower than the best so far is timed once: it cannot be the fastest
+# The evaluation times all eligible engines interleaved, as tuning does, but longer: ~100 ms warm, >= 100 ms each.
+EVAL_SETTINGS = TimerSettings(warmup=3, reps=15, max_reps=300, target_ms=100.0, warm_ms=100.0)
+CUTOFF_RATIO = 3.0  # an engine whose estimate is 3x the best is not timed further: it cannot be the fastest
 _SHORT_FAMILY = {"flash_attn_4": "fa4", "flash_attn_3": "fa3", "flash_attn_2": "fa2", "cudnn_fused": "cudnn",
                  "unfused": "unfused"}
 
@@ -90,18 +92,22 @@ def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config
             row["picks"]["measured"], row["measured"] = _measured_pick(params, platform, env, measured)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the evaluation still runs
             row["picks"]["measured"], row["measured"] = None, {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    best = None
+    engines, load_errors = {}, {}
     for pid in row["eligible"]:
-        if not config.wants(pid):
-            continue
-        try:
-            timing = time_engine(get_engine(pid), params, mode, config.settings,
-                                 cutoff_ms=None if best is None else CUTOFF_RATIO * best)
-        except Exception as exc:  # noqa: BLE001 - one engine failing is a result, not the end of the run
+        if config.wants(pid):
+            try:
+                engines[pid] = get_engine(pid)
+            except Exception as exc:  # noqa: BLE001 - one engine failing is a result, not the end of the run
+                load_errors[pid] = exc
+    timings, errors = time_engines(engines, params, mode, config.settings, seed=1, cutoff_ratio=CUTOFF_RATIO) \
+        if engines else ({}, {})
+    for pid in row["eligible"]:
+        if pid in timings:
+            timing = timings[pid]
+            row["engines"][pid] = {**timing.to_dict(), "tflops": row["flops"] / timing.median_ms / 1e9}
+        elif pid in errors or pid in load_errors:
+            exc = errors.get(pid) or load_errors[pid]
             row["engines"][pid] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            continue
-        row["engines"][pid] = {**timing.to_dict(), "tflops": row["flops"] / timing.median_ms / 1e9}
-        best = timing.median_ms if best is None else min(best, timing.median_ms)
     _rate(row)
     return row
 

@@ -5,9 +5,11 @@ preference order. Selection calls the policy through `attn_dispatch.selection.me
 decision is not cached, so the hot path never pays for it.
 
 How a bucket is tuned: every eligible provider (eligible for the call and for the bucket's representative
-shape) runs once as a probe; those within `prune_ratio` of the best probe are then timed properly (median of
-several calls after warm-up, CUDA events on the GPU). Forward alone in inference, forward + backward in
-training. The result goes to the persistent cache (see cache.py), so the next process starts tuned.
+shape) is timed against the others, interleaved call by call after a warm period (timing.time_interleaved;
+CUDA events on the GPU). One whose estimate is beyond `prune_ratio` times the best is not timed further.
+Forward alone in inference, forward + backward in training. Whenever a candidate is missing from a bucket's
+entry, all candidates are timed again together, so an entry never compares times taken at different moments.
+The result goes to the persistent cache (see cache.py), so the next process starts tuned.
 
 Tuning is skipped (the preference order decides, with one warning per bucket) when it cannot run honestly:
 during CUDA graph capture, inside torch.compile tracing, or for a platform other than this machine.
@@ -16,7 +18,6 @@ during CUDA graph capture, inside torch.compile tracing, or for a platform other
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -28,14 +29,14 @@ from ..params import AttentionParams
 from ..platform import Platform
 from .buckets import BucketScheme
 from .cache import TuningCache, cache_dir
-from .timing import TimerSettings, mode_of, time_engine
+from .timing import TimerSettings, mode_of, time_engines
 
 logger = logging.getLogger("attn_dispatch.policy")
 
-TUNING_SETTINGS = TimerSettings(warmup=2, reps=5, max_reps=30, target_ms=20.0)
-PROBE_SETTINGS = TimerSettings(warmup=1, reps=1, max_reps=1, target_ms=0.0)
-PRUNE_RATIO = 1.5
-TUNING_ROUNDS = 3
+# ~60 ms of warm period and >= 30 ms of timed rounds per bucket: close engines differ by a few percent, less than
+# a short burst's clock drift on a power-capped GPU.
+TUNING_SETTINGS = TimerSettings(warmup=2, reps=10, max_reps=60, target_ms=30.0, warm_ms=60.0)
+PRUNE_RATIO = 2.0
 
 
 @dataclass
@@ -76,11 +77,10 @@ class MeasuredPolicy:
     """Callable as selection's measured_policy_hook: (params, platform, eligible verdicts) -> provider id."""
 
     def __init__(self, *, scheme: BucketScheme = BucketScheme(), settings: TimerSettings = TUNING_SETTINGS,
-                 probe_settings: TimerSettings = PROBE_SETTINGS, prune_ratio: float = PRUNE_RATIO,
-                 directory: str | None = None):
+                 prune_ratio: float = PRUNE_RATIO, directory: str | None = None):
         if not prune_ratio >= 1.0:
-            raise ValueError(f"prune_ratio={prune_ratio!r} must be >= 1 (1.5 times the best probe, say)")
-        self.scheme, self.settings, self.probe_settings = scheme, settings, probe_settings
+            raise ValueError(f"prune_ratio={prune_ratio!r} must be >= 1 (2 times the best estimate, say)")
+        self.scheme, self.settings = scheme, settings
         self.prune_ratio = prune_ratio
         self.directory = directory  # None: cache_dir(), read from the environment at each use
         self._caches: dict[tuple[str, Platform], TuningCache] = {}
@@ -97,7 +97,7 @@ class MeasuredPolicy:
 
     def choose(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
                retune: bool = False) -> TuneResult:
-        """Look the bucket up; time the candidates it has no time for (all of them with retune)."""
+        """Look the bucket up; if it has no time for some candidate (or retune), time all candidates together."""
         bucket = self.scheme.key(params)
         representative = self.scheme.representative(params)
         with self._lock:
@@ -108,7 +108,8 @@ class MeasuredPolicy:
             if missing:
                 reason = why_not_tunable(params, platform)
                 if reason is None:
-                    entry = self._tune(representative, platform, missing, entry, bucket)
+                    timeable = [c for c in candidates if (bucket, c) not in self._failed]
+                    entry = self._tune(representative, platform, timeable, entry, bucket)
                     cache.put(bucket, entry)
                     tuned_now = True
                 elif bucket not in self._warned:
@@ -155,6 +156,7 @@ class MeasuredPolicy:
         started = time.perf_counter()
         mode = mode_of(representative)
         entry = _fresh_entry(representative, mode, self.settings) if not entry else _copy(entry)
+        entry["settings"] = self.settings.to_dict()
         ok_at_rep = self._eligible_at(representative, platform)
         engines = {}
         for pid in providers:
@@ -166,33 +168,17 @@ class MeasuredPolicy:
                 engines[pid] = get_engine(pid)
             except Exception as exc:  # noqa: BLE001 - an engine that fails to load is reported, never fatal
                 self._record_failure(entry, bucket, pid, exc)
-        to_time = list(engines)
-        if len(engines) > 1:
-            probes = {pid: self._time(pid, engines[pid], representative, mode, self.probe_settings, entry, bucket)
-                      for pid in engines}
-            probes = {pid: t for pid, t in probes.items() if t is not None}
-            best = min(list(probes.values()) + [t for t in entry["times_ms"].values() if t is not None],
-                       default=None)
-            to_time = []
-            for pid, t in probes.items():
-                if best is not None and t > self.prune_ratio * best:
-                    entry["probe_ms"][pid] = t
-                else:
-                    to_time.append(pid)
-        # Finalists are timed in interleaved rounds, median per engine: a GPU's clock drifts under load (the H100
-        # here throttles at its power cap), and timing one engine after the other hands that drift to one of them.
-        samples: dict[str, list[float] | None] = {pid: [] for pid in to_time}
-        for _ in range(TUNING_ROUNDS if len(to_time) > 1 else 1):
-            for pid in [p for p in to_time if samples[p] is not None]:
-                t = self._time(pid, engines[pid], representative, mode, self.settings, entry, bucket)
-                if t is None:
-                    samples[pid] = None  # failed: left out of this bucket
-                else:
-                    samples[pid].append(t)
-        for pid, ts in samples.items():
-            if ts:
-                entry["times_ms"][pid] = statistics.median(ts)
-                entry["probe_ms"].pop(pid, None)
+        if engines:
+            timings, errors = time_engines(engines, representative, mode, self.settings,
+                                           cutoff_ratio=self.prune_ratio if len(engines) > 1 else None)
+            for pid, exc in errors.items():
+                self._record_failure(entry, bucket, pid, exc)
+            if errors:
+                _release_cuda_memory(representative)
+            for pid, timing in timings.items():
+                times, other = ("probe_ms", "times_ms") if timing.cut_short else ("times_ms", "probe_ms")
+                entry[times][pid] = timing.median_ms
+                entry[other].pop(pid, None)
         entry["tuning_s"] = round(entry.get("tuning_s", 0.0) + time.perf_counter() - started, 4)
         entry["tuned_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         entry["chosen"] = fastest(entry, list({**entry["probe_ms"], **entry["times_ms"]}))
@@ -200,15 +186,6 @@ class MeasuredPolicy:
                     entry["chosen"], ", ".join(f"{k} {v:.3f}" for k, v in sorted(entry["times_ms"].items())),
                     entry["tuning_s"])
         return entry
-
-    def _time(self, pid: str, engine: Any, params: AttentionParams, mode: str, settings: TimerSettings, entry: dict,
-              bucket: str) -> float | None:
-        try:
-            return time_engine(engine, params, mode, settings).median_ms
-        except Exception as exc:  # noqa: BLE001 - an engine that fails here is left out of this bucket
-            self._record_failure(entry, bucket, pid, exc)
-            _release_cuda_memory(params)
-            return None
 
     def _record_failure(self, entry: dict, bucket: str, pid: str, exc: BaseException) -> None:
         self._failed.add((bucket, pid))

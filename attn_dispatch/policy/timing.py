@@ -1,8 +1,13 @@
-"""Time one engine on synthetic random inputs built from AttentionParams.
+"""Time engines on synthetic random inputs built from AttentionParams.
 
-On the GPU each repetition sits between two CUDA events, after warm-up (which also absorbs JIT compilation);
-the result is the median. On the CPU, time.perf_counter around each repetition. Engines are called through
-their functional forward/backward pair under no_grad, the context autograd runs them in.
+Engines that are compared are timed against each other, interleaved call by call: after each one's first
+(possibly JIT-compiling) call and a warm period in which they all run (the GPU settles at the clock it
+sustains under load), every round calls each engine once in a rotated order, and each engine's result is the
+median over rounds. Timing them one after another instead hands clock drift to whichever runs first: on the
+power-capped H100 here, the first engine timed after a pause ran 5-8% faster than in steady state, which was
+enough to flip close picks. On the GPU each call sits between two CUDA events (one synchronisation per
+timing); on the CPU, time.perf_counter around each call. Engines run through their functional
+forward/backward pair under no_grad, the context autograd runs them in.
 """
 from __future__ import annotations
 
@@ -25,13 +30,16 @@ BACKWARD_FLOP_FACTOR = 2.5  # backward ~ 2.5x forward flops (FlashAttention's ac
 
 @dataclass(frozen=True)
 class TimerSettings:
-    """warmup calls (untimed; at least one), then at least `reps` timed ones, more (up to max_reps) until
-    target_ms is covered."""
+    """warmup: untimed calls per function (at least one: the first may JIT-compile). Then one timed call each,
+    the estimate that sizes the run (and drives cutoffs); then warm_ms of untimed interleaved rounds (for the
+    clock to settle); then timed rounds: at least `reps` samples per function, more (up to max_reps) until the
+    fastest function has run for target_ms. Without a warm period the estimate is the first sample."""
 
     warmup: int = 3
     reps: int = 10
     max_reps: int = 100
     target_ms: float = 50.0
+    warm_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("warmup", "reps", "max_reps"):
@@ -40,8 +48,9 @@ class TimerSettings:
                 raise ValueError(f"{name}={value!r} must be an integer >= {0 if name == 'warmup' else 1}")
         if self.max_reps < self.reps:
             raise ValueError(f"max_reps={self.max_reps} must be >= reps={self.reps}")
-        if not self.target_ms >= 0:
-            raise ValueError(f"target_ms={self.target_ms!r} must be >= 0")
+        for name in ("target_ms", "warm_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,26 +167,74 @@ def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[]
 
 # --- timing --------------------------------------------------------------------------------------------
 
-def time_fn(fn: Callable[[], None], device_type: str, settings: TimerSettings = TimerSettings(), *,
-            cutoff_ms: float | None = None) -> Timing:
-    """Call fn once untimed (it may JIT-compile), time one call as an estimate, finish the warm-up, then time
-    enough calls (settings) and return the median. With warmup <= 1 the estimate is the first sample.
-    cutoff_ms: an engine whose estimate exceeds it is reported from that one call (cut_short), which keeps a
-    benchmark from spending minutes on an engine that is far behind."""
+def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
+                     settings: TimerSettings = TimerSettings(), *, cutoff_ratio: float | None = None,
+                     cutoff_ms: float | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
+    """Time several functions against each other (see the module docstring): ({name: Timing}, {name: error}).
+    A function that raises is left out with its exception. cutoff_ratio / cutoff_ms: a function whose estimate
+    exceeds that multiple of the best estimate / that many ms is reported from its estimate (cut_short) and not
+    timed further: it cannot be the fastest, and a benchmark should not spend minutes on it."""
     import torch
 
     timer = _CudaTimer() if device_type == "cuda" else _CpuTimer()
+    errors: dict[str, Exception] = {}
+    timings: dict[str, Timing] = {}
     with torch.no_grad():
-        fn()
-        estimate = timer.time([fn])[0]
-        if cutoff_ms is not None and estimate > cutoff_ms:
-            return Timing(estimate, estimate, 1, [estimate], cut_short=True)
-        for _ in range(settings.warmup - 2):  # the estimate call was the second warm-up call
-            fn()
-        samples = [estimate] if settings.warmup <= 1 else []
-        reps = _reps_for(estimate, settings)
-        samples += timer.time([fn] * (reps - len(samples)))
-    return Timing(statistics.median(samples), min(samples), len(samples), samples)
+        live = list(fns)
+        for r in range(max(1, settings.warmup)):  # the first round may JIT-compile or build graphs
+            live = _call_each(fns, _rotated(live, r), errors)
+        # The estimate comes after the warm-up: a call right after a compile runs on a GPU that idled meanwhile.
+        estimates = {name: times[0] for name, times in timer.rounds(fns, live, 1, errors).items()}
+        live = [name for name in live if name in estimates]
+        best = min(estimates.values(), default=0.0)
+        for name in list(live):
+            est = estimates[name]
+            if (cutoff_ms is not None and est > cutoff_ms) or (cutoff_ratio is not None and est > cutoff_ratio * best):
+                timings[name] = Timing(est, est, 1, [est], cut_short=True)
+                live.remove(name)
+        if not live:
+            return timings, errors
+        round_ms = sum(estimates[name] for name in live)
+        warm_rounds = math.ceil(settings.warm_ms / round_ms) if round_ms > 0 else 0
+        for r in range(warm_rounds):
+            _call_each(fns, _rotated(live, r), errors)
+        live = [name for name in live if name not in errors]
+        # The estimate is the first sample unless a warm period came between.
+        samples = {name: ([] if warm_rounds else [estimates[name]]) for name in live}
+        reps = _reps_for(min(estimates[name] for name in live), settings) - (0 if warm_rounds else 1)
+        for name, times in timer.rounds(fns, live, reps, errors).items():
+            samples[name] += times
+    for name, times in samples.items():
+        if name not in errors and times:
+            timings[name] = Timing(statistics.median(times), min(times), len(times), times)
+    return timings, errors
+
+
+def time_fn(fn: Callable[[], None], device_type: str, settings: TimerSettings = TimerSettings(), *,
+            cutoff_ms: float | None = None) -> Timing:
+    """One function alone (time_interleaved with one entry); its exception propagates."""
+    timings, errors = time_interleaved({"fn": fn}, device_type, settings, cutoff_ms=cutoff_ms)
+    if errors:
+        raise errors["fn"]
+    return timings["fn"]
+
+
+def _call_each(fns: dict[str, Callable[[], None]], names: list[str], errors: dict[str, Exception]) -> list[str]:
+    """Call each named function once (untimed); those that raise go to errors. Returns the survivors."""
+    for name in names:
+        try:
+            fns[name]()
+        except Exception as exc:  # noqa: BLE001 - one function failing is reported, the others go on
+            errors[name] = exc
+    return [name for name in names if name not in errors]
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    """Round r's calling order: each name takes each position equally often."""
+    if not names:
+        return []
+    r %= len(names)
+    return names[r:] + names[:r]
 
 
 def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
@@ -188,40 +245,66 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
 
 class _CpuTimer:
     @staticmethod
-    def time(fns: list[Callable[[], None]]) -> list[float]:
-        samples = []
-        for fn in fns:
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-        return samples
+    def rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int,
+               errors: dict[str, Exception]) -> dict[str, list[float]]:
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(reps):
+            for name in _rotated([n for n in names if n not in errors], r):
+                start = time.perf_counter()
+                try:
+                    fns[name]()
+                except Exception as exc:  # noqa: BLE001
+                    errors[name] = exc
+                    continue
+                samples[name].append((time.perf_counter() - start) * 1e3)
+        return {name: times for name, times in samples.items() if name not in errors}
 
 
 class _CudaTimer:
     """A CUDA event pair around each call, launched back to back; one synchronisation at the end."""
 
     @staticmethod
-    def time(fns: list[Callable[[], None]]) -> list[float]:
+    def rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int,
+               errors: dict[str, Exception]) -> dict[str, list[float]]:
         import torch
 
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-        for fn, (start, end) in zip(fns, events):
-            start.record()
-            fn()
-            end.record()
+        events: dict[str, list] = {name: [] for name in names}
+        for r in range(reps):
+            for name in _rotated([n for n in names if n not in errors], r):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    fns[name]()
+                except Exception as exc:  # noqa: BLE001
+                    errors[name] = exc
+                    continue
+                end.record()
+                events[name].append((start, end))
         torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in events]
+        return {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items() if name not in errors}
+
+
+def time_engines(engines: "dict[str, Engine]", params: AttentionParams, mode: str | None = None,
+                 settings: TimerSettings = TimerSettings(), *, seed: int = 0, cutoff_ratio: float | None = None,
+                 cutoff_ms: float | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
+    """Engines timed against each other (time_interleaved) at params' shape, in `mode` (default: what the
+    params' call costs), on one set of inputs. The caller's random state is left as it was (dropout draws from
+    the default generator)."""
+    import torch
+
+    mode = check_mode(mode or mode_of(params))
+    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd")
+    steps = {name: engine_step(engine, call, mode) for name, engine in engines.items()}
+    devices = [call.q.device.index] if call.q.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return time_interleaved(steps, params.device_type, settings, cutoff_ratio=cutoff_ratio, cutoff_ms=cutoff_ms)
 
 
 def time_engine(engine: "Engine", params: AttentionParams, mode: str | None = None,
                 settings: TimerSettings = TimerSettings(), *, seed: int = 0,
                 cutoff_ms: float | None = None) -> Timing:
-    """Median time of one call of `engine` at params' shape, in `mode` (default: what the params' call costs).
-    The caller's random state is left as it was (dropout draws from the default generator)."""
-    import torch
-
-    mode = check_mode(mode or mode_of(params))
-    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd")
-    devices = [call.q.device.index] if call.q.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        return time_fn(engine_step(engine, call, mode), params.device_type, settings, cutoff_ms=cutoff_ms)
+    """Median time of one call of `engine` alone (time_engines with one entry); its exception propagates."""
+    timings, errors = time_engines({"engine": engine}, params, mode, settings, seed=seed, cutoff_ms=cutoff_ms)
+    if errors:
+        raise errors["engine"]
+    return timings["engine"]
