@@ -30,10 +30,10 @@ BACKWARD_FLOP_FACTOR = 2.5  # backward ~ 2.5x forward flops (FlashAttention's ac
 
 @dataclass(frozen=True)
 class TimerSettings:
-    """warmup: untimed calls per function (at least one: the first may JIT-compile). Then one timed call each,
-    the estimate that sizes the run (and drives cutoffs); then warm_ms of untimed interleaved rounds (for the
-    clock to settle); then timed rounds: at least `reps` samples per function, more (up to max_reps) until the
-    fastest function has run for target_ms. Without a warm period the estimate is the first sample."""
+    """warmup: untimed calls per function (at least one: the first may JIT-compile). The second call is timed
+    as the estimate that drives cutoffs and sizes the run (with warmup <= 1 and no warm period it is also the
+    first sample). Then warm_ms of untimed interleaved rounds (the clock settles), then timed rounds: at least
+    `reps` samples per function, more (up to max_reps) until the fastest has run for target_ms."""
 
     warmup: int = 3
     reps: int = 10
@@ -180,10 +180,8 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
     errors: dict[str, Exception] = {}
     timings: dict[str, Timing] = {}
     with torch.no_grad():
-        live = list(fns)
-        for r in range(max(1, settings.warmup)):  # the first round may JIT-compile or build graphs
-            live = _call_each(fns, _rotated(live, r), errors)
-        # The estimate comes after the warm-up: a call right after a compile runs on a GPU that idled meanwhile.
+        live = _call_each(fns, list(fns), errors)  # the first calls may JIT-compile or build graphs: untimed
+        # The estimate: one timed call each (the second warm-up call); it drives the cutoffs and sizes the run.
         estimates = {name: times[0] for name, times in timer.rounds(fns, live, 1, errors).items()}
         live = [name for name in live if name in estimates]
         best = min(estimates.values(), default=0.0)
@@ -195,13 +193,15 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         if not live:
             return timings, errors
         round_ms = sum(estimates[name] for name in live)
-        warm_rounds = math.ceil(settings.warm_ms / round_ms) if round_ms > 0 else 0
-        for r in range(warm_rounds):
+        settle_rounds = max(0, settings.warmup - 2)
+        settle_rounds += math.ceil(settings.warm_ms / round_ms) if round_ms > 0 else 0
+        for r in range(settle_rounds):
             _call_each(fns, _rotated(live, r), errors)
         live = [name for name in live if name not in errors]
-        # The estimate is the first sample unless a warm period came between.
-        samples = {name: ([] if warm_rounds else [estimates[name]]) for name in live}
-        reps = _reps_for(min(estimates[name] for name in live), settings) - (0 if warm_rounds else 1)
+        # With a single warm-up call and no warm period, the estimate is the first sample.
+        first_is_sample = settings.warmup <= 1 and settle_rounds == 0
+        samples = {name: ([estimates[name]] if first_is_sample else []) for name in live}
+        reps = _reps_for(min(estimates[name] for name in live), settings) - (1 if first_is_sample else 0)
         for name, times in timer.rounds(fns, live, reps, errors).items():
             samples[name] += times
     for name, times in samples.items():
