@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call, several stages: bash benchmarks/gpu/run_suite.sh STAGE [STAGE ...]
-# Stages: tests-cudnn tests-flash tests-unfused bench-cudnn bench-flash bench-memory probe policy
+# Stages: tests-cudnn tests-flash tests-unfused bench-cudnn bench-flash bench-memory probe policy policy-grid hotpath
 # Source the wheel bundles first (../shared/device/README.md); logs and JSON go to $OUT.
 # A failing stage does not stop the next; a short summary is printed last.
 set -u
@@ -25,6 +25,8 @@ for s in "$@"; do
     bench-memory) stage $s 150 python3 benchmarks/bench_unfused_memory.py --device cuda --out "$OUT/unfused_memory_cuda.json" ;;
     probe) TAIL=40 stage $s 540 python3 -m attn_dispatch probe --json "$OUT/probe.json" ;;
     policy) TAIL=60 stage $s 540 python3 benchmarks/bench_policy.py --out "$OUT/policy.json" ;;
+    policy-grid) TAIL=80 stage $s 570 python3 benchmarks/bench_policy.py --skip hotpath,graph,compile --out "$OUT/policy_grid.json" ;;
+    hotpath) TAIL=20 stage $s 200 python3 benchmarks/bench_policy.py --skip grid --out "$OUT/hotpath.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
