@@ -151,8 +151,9 @@ def summary_lines(result: dict) -> list[str]:
             added = hot["module_over_engine_us"]
             engine = hot["results_us"]["engine_call"]
             lines.append(f"hot path [{name}] ({hot['chosen']}): module adds {added['loop_us_min']:.2f} us/call "
-                         f"(loop min; engine alone {engine['loop_us_min']:.2f}), {added['per_call_us_median']:.2f} "
-                         f"us per-call median, {added['thread_cpu_us_min']:.2f} us thread CPU; target <= 5")
+                         f"(loop min; engine alone {engine['loop_us_min']:.2f}), "
+                         f"{added.get('paired_loop_us_median', float('nan')):.2f} us median of paired repeats, "
+                         f"{added['per_call_us_median']:.2f} us per-call median; target <= 5")
     for g in result.get("cuda_graph", []):
         lines.append(f"CUDA graph [{g.get('backend') or 'default'} -> {g.get('chosen')}]: inference "
                      f"{_ok(g.get('inference'))}, fwd+bwd {_ok(g.get('fwd_bwd'))}")

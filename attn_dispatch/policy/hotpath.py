@@ -5,7 +5,9 @@ Host time is measured two profiler-free ways at a small shape (where host time s
 - loop: N calls back to back, synchronising only before and after, divided by N (min and median of repeats);
 - per call: time.perf_counter_ns around each call (no synchronisation; the launch cost as the caller sees it),
   median; plus time.thread_time (this thread's CPU time) over the loop, divided by N.
-The headline figure is module minus engine on the loop minimum (the least disturbed repeat).
+Headline figures: module minus engine on the loop minimum (the least disturbed repeat), and the median over
+repeats of the paired difference (module and engine loops run back to back in each repeat, so a noisy host
+disturbs both alike). On a shared host the medians of each alone swing by several microseconds.
 """
 from __future__ import annotations
 
@@ -53,8 +55,9 @@ def _sync(device: torch.device) -> None:
 
 
 def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls: int = 1000,
-               repeats: int = 7) -> dict[str, dict[str, float]]:
-    """Microseconds per call for each function, repeats interleaved (so drift hits all alike): the loop figure
+               repeats: int = 21) -> dict[str, dict[str, Any]]:
+    """Microseconds per call for each function, repeats interleaved in rotating order (so drift hits all
+    alike): the loop figure
     (sync at the ends only) and thread CPU time as min and median over repeats, the per-call perf_counter as the
     median over every sample."""
     for fn in fns.values():
@@ -64,8 +67,10 @@ def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls
     loops = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
     per_call = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: no function always goes first
+            fn = fns[name]
             _sync(device)
             start, cpu_start = time.perf_counter(), time.thread_time()
             for _ in range(calls):
@@ -79,13 +84,14 @@ def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls
                 per_call[name].append((time.perf_counter_ns() - t0) / 1e3)
             _sync(device)
     return {name: {"loop_us_min": min(loops[name]), "loop_us_median": statistics.median(loops[name]),
+                   "loop_us": [round(x, 3) for x in loops[name]],
                    "per_call_us_median": statistics.median(per_call[name]),
                    "thread_cpu_us_min": min(cpu[name]), "thread_cpu_us_median": statistics.median(cpu[name])}
             for name in fns}
 
 
 def overhead(device: torch.device, dtype: torch.dtype, *, backend: str | None = None, grad: bool = False,
-             calls: int = 1000, repeats: int = 7, shape: dict | None = None) -> dict[str, Any]:
+             calls: int = 1000, repeats: int = 21, shape: dict | None = None) -> dict[str, Any]:
     """Cached module.forward vs the chosen engine called directly, same inputs; in inference (no_grad) or with
     autograd recording (grad=True)."""
     shape = shape or SMALL_SHAPE
@@ -98,7 +104,9 @@ def overhead(device: torch.device, dtype: torch.dtype, *, backend: str | None = 
         variants["engine_forward"] = engine_forward
     with torch.set_grad_enabled(grad):
         results = host_times(variants, device, calls=calls, repeats=repeats)
-    added = {m: results["module"][m] - results["engine_call"][m] for m in results["module"]}
+    added = {m: results["module"][m] - results["engine_call"][m] for m in results["module"] if m != "loop_us"}
+    added["paired_loop_us_median"] = statistics.median(
+        m - e for m, e in zip(results["module"]["loop_us"], results["engine_call"]["loop_us"]))
     return {"chosen": chosen, "grad": grad, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
             "calls": calls, "repeats": repeats, "results_us": results, "module_over_engine_us": added}
 
