@@ -23,13 +23,14 @@ from .backends._cudnn_graph import CudnnGraphError
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .decision import Decision
-from .env import FAMILIES, EnvFlags
+from .env import _WATCHED as _WATCHED_ENV, FAMILIES, EnvFlags
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 _MISS = object()  # _fast_forward found no validated plan
 _MODULE_CALL = torch.nn.Module.__call__
 _MODULE_CALL_EAGER = torch.compiler.disable(_MODULE_CALL)
+_is_compiling = torch.compiler.is_compiling
 # nn.Module's process-wide hook registries (dicts that registration fills in place), checked by __call__'s shortcut.
 _GLOBAL_FORWARD_PRE_HOOKS = _nn_module._global_forward_pre_hooks
 _GLOBAL_FORWARD_HOOKS = _nn_module._global_forward_hooks
@@ -110,9 +111,10 @@ class DotProductAttention(torch.nn.Module):
             deterministic=not env.allow_nondeterministic or torch.are_deterministic_algorithms_enabled(),
             cp_comm_type=cp_comm_type, backend=backend)
         self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
-        # Calls passing only q, k, v: (shapes, dtypes, devices, training) -> validated plan; the last one used.
+        # Calls passing only q, k, v: (shapes, dtypes, devices, training) -> validated plan; the last one used,
+        # as (its tensor guard, training, plan): a call matching the guard skips building the key.
         self._fast: dict[tuple, inputs.FastHit] = {}
-        self._fast_last: tuple = (None, None)
+        self._fast_last: tuple = (None, None, None)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self.last_decision: Decision | None = None
 
@@ -129,7 +131,7 @@ class DotProductAttention(torch.nn.Module):
         q, k, v, on a module with no hooks, outside tracing and compilation. nn.Module's own __call__ costs a
         few microseconds, which the hot-path budget (5 us over the engine) cannot spare; every other call, and
         any module with hooks, goes through it unchanged."""
-        if torch.compiler.is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
+        if _is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
             return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
         if not args and not kwargs and self._fast and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
@@ -145,19 +147,23 @@ class DotProductAttention(torch.nn.Module):
         (dynamo never traces it: both callers check first)."""
         if self.cp_group is not None:
             return _MISS
-        try:  # the key spelled out here, not in a helper: this path is counted in microseconds
-            key = (query_layer.shape, key_layer.shape, value_layer.shape, query_layer.dtype, key_layer.dtype,
-                   value_layer.dtype, query_layer.device, key_layer.device, value_layer.device, self.training)
-        except AttributeError:  # not tensors: the full path says what is wrong
-            return _MISS
-        last_key, hit = self._fast_last  # comparing with the previous call's key skips hashing it
-        if key != last_key:
+        guard, training, hit = self._fast_last
+        if guard is None or training is not self.training or not guard(query_layer, key_layer, value_layer):
+            try:  # the key spelled out here, not in a helper: this path is counted in microseconds
+                key = (query_layer.shape, key_layer.shape, value_layer.shape, query_layer.dtype, key_layer.dtype,
+                       value_layer.dtype, query_layer.device, key_layer.device, value_layer.device, self.training)
+            except AttributeError:  # not tensors: the full path says what is wrong
+                return _MISS
             hit = self._fast.get(key)
             if hit is None:
                 return _MISS
-            self._fast_last = (key, hit)
-        if hit.env != inputs.env_raw():
-            return _MISS
+            self._fast_last = (hit.guard, self.training, hit)
+        env_now = _WATCHED_ENV[0]  # the same tuple while no variable changed (env.current_raw)
+        if hit.env is not env_now:
+            env_now = inputs.env_raw()
+            if hit.env != env_now:
+                return _MISS
+            hit.env = env_now  # the same values, in a new tuple
         plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
@@ -248,13 +254,13 @@ class DotProductAttention(torch.nn.Module):
             self._fast.clear()
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, self.training)
         hit = self._fast[key] = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q,
-                                               aux.max_seqlen_kv, inputs.env_raw())
-        self._fast_last = (key, hit)
+                                               aux.max_seqlen_kv, inputs.env_raw(), inputs.tensor_guard(q, k, v))
+        self._fast_last = (hit.guard, self.training, hit)
 
     def _forget_plans(self) -> None:
         self._entries.clear()
         self._fast.clear()
-        self._fast_last = (None, None)
+        self._fast_last = (None, None, None)
 
     @torch.compiler.disable
     def _dispatch_opaque(self, *args):

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from attn_dispatch.env import EnvFlags
@@ -35,3 +37,38 @@ def test_bad_values_name_variable_value_and_accepted(name, value, accepted):
         EnvFlags.from_environ({name: value})
     message = str(info.value)
     assert name in message and repr(value) in message and accepted in message
+
+
+def test_watched_environment_follows_os_environ_and_keeps_identity_while_unchanged(monkeypatch):
+    """The audit-hook mirror: one tuple object while nothing changes (what a cached call compares by identity),
+    a new one with the new value after os.environ changes, and the parsed flags follow."""
+    from attn_dispatch import env
+
+    if env._WATCHED[0] is None:
+        pytest.skip("this Python has no audit hooks: the environment is read on every call instead")
+    monkeypatch.delenv("NVTE_DEBUG", raising=False)
+    before = env.current_raw()
+    assert env.current_raw() is before
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    after = env.current_raw()
+    assert after is not before and after[env.ENV_VARS.index("NVTE_DEBUG")] == "1"
+    assert EnvFlags.from_environ().debug is True
+    monkeypatch.delenv("NVTE_DEBUG")
+    assert env.current_raw()[env.ENV_VARS.index("NVTE_DEBUG")] is None and EnvFlags.from_environ().debug is False
+    os.environ["NVTE_FUSED_ATTN"] = "0"
+    try:
+        assert EnvFlags.from_environ().fused_attn is False
+    finally:
+        del os.environ["NVTE_FUSED_ATTN"]
+    assert EnvFlags.from_environ().fused_attn is True
+    assert tuple(env.current_raw()) == tuple(
+        os.environ.get(name) for name in env.ENV_VARS)  # the mirror agrees with os.environ
+
+
+def test_unwatched_environment_is_read_each_time(monkeypatch):
+    from attn_dispatch import env
+
+    monkeypatch.setattr(env, "_WATCHED", [None])
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    assert env.current_raw()[env.ENV_VARS.index("NVTE_DEBUG_LEVEL")] in ("2", b"2")
+    assert EnvFlags.from_environ().debug_level == 2

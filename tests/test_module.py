@@ -512,3 +512,25 @@ def test_torch_compile_runs_the_module_eagerly_without_recompiling():
         assert block.attn.last_decision is not None and block.attn._fast  # the eager island used the cached path
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("with_guard", [True, False])
+def test_cached_path_with_and_without_the_tensor_guard(monkeypatch, with_guard):
+    """The cached path matches a call's tensors by a C++ tensor guard where torch has one, else by a Python key;
+    either way a same-shape call with other strides, or another dtype, is not mistaken for the cached one."""
+    from attn_dispatch import inputs
+
+    if not with_guard:
+        monkeypatch.setattr(inputs, "_TensorGuards", None)
+    elif inputs._TensorGuards is None:
+        pytest.skip("this torch has no usable tensor guard")
+    q, k, v = qkv(seed=8)
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    ref = flat(reference_attention(q, k, v, qkv_format="bshd", attn_mask_type="causal")[0]).detach()
+    dpa(q, k, v)
+    assert (dpa._fast_last[0] is not None) is with_guard
+    assert rel_err(dpa(q, k, v), ref) <= TOL
+    strided = [t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # same shape
+    assert rel_err(dpa(*strided), ref) <= TOL
+    with pytest.raises(ValueError, match="dtype"):
+        dpa(q, k.double(), v)
