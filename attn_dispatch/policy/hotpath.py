@@ -5,9 +5,9 @@ Host time is measured two profiler-free ways at a small shape (where host time s
 - loop: N calls back to back, synchronising only before and after, divided by N (min and median of repeats);
 - per call: time.perf_counter_ns around each call (no synchronisation; the launch cost as the caller sees it),
   median; plus time.thread_time (this thread's CPU time) over the loop, divided by N.
-Headline figures: module minus engine on the loop minimum (the least disturbed repeat), and the median over
-repeats of the paired difference (module and engine loops run back to back in each repeat, so a noisy host
-disturbs both alike). On a shared host the medians of each alone swing by several microseconds.
+Headline figures: module minus engine on the loop minimum (the least disturbed repeat) and on the 10th
+percentile, over many short repeats (a shared host's neighbours slow single loops by up to 2x, so short
+loops give more chances of a quiet one); the median of paired differences is reported beside them.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls: int = 1000,
-               repeats: int = 21) -> dict[str, dict[str, Any]]:
+def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls: int = 200,
+               repeats: int = 101) -> dict[str, dict[str, Any]]:
     """Microseconds per call for each function, repeats interleaved in rotating order (so drift hits all
     alike): the loop figure
     (sync at the ends only) and thread CPU time as min and median over repeats, the per-call perf_counter as the
@@ -78,20 +78,26 @@ def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls
             _sync(device)
             loops[name].append((time.perf_counter() - start) / calls * 1e6)
             cpu[name].append((time.thread_time() - cpu_start) / calls * 1e6)
-            for _ in range(min(calls, 200)):
+            for _ in range(min(calls, 50)):
                 t0 = time.perf_counter_ns()
                 fn()
                 per_call[name].append((time.perf_counter_ns() - t0) / 1e3)
             _sync(device)
-    return {name: {"loop_us_min": min(loops[name]), "loop_us_median": statistics.median(loops[name]),
+    return {name: {"loop_us_min": min(loops[name]), "loop_us_p10": _percentile(loops[name], 10),
+                   "loop_us_median": statistics.median(loops[name]),
                    "loop_us": [round(x, 3) for x in loops[name]],
                    "per_call_us_median": statistics.median(per_call[name]),
                    "thread_cpu_us_min": min(cpu[name]), "thread_cpu_us_median": statistics.median(cpu[name])}
             for name in fns}
 
 
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
+
+
 def overhead(device: torch.device, dtype: torch.dtype, *, backend: str | None = None, grad: bool = False,
-             calls: int = 1000, repeats: int = 21, shape: dict | None = None) -> dict[str, Any]:
+             calls: int = 200, repeats: int = 101, shape: dict | None = None) -> dict[str, Any]:
     """Cached module.forward vs the chosen engine called directly, same inputs; in inference (no_grad) or with
     autograd recording (grad=True)."""
     shape = shape or SMALL_SHAPE
