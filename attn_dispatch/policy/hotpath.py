@@ -55,15 +55,19 @@ def _sync(device: torch.device) -> None:
 
 
 def host_times(fns: dict[str, Callable[[], Any]], device: torch.device, *, calls: int = 200,
-               repeats: int = 101) -> dict[str, dict[str, Any]]:
+               repeats: int = 101, settle_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """Microseconds per call for each function, repeats interleaved in rotating order (so drift hits all
     alike): the loop figure
     (sync at the ends only) and thread CPU time as min and median over repeats, the per-call perf_counter as the
     median over every sample."""
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    _sync(device)
+    settle_until = time.perf_counter() + settle_s  # a fresh process on a shared host starts slow: let it settle
+    while True:
+        for fn in fns.values():
+            for _ in range(20):
+                fn()
+        _sync(device)
+        if time.perf_counter() >= settle_until:
+            break
     loops = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
     per_call = {name: [] for name in fns}
@@ -97,7 +101,8 @@ def _percentile(values: list[float], pct: float) -> float:
 
 
 def overhead(device: torch.device, dtype: torch.dtype, *, backend: str | None = None, grad: bool = False,
-             calls: int = 200, repeats: int = 101, shape: dict | None = None) -> dict[str, Any]:
+             calls: int = 200, repeats: int = 101, shape: dict | None = None,
+             settle_s: float = 3.0) -> dict[str, Any]:
     """Cached module.forward vs the chosen engine called directly, same inputs; in inference (no_grad) or with
     autograd recording (grad=True)."""
     shape = shape or SMALL_SHAPE
@@ -109,12 +114,13 @@ def overhead(device: torch.device, dtype: torch.dtype, *, backend: str | None = 
     if not grad:
         variants["engine_forward"] = engine_forward
     with torch.set_grad_enabled(grad):
-        results = host_times(variants, device, calls=calls, repeats=repeats)
+        results = host_times(variants, device, calls=calls, repeats=repeats, settle_s=settle_s)
     added = {m: results["module"][m] - results["engine_call"][m] for m in results["module"] if m != "loop_us"}
     added["paired_loop_us_median"] = statistics.median(
         m - e for m, e in zip(results["module"]["loop_us"], results["engine_call"]["loop_us"]))
     return {"chosen": chosen, "grad": grad, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
-            "calls": calls, "repeats": repeats, "results_us": results, "module_over_engine_us": added}
+            "calls": calls, "repeats": repeats, "settle_s": settle_s, "results_us": results,
+            "module_over_engine_us": added}
 
 
 def check_cuda_graph(device: torch.device, dtype: torch.dtype, *, backend: str | None = None,
