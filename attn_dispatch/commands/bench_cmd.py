@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from ..platform import Platform
+from ..policy.bench import EVAL_SETTINGS
 from .common import add_call_arguments, params_from
 
 
@@ -27,10 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--providers", default=None, help="time only these, comma list of families or family:provider")
     g.add_argument("--policies", default="order,measured", help="policies whose picks are marked (order, measured)")
     t = parser.add_argument_group("timing")
-    t.add_argument("--warmup", type=int, default=3)
-    t.add_argument("--reps", type=int, default=10, help="at least this many timed calls per engine and shape")
-    t.add_argument("--max-reps", type=int, default=100)
-    t.add_argument("--target-ms", type=float, default=60.0, help="keep timing up to max-reps until this much")
+    defaults = EVAL_SETTINGS
+    t.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed calls per engine (first ones compile)")
+    t.add_argument("--reps", type=int, default=defaults.reps, help="at least this many timed rounds per shape")
+    t.add_argument("--max-reps", type=int, default=defaults.max_reps)
+    t.add_argument("--target-ms", type=float, default=defaults.target_ms,
+                   help="keep timing (up to max-reps) until the fastest engine has run this long")
+    t.add_argument("--warm-ms", type=float, default=defaults.warm_ms,
+                   help="untimed interleaved rounds before timing, for the GPU clock to settle")
     t.add_argument("--cache-dir", default=None, help="measured policy's cache directory (default: the usual)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default="attn-dispatch-bench.json", help="JSON result file")
@@ -78,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig(
         modes=_comma_list("--modes", args.modes), policies=_comma_list("--policies", args.policies),
         providers=_comma_list("--providers", args.providers), show_progress=not args.no_progress,
-        settings=TimerSettings(warmup=args.warmup, reps=args.reps, max_reps=args.max_reps, target_ms=args.target_ms))
+        settings=TimerSettings(warmup=args.warmup, reps=args.reps, max_reps=args.max_reps, target_ms=args.target_ms,
+                               warm_ms=args.warm_ms))
     shapes = shapes_for(args, platform)
     measured = MeasuredPolicy(directory=args.cache_dir) if "measured" in config.policies else None
     rows = run_bench(shapes, platform, config, measured=measured)
