@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from attn_dispatch.backends.base import AttnAux, AttnConfig  # noqa: E402
+from gpu_timing import bench, tflops  # noqa: E402  (benchmarks/, the script's own folder)
 
 GRID = [  # (D, S, B, H) from the device README
     (64, 1024, 32, 16), (64, 4096, 8, 16), (64, 16384, 2, 16),
@@ -163,37 +164,6 @@ def summarize_samples(samples: list[dict]) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # timing
 # --------------------------------------------------------------------------------------------------------------
-def bench(fn, grad_to_none=None) -> float:
-    """Median milliseconds of fn(): triton's do_bench with its defaults (CUDA events when triton is missing)."""
-    try:
-        from triton.testing import do_bench
-    except ImportError:
-        do_bench = None
-    if do_bench is not None:
-        try:
-            return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
-        except TypeError:  # triton before return_mode
-            return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, quantiles=[0.5])[0])
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(20):
-        for t in grad_to_none or ():
-            t.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def tflops(b, h, s, d, causal, ms, backward) -> float:
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
-    return flops / (ms * 1e-3) / 1e12
-
-
 def timing_groups(names: list[str], passes: int) -> list[list[str]]:
     """Each provider next to the same kernels called directly (timed back to back, kind by kind), the groups in an
     order rotated every pass and each group's members swapped every other pass, so drift favours no one."""
