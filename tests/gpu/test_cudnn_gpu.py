@@ -8,51 +8,18 @@ Error metric: max |engine - reference| / max |reference| (floored at 0.1), as in
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from attn_dispatch.backends.base import AttnAux, AttnConfig
+from gpu_common import TOL, Case, layout_qkv, lse_error, padded, rel_err, write_and_print
 from reference import reference_attention
 
 pytestmark = pytest.mark.gpu
-TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 RESULTS: list[dict] = []
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    fmt: str = "bshd"
-    mask: str = "no_mask"
-    b: int = 2
-    h: int = 4
-    hkv: int = 4
-    sq: int = 128
-    skv: int = 128
-    dqk: int = 64
-    dv: int = 64
-    window: tuple = (-1, -1)
-    bias: str = "no_bias"            # no_bias | 1hss | bhss | b1ss | 11ss
-    bias_grad: bool = False
-    alibi: str | None = None         # None | 'default' (cuDNN's built-in) | 'h' | 'bh' (slopes given)
-    softmax: str = "vanilla"
-    dropout: float = 0.0
-    deterministic: bool = False
-    dtype: torch.dtype = torch.bfloat16
-    thd_gaps: bool = False           # thd with padding between sequences
-    lens_q: tuple = ()               # padding / thd lengths (default: derived)
-    lens_kv: tuple = ()
-    provider: str = "frontend"
-
-
-def _cu(lens, device="cuda"):
-    return torch.tensor([0] + torch.tensor(list(lens)).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
 
 def _lengths(c: Case) -> tuple[list[int], list[int]]:
@@ -69,22 +36,9 @@ def make_inputs(c: Case, seed: int = 0):
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to("cuda", c.dtype)
 
-    padded = c.mask.startswith("padding") or c.fmt == "thd"
-    lq, lkv = _lengths(c) if padded else ([c.sq] * c.b, [c.skv] * c.b)
-    aux = AttnAux(max_seqlen_q=max(lq), max_seqlen_kv=max(lkv))
-    if c.fmt == "thd":
-        slots_q = [n + (5 if c.thd_gaps else 0) for n in lq]
-        slots_kv = [n + (3 if c.thd_gaps else 0) for n in lkv]
-        q, k, v = rnd(sum(slots_q), c.h, c.dqk), rnd(sum(slots_kv), c.hkv, c.dqk), rnd(sum(slots_kv), c.hkv, c.dv)
-        aux.cu_seqlens_q, aux.cu_seqlens_kv = _cu(lq), _cu(lkv)
-        if c.thd_gaps:
-            aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = _cu(slots_q), _cu(slots_kv)
-    elif c.fmt == "bshd":
-        q, k, v = rnd(c.b, c.sq, c.h, c.dqk), rnd(c.b, c.skv, c.hkv, c.dqk), rnd(c.b, c.skv, c.hkv, c.dv)
-    else:
-        q, k, v = rnd(c.sq, c.b, c.h, c.dqk), rnd(c.skv, c.b, c.hkv, c.dqk), rnd(c.skv, c.b, c.hkv, c.dv)
-    if padded and c.fmt != "thd":
-        aux.cu_seqlens_q, aux.cu_seqlens_kv = _cu(lq), _cu(lkv)
+    lq, lkv = _lengths(c) if padded(c) else ([c.sq] * c.b, [c.skv] * c.b)
+    q, k, v, offsets = layout_qkv(c, lq, lkv, rnd)
+    aux = AttnAux(max_seqlen_q=max(lq), max_seqlen_kv=max(lkv), **offsets)
     bias_type = "no_bias"
     if c.bias != "no_bias":
         bias_type = "post_scale_bias"
@@ -115,15 +69,6 @@ def cfg_s(c: Case, aux: AttnAux, side: str) -> int:
     from attn_dispatch.backends.cudnn_fused import _bucket
 
     return _bucket(aux.max_seqlen_q if side == "q" else aux.max_seqlen_kv)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.shape != b.shape:
-        return math.inf
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).abs().max() / b.abs().max().clamp_min(0.1)).item()
 
 
 def default_slopes(h: int) -> torch.Tensor:
@@ -169,13 +114,7 @@ def check(c: Case, seed: int = 0) -> dict:
     ref_out, ref_lse, (rq, rk, rv, rbias, rsink) = run_reference(c, q, k, v, aux, cfg, keep)
     ref_out.backward(dout.detach().cpu().double())
     errors = {"out": rel_err(out, ref_out)}
-    lse_cpu = lse.detach().cpu().double()
-    if lse_cpu.shape != ref_lse.shape:
-        errors["lse"] = math.inf
-    else:
-        finite = torch.isfinite(ref_lse)
-        same_inf = bool((torch.isfinite(lse_cpu) == finite).all())
-        errors["lse"] = rel_err(lse_cpu[finite], ref_lse[finite]) if same_inf else math.inf
+    errors["lse"] = lse_error(lse, ref_lse)
     for name, mine, ref in (("dq", q, rq), ("dk", k, rk), ("dv", v, rv)):
         errors[name] = rel_err(mine.grad, ref.grad)
     if aux.bias is not None and aux.bias.requires_grad:
@@ -434,10 +373,6 @@ def _write_and_print(config) -> None:
         meta["cudnn_backend"] = cudnn.backend_version_string()
     except Exception as exc:  # noqa: BLE001
         meta["cudnn_frontend"] = f"unavailable: {exc}"
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "cudnn_gpu_results.json"), "w") as f:
-            json.dump({"machine": meta, "results": RESULTS}, f, indent=1, default=str)
     lines = [f"\ncuDNN GPU tests on {meta['device']} (torch {meta['torch']}, cuDNN FE {meta.get('cudnn_frontend')}, "
              f"backend {meta.get('cudnn_backend')})",
              f"{'case':32} {'prov':8} {'dtype':8} {'ok':3} {'max err':>9}  table / error"]
@@ -448,9 +383,4 @@ def _write_and_print(config) -> None:
                      f"{worst:9.2e}  {str(note)[:90]}")
     passed = sum(r["ok"] for r in RESULTS)
     lines.append(f"{passed} of {len(RESULTS)} cases within tolerance")
-    capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n".join(lines))
-    else:
-        print("\n".join(lines))
+    write_and_print(config, RESULTS, meta, "cudnn_gpu_results.json", lines)

@@ -11,11 +11,9 @@ Error metric: max |engine - reference| / max |reference| (floored at 0.1), as in
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import math
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,36 +22,14 @@ from attn_dispatch import AttentionParams, EnvFlags, Platform
 from attn_dispatch.backends import get_engine
 from attn_dispatch.backends.base import AttnAux, AttnConfig
 from attn_dispatch.constraints import TABLES
+from gpu_common import TOL, Case, cu, layout_qkv, lse_error, padded, rel_err, write_and_print
 from reference import reference_attention
 
 pytestmark = pytest.mark.gpu
 ENGINES = ("flash_attn_4:cute", "flash_attn_2:torch", "flash_attn_2:package", "flash_attn_3:interface")
-TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 INSTALL_TOPICS = ("environment", "platform", "package")
 RESULTS: list[dict] = []
 ENV = EnvFlags.from_environ({})
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    fmt: str = "bshd"
-    mask: str = "no_mask"
-    b: int = 2
-    h: int = 4
-    hkv: int = 4
-    sq: int = 128
-    skv: int = 128
-    dqk: int = 64
-    dv: int = 64
-    window: tuple = (-1, -1)
-    alibi: str | None = None     # 'h' | 'bh': slopes [h] or [b, h]
-    softmax: str = "vanilla"
-    dropout: float = 0.0
-    deterministic: bool = False
-    train: bool = True
-    dtype: torch.dtype = torch.bfloat16
-    thd_gaps: bool = False       # thd with padding between sequences (declared unsupported everywhere)
 
 
 def lengths(c: Case) -> tuple[list[int], list[int]]:
@@ -61,10 +37,6 @@ def lengths(c: Case) -> tuple[list[int], list[int]]:
     lq = [c.sq - 37 * (i % 2) for i in range(c.b)]
     lkv = lq if c.mask in ("causal", "padding_causal") else [c.skv - 21 * (i % 2) for i in range(c.b)]
     return lq, lkv
-
-
-def padded(c: Case) -> bool:
-    return c.mask.startswith("padding") or c.fmt == "thd"
 
 
 def params_of(c: Case) -> AttentionParams:
@@ -77,10 +49,6 @@ def params_of(c: Case) -> AttentionParams:
         is_training=c.train, pad_between_seqs=c.thd_gaps)
 
 
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(list(lens)).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-
-
 def make_inputs(c: Case, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
 
@@ -88,20 +56,8 @@ def make_inputs(c: Case, seed: int = 0):
         return torch.randn(*shape, generator=g).to("cuda", c.dtype)
 
     lq, lkv = lengths(c) if padded(c) else ([c.sq] * c.b, [c.skv] * c.b)
-    aux = AttnAux(max_seqlen_q=max(lq), max_seqlen_kv=max(lkv))
-    if c.fmt == "thd":
-        gap_q, gap_kv = (5, 3) if c.thd_gaps else (0, 0)
-        slots_q, slots_kv = [n + gap_q for n in lq], [n + gap_kv for n in lkv]
-        q, k, v = rnd(sum(slots_q), c.h, c.dqk), rnd(sum(slots_kv), c.hkv, c.dqk), rnd(sum(slots_kv), c.hkv, c.dv)
-        aux.cu_seqlens_q, aux.cu_seqlens_kv = _cu(lq), _cu(lkv)
-        if c.thd_gaps:
-            aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = _cu(slots_q), _cu(slots_kv)
-    elif c.fmt == "bshd":
-        q, k, v = rnd(c.b, c.sq, c.h, c.dqk), rnd(c.b, c.skv, c.hkv, c.dqk), rnd(c.b, c.skv, c.hkv, c.dv)
-    else:
-        q, k, v = rnd(c.sq, c.b, c.h, c.dqk), rnd(c.skv, c.b, c.hkv, c.dqk), rnd(c.skv, c.b, c.hkv, c.dv)
-    if padded(c) and c.fmt != "thd":
-        aux.cu_seqlens_q, aux.cu_seqlens_kv = _cu(lq), _cu(lkv)
+    q, k, v, offsets = layout_qkv(c, lq, lkv, rnd)
+    aux = AttnAux(max_seqlen_q=max(lq), max_seqlen_kv=max(lkv), **offsets)
     if c.alibi:
         shape = (c.h,) if c.alibi == "h" else (c.b, c.h)
         aux.alibi_slopes = (torch.rand(*shape, generator=g) * 0.3 + 0.02).cuda()
@@ -114,15 +70,6 @@ def make_inputs(c: Case, seed: int = 0):
                      bias_type="alibi" if c.alibi else "no_bias", softmax_type=c.softmax,
                      deterministic=c.deterministic)
     return q, k, v, aux, cfg
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.shape != b.shape or not torch.isfinite(a).all():
-        return math.inf
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).abs().max() / b.abs().max().clamp_min(0.1)).item()
 
 
 def run_reference(q, k, v, aux: AttnAux, cfg: AttnConfig, keep=None):
@@ -140,14 +87,7 @@ def run_reference(q, k, v, aux: AttnAux, cfg: AttnConfig, keep=None):
 
 
 def compare(out, lse, ref_out, ref_lse) -> dict[str, float]:
-    errors = {"out": rel_err(out, ref_out)}
-    mine = lse.detach().cpu().double()
-    if mine.shape != ref_lse.shape or not torch.equal(torch.isneginf(mine), torch.isneginf(ref_lse)):
-        errors["lse"] = math.inf  # shape, or which rows see no key (-inf), disagree
-    else:
-        finite = torch.isfinite(ref_lse)
-        errors["lse"] = rel_err(mine[finite], ref_lse[finite])
-    return errors
+    return {"out": rel_err(out, ref_out), "lse": lse_error(lse, ref_lse)}
 
 
 def check(provider: str, c: Case, seed: int = 0) -> dict[str, float]:
@@ -407,7 +347,7 @@ def test_backward_takes_the_global_out_and_lse(provider, fmt):
         blocks = []
         for part in halves:
             index = torch.cat([torch.arange(s, s + n) for s, n in part]).cuda()
-            block_aux = replace(aux, cu_seqlens_kv=_cu([n for _, n in part]), max_seqlen_kv=max(n for _, n in part))
+            block_aux = replace(aux, cu_seqlens_kv=cu([n for _, n in part]), max_seqlen_kv=max(n for _, n in part))
             blocks.append((index, block_aux))
         kv_of = lambda t, index: t.detach()[index]  # noqa: E731
     else:
@@ -581,10 +521,6 @@ def _write_and_print(config) -> None:
     if not RESULTS or not torch.cuda.is_available():
         return
     meta = _versions()
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "flash_gpu_results.json"), "w") as f:
-            json.dump({"machine": meta, "results": RESULTS}, f, indent=1, default=str)
     lines = [f"\nFlashAttention GPU tests on {meta['device']} (torch {meta['torch']}, flash-attn-4 "
              f"{meta['flash-attn-4']}, cutlass-dsl {meta['nvidia-cutlass-dsl']})",
              f"{'provider':24} {'case':32} {'dtype':9} {'ok':3} {'max err':>9}  note"]
@@ -597,9 +533,4 @@ def _write_and_print(config) -> None:
                      f"{worst:9.2e}  {str(note)[:100]}")
     checked = [r for r in RESULTS if not r.get("skipped")]
     lines.append(f"{sum(r['ok'] for r in checked)} of {len(checked)} checks passed")
-    capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n".join(lines))
-    else:
-        print("\n".join(lines))
+    write_and_print(config, RESULTS, meta, "flash_gpu_results.json", lines)
