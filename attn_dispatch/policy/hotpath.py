@@ -23,9 +23,14 @@ SMALL_SHAPE = dict(batch=1, seqlen=128, heads=16, head_dim=64)
 
 def make_inputs(device: torch.device, dtype: torch.dtype, *, batch: int, seqlen: int, heads: int, head_dim: int,
                 requires_grad: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return tuple(torch.randn(batch, seqlen, heads, head_dim, generator=gen, device=device, dtype=torch.float32)
-                 .to(dtype).requires_grad_(requires_grad) for _ in range(3))
+    """Random bshd q, k, v of the small shape (attn_dispatch.synthetic draws them)."""
+    from ..params import AttentionParams
+    from ..synthetic import make_call
+
+    params = AttentionParams(dtype="fp32", batch_size=batch, num_heads=heads, head_dim_qk=head_dim,
+                             max_seqlen_q=seqlen, qkv_format="bshd", device_type=device.type)
+    call = make_call(params, device=device, seed=seed, requires_grad=requires_grad, dtype=dtype)
+    return call.q, call.k, call.v
 
 
 def make_module(heads: int, head_dim: int, device: torch.device, *, backend: str | None = None,
