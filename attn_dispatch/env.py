@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -118,6 +119,7 @@ def _read_process_environ() -> tuple:
 # mapping, so readers take their values from the tuple, never from a mix of the two. None: not watched (no
 # audit hooks here, or the hook met something unexpected): read the process environment each time.
 _WATCHED: list = [None]
+_WATCH_LOCK = threading.Lock()
 _WATCHED_INDEX = {name: i for i, name in enumerate(ENV_VARS)}
 
 
@@ -134,10 +136,12 @@ def _watch_environment(event: str, args: tuple) -> None:
     try:
         name = os.fsdecode(args[0])
         index = _WATCHED_INDEX.get(name)
-        if index is not None and _WATCHED[0] is not None:
-            values = list(_WATCHED[0])
-            values[index] = os.fsdecode(args[1]) if event == "os.putenv" else None
-            _WATCHED[0] = tuple(values)
+        if index is not None:
+            with _WATCH_LOCK:  # two threads setting two variables must not each drop the other's change
+                if _WATCHED[0] is not None:
+                    values = list(_WATCHED[0])
+                    values[index] = os.fsdecode(args[1]) if event == "os.putenv" else None
+                    _WATCHED[0] = tuple(values)
     except Exception:  # noqa: BLE001 - an audit hook must never raise: fall back to reading the environment
         _WATCHED[0] = None
 

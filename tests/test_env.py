@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -72,3 +73,39 @@ def test_unwatched_environment_is_read_each_time(monkeypatch):
     monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
     assert env.current_raw()[env.ENV_VARS.index("NVTE_DEBUG_LEVEL")] in ("2", b"2")
     assert EnvFlags.from_environ().debug_level == 2
+
+
+def test_watched_environment_keeps_every_change_from_concurrent_threads():
+    import threading
+
+    from attn_dispatch import env
+
+    if env._WATCHED[0] is None:
+        pytest.skip("this Python has no audit hooks")
+    names = ["NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_DEBUG"]
+    saved = {n: os.environ.get(n) for n in names}
+    barrier = threading.Barrier(len(names))
+
+    def flip(name: str) -> None:
+        barrier.wait()
+        for i in range(1000):
+            os.environ[name] = str(i % 2)
+        os.environ[name] = "1"
+
+    threads = [threading.Thread(target=flip, args=(n,)) for n in names]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, inside the hook too
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        raw = env.current_raw()
+        assert [raw[env.ENV_VARS.index(n)] for n in names] == ["1"] * len(names)
+    finally:
+        sys.setswitchinterval(interval)
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
