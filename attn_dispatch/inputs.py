@@ -19,7 +19,6 @@ import torch
 from .backends import get_engine
 from .backends.base import AttnAux, AttnConfig, Engine
 from .decision import Decision
-from .env import current_raw
 from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -101,7 +100,7 @@ class FastHit:
     aux: AttnAux | None
     max_q: int
     max_kv: int
-    env: tuple  # env_raw() when validated: any change to the environment misses
+    env: tuple  # env.current_raw() when validated: any change to the environment misses
     guard: Callable[..., bool] | None = None  # tensor_guard of the q, k, v that were validated
 
 
@@ -135,12 +134,6 @@ def _load_tensor_guards() -> Any:
 
 
 _TensorGuards = _load_tensor_guards()
-
-
-def env_raw() -> tuple:
-    """The raw values of the variables EnvFlags reads: the same tuple object while none of them changed
-    (env.current_raw), so a cached call compares it by identity first."""
-    return current_raw()
 
 
 def arg_signature(x: Any, grad: bool = False) -> Any:
@@ -557,6 +550,6 @@ def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi
     )
 
 
-__all__ = ["Entry", "FastHit", "env_raw", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
+__all__ = ["Entry", "FastHit", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
            "build_params", "check_window", "default_alibi_slopes", "make_aux", "make_plan", "normalize_mask_type",
            "sequence_info"]

@@ -23,7 +23,7 @@ from .backends._cudnn_graph import CudnnGraphError
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .decision import Decision
-from .env import _WATCHED as _WATCHED_ENV, FAMILIES, EnvFlags
+from .env import _WATCHED as _WATCHED_ENV, FAMILIES, EnvFlags, current_raw
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
@@ -149,9 +149,8 @@ class DotProductAttention(torch.nn.Module):
             return _MISS
         guard, training, hit = self._fast_last
         if guard is None or training is not self.training or not guard(query_layer, key_layer, value_layer):
-            try:  # the key spelled out here, not in a helper: this path is counted in microseconds
-                key = (query_layer.shape, key_layer.shape, value_layer.shape, query_layer.dtype, key_layer.dtype,
-                       value_layer.dtype, query_layer.device, key_layer.device, value_layer.device, self.training)
+            try:
+                key = _fast_key(query_layer, key_layer, value_layer, self.training)
             except AttributeError:  # not tensors: the full path says what is wrong
                 return _MISS
             hit = self._fast.get(key)
@@ -160,7 +159,7 @@ class DotProductAttention(torch.nn.Module):
             self._fast_last = (hit.guard, self.training, hit)
         env_now = _WATCHED_ENV[0]  # the same tuple while no variable changed (env.current_raw)
         if hit.env is not env_now:
-            env_now = inputs.env_raw()
+            env_now = current_raw()
             if hit.env != env_now:
                 return _MISS
             hit.env = env_now  # the same values, in a new tuple
@@ -192,7 +191,7 @@ class DotProductAttention(torch.nn.Module):
                 and max_seqlen_q is None and max_seqlen_kv is None and attn_mask_type is None and window_size is None \
                 and not checkpoint_core_attention and core_attention_bias_type == "no_bias" \
                 and core_attention_bias is None and alibi_slopes is None and inference_params is None \
-                and pad_between_seqs is None and not fp8_output and not torch.compiler.is_compiling():
+                and pad_between_seqs is None and not fp8_output and not _is_compiling():
             result = self._fast_forward(query_layer, key_layer, value_layer)
             if result is not _MISS:
                 return result
@@ -252,9 +251,9 @@ class DotProductAttention(torch.nn.Module):
             return
         if len(self._fast) >= 64:
             self._fast.clear()
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, self.training)
-        hit = self._fast[key] = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q,
-                                               aux.max_seqlen_kv, inputs.env_raw(), inputs.tensor_guard(q, k, v))
+        hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
+                             current_raw(), inputs.tensor_guard(q, k, v))
+        self._fast[_fast_key(q, k, v, self.training)] = hit
         self._fast_last = (hit.guard, self.training, hit)
 
     def _forget_plans(self) -> None:
@@ -373,6 +372,11 @@ class DotProductAttention(torch.nn.Module):
             else:
                 out, _, max_logit = engine(q, k, v, aux, cfg, flatten_heads=True)
         return out, max_logit
+
+
+def _fast_key(q, k, v, training: bool) -> tuple:
+    """What a q, k, v-only call's plan depends on; looked up when the last plan's tensor guard misses."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training)
 
 
 def _only_qkv(args: tuple) -> bool:

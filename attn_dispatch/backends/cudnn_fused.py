@@ -618,8 +618,9 @@ class CudnnFrontendEngine(Engine):
         fast = None
         if (compiled.path == "raw" and call.fmt != "thd" and not call.padding and bias is None and not alibi
                 and cfg.softmax_type != "learnable" and rng_dump is None):
-            fast = _FastFwd(cfg, compiled, key, call, tuple(out.shape), tuple(out.shape[:-2]) + (out.shape[-2] * out.shape[-1],),
-                            tuple(lse.shape), q.dtype, q.device, dev, sink)
+            flat_shape = tuple(out.shape[:-2]) + (out.shape[-2] * out.shape[-1],)
+            fast = _FastFwd(cfg, compiled, key, call, tuple(out.shape), flat_shape, tuple(lse.shape), q.dtype,
+                            q.device, dev, sink)
             if len(self._fast) >= FAST_CACHE_SIZE:
                 self._fast.clear()
             self._fast[(id(cfg), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,

@@ -176,13 +176,12 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
     timed further: it cannot be the fastest, and a benchmark should not spend minutes on it."""
     import torch
 
-    timer = _CudaTimer() if device_type == "cuda" else _CpuTimer()
     errors: dict[str, Exception] = {}
     timings: dict[str, Timing] = {}
     with torch.no_grad():
         live = _call_each(fns, list(fns), errors)  # the first calls may JIT-compile or build graphs: untimed
         # The estimate: one timed call each (the second warm-up call); it drives the cutoffs and sizes the run.
-        estimates = {name: times[0] for name, times in timer.rounds(fns, live, 1, errors).items()}
+        estimates = {name: times[0] for name, times in _timed_rounds(fns, live, 1, errors, device_type).items()}
         live = [name for name in live if name in estimates]
         best = min(estimates.values(), default=0.0)
         for name in list(live):
@@ -202,21 +201,12 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         first_is_sample = settings.warmup <= 1 and settle_rounds == 0
         samples = {name: ([estimates[name]] if first_is_sample else []) for name in live}
         reps = _reps_for(min(estimates[name] for name in live), settings) - (1 if first_is_sample else 0)
-        for name, times in timer.rounds(fns, live, reps, errors).items():
+        for name, times in _timed_rounds(fns, live, reps, errors, device_type).items():
             samples[name] += times
     for name, times in samples.items():
         if name not in errors and times:
             timings[name] = Timing(statistics.median(times), min(times), len(times), times)
     return timings, errors
-
-
-def time_fn(fn: Callable[[], None], device_type: str, settings: TimerSettings = TimerSettings(), *,
-            cutoff_ms: float | None = None) -> Timing:
-    """One function alone (time_interleaved with one entry); its exception propagates."""
-    timings, errors = time_interleaved({"fn": fn}, device_type, settings, cutoff_ms=cutoff_ms)
-    if errors:
-        raise errors["fn"]
-    return timings["fn"]
 
 
 def _call_each(fns: dict[str, Callable[[], None]], names: list[str], errors: dict[str, Exception]) -> list[str]:
@@ -243,45 +233,36 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
     return max(settings.reps, min(settings.max_reps, math.ceil(settings.target_ms / estimate_ms)))
 
 
-class _CpuTimer:
-    @staticmethod
-    def rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int,
-               errors: dict[str, Exception]) -> dict[str, list[float]]:
-        samples: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(reps):
-            for name in _rotated([n for n in names if n not in errors], r):
-                start = time.perf_counter()
-                try:
-                    fns[name]()
-                except Exception as exc:  # noqa: BLE001
-                    errors[name] = exc
-                    continue
-                samples[name].append((time.perf_counter() - start) * 1e3)
-        return {name: times for name, times in samples.items() if name not in errors}
+def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int, errors: dict[str, Exception],
+                  device_type: str) -> dict[str, list[float]]:
+    """reps rounds, each calling every surviving function once in rotated order; milliseconds per call. On the
+    GPU a CUDA event pair around each call, launched back to back, one synchronisation at the end; on the CPU
+    time.perf_counter."""
+    import torch
 
+    cuda = device_type == "cuda"
 
-class _CudaTimer:
-    """A CUDA event pair around each call, launched back to back; one synchronisation at the end."""
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    @staticmethod
-    def rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int,
-               errors: dict[str, Exception]) -> dict[str, list[float]]:
-        import torch
-
-        events: dict[str, list] = {name: [] for name in names}
-        for r in range(reps):
-            for name in _rotated([n for n in names if n not in errors], r):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                try:
-                    fns[name]()
-                except Exception as exc:  # noqa: BLE001
-                    errors[name] = exc
-                    continue
-                end.record()
-                events[name].append((start, end))
+    marks: dict[str, list] = {name: [] for name in names}
+    for r in range(reps):
+        for name in _rotated([n for n in names if n not in errors], r):
+            start = mark()
+            try:
+                fns[name]()
+            except Exception as exc:  # noqa: BLE001 - one function failing is reported, the others go on
+                errors[name] = exc
+                continue
+            marks[name].append((start, mark()))
+    if cuda:
         torch.cuda.synchronize()
-        return {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items() if name not in errors}
+    return {name: [start.elapsed_time(end) if cuda else (end - start) * 1e3 for start, end in pairs]
+            for name, pairs in marks.items() if name not in errors}
 
 
 def time_engines(engines: "dict[str, Engine]", params: AttentionParams, mode: str | None = None,
