@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
+from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 
@@ -774,6 +775,17 @@ class TorchCudnnEngine(Engine):
             raise ImportError(f"torch {torch.__version__} has no aten._scaled_dot_product_cudnn_attention")
         self.fwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention
         self.bwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+        self._native: dict = {}  # AttnConfig -> whether the op with its own autograd can run it (_torch_native)
+
+    def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
+        native = self._native.get(cfg)
+        if native is None:
+            native = self._native[cfg] = _torch_native.static_ok(cfg, allow_bottom_right=True)
+        if native:
+            result = _torch_native.cudnn_call(q, k, v, aux, cfg, flatten_heads)
+            if result is not None:
+                return result
+        return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
 
     @staticmethod
     def _validate(q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> bool:

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import _torch_native
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen, bind_supported, parameters_of
 
 
@@ -54,6 +55,17 @@ class TorchFlashEngine(FlashEngineBase):
         self._bwd = torch.ops.aten._flash_attention_backward.default
         names = {a.name for a in self._fwd._schema.arguments}
         self._has_window = {"window_size_left", "window_size_right"} <= names
+        self._native: dict = {}  # AttnConfig -> whether SDPA's own flash op can express it (_torch_native)
+
+    def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
+        native = self._native.get(cfg)
+        if native is None:
+            native = self._native[cfg] = _torch_native.static_ok(cfg, allow_bottom_right=True)
+        if native:
+            result = _torch_native.flash_call(q, k, v, aux, cfg, flatten_heads)
+            if result is not None:
+                return result
+        return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
 
     def _window_kwargs(self, call: KernelCall) -> dict[str, Any]:
         if call.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):

@@ -1,0 +1,78 @@
+"""The torch providers' differentiable call through the aten ops F.scaled_dot_product_attention itself ends in.
+
+`F.scaled_dot_product_attention` picks a kernel and calls `aten::_scaled_dot_product_flash_attention` or
+`aten::_scaled_dot_product_cudnn_attention`, whose backward torch registers in C++ (derivatives.yaml). Calling
+the same op directly gives a module call SDPA's own forward and backward: no Python autograd Function, no
+Python backward, no extra copies of the output gradient. Measured on the H100 (issue 12), the Python path lost
+up to 1.26x to SDPA on the same kernels; this path is what closes it.
+
+Only calls the op expresses exactly take it (dense bshd/sbhd, no window beyond causal, no bias, sink, ALiBi or
+max-logit output, torch's default dropout generator); everything else, and context parallelism (which needs
+the functional forward/backward pair), keeps the engine's general path.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import AttnAux, AttnConfig
+
+_NO_WINDOW = ((-1, -1), (-1, 0))
+
+
+def static_ok(cfg: AttnConfig, *, allow_bottom_right: bool) -> bool:
+    """What the call's config alone decides (cached per config by the engines)."""
+    if cfg.qkv_format not in ("bshd", "sbhd") or tuple(cfg.window_size) not in _NO_WINDOW:
+        return False
+    if cfg.bias_type != "no_bias" or cfg.softmax_type != "vanilla" or cfg.return_max_logit:
+        return False
+    masks = ("no_mask", "causal", "causal_bottom_right") if allow_bottom_right else ("no_mask", "causal")
+    if cfg.attn_mask_type not in masks:
+        return False
+    # A deterministic backward is enforced by the general path (it sets torch's flag for that call only).
+    return not cfg.deterministic
+
+
+def _bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    return x.permute(0, 2, 1, 3) if fmt == "bshd" else x.permute(1, 2, 0, 3)
+
+
+def _from_bhsd(out4: torch.Tensor, fmt: str, flatten_heads: bool) -> torch.Tensor:
+    out = out4.permute(0, 2, 1, 3) if fmt == "bshd" else out4.permute(2, 0, 1, 3)
+    return out.reshape(*out.shape[:2], -1) if flatten_heads else out
+
+
+def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
+               flatten_heads: bool):
+    """(out, lse, None) through aten::_scaled_dot_product_flash_attention, or None when this call needs the
+    general path. FA2 aligns a causal diagonal bottom-right: 'causal' (top-left) only when sq == skv."""
+    fmt = cfg.qkv_format
+    seq = 1 if fmt == "bshd" else 0
+    causal = cfg.attn_mask_type != "no_mask"
+    if causal and cfg.attn_mask_type == "causal" and q.shape[seq] != k.shape[seq]:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or aux.dropout_generator is not None:
+        return None
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        _bhsd(q, fmt), _bhsd(k, fmt), _bhsd(v, fmt), float(cfg.dropout_p), causal, False, scale=cfg.softmax_scale)
+    return _from_bhsd(res[0], fmt, flatten_heads), res[1], None
+
+
+def cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
+               flatten_heads: bool):
+    """(out, lse, None) through aten::_scaled_dot_product_cudnn_attention (top-left causal, as SDPA's), or None.
+    The op reads bshd memory viewed as bhsd: sbhd inputs are copied to that order first (differentiably)."""
+    fmt = cfg.qkv_format
+    seq = 1 if fmt == "bshd" else 0
+    causal = cfg.attn_mask_type != "no_mask"
+    if (causal and q.shape[seq] != k.shape[seq]) or q.shape[-2] != k.shape[-2] or aux.dropout_generator is not None:
+        return None
+    if fmt == "sbhd":
+        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    need_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q, "bshd"), _bhsd(k, "bshd"), _bhsd(v, "bshd"), None, need_lse, float(cfg.dropout_p), causal, False,
+        scale=cfg.softmax_scale)
+    lse = res[1]
+    if lse.dim() == 4:
+        lse = lse.squeeze(-1)
+    return _from_bhsd(res[0], fmt, flatten_heads), lse, None

@@ -1,0 +1,116 @@
+"""Model-shaped attention calls for the performance profile: the grid it is fitted on, and a held-out grid with
+other lengths, head dims, batch x heads and model configurations that it is checked on (benchmarks/
+bench_user_step.py times both on the GPU machines)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    s: int
+    h: int
+    d: int
+    mask: str = "causal"
+    hkv: int = 0          # 0: h (MHA)
+    dv: int = 0           # 0: d
+    skv: int = 0          # 0: s
+    window: tuple[int, int] | None = None
+    fmt: str = "bshd"
+    train: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field_, default in (("hkv", self.h), ("dv", self.d), ("skv", self.s)):
+            if getattr(self, field_) == 0:
+                object.__setattr__(self, field_, default)
+
+    @property
+    def label(self) -> str:
+        heads = f"h{self.h}" + (f"/{self.hkv}" if self.hkv != self.h else "")
+        dims = f"d{self.d}" + (f"/{self.dv}" if self.dv != self.d else "")
+        seq = f"s{self.s}" + (f"x{self.skv}" if self.skv != self.s else "")
+        extra = [self.mask] + ([f"w{self.window[0]},{self.window[1]}"] if self.window else [])
+        extra += [self.fmt] if self.fmt != "bshd" else []
+        extra.append("fwd+bwd" if self.train else "fwd")
+        return " ".join(([self.name] if self.name else []) + [dims, seq, f"b{self.b}", heads] + extra)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _both(cases: list[Case]) -> list[Case]:
+    """Each shape in training (forward + backward) and in inference (forward)."""
+    out = []
+    for c in cases:
+        out.append(c)
+        out.append(Case(**{**c.to_dict(), "train": False}))
+    return out
+
+
+def fit_cases() -> list[Case]:
+    """The grid the shipped profile is fitted on (57 shapes, each fwd and fwd+bwd)."""
+    shapes = []
+    for d in (64, 128, 256):
+        h = 8 if d == 256 else 16
+        for s in (512, 2048, 8192, 32768):
+            for mask in ("no_mask", "causal"):
+                shapes.append(Case(b=max(1, 32768 // s), s=s, h=h, d=d, mask=mask))
+    for s in (1024, 4096, 16384):
+        shapes.append(Case(b=max(1, 32768 // s), s=s, h=16, d=96))
+        shapes.append(Case(b=max(1, 32768 // s), s=s, h=16, d=192, dv=128))
+    shapes += [Case(b=16, s=2048, h=16, d=80, mask=m) for m in ("no_mask", "causal")]
+    for s in (1024, 4096, 16384):  # GQA 4 and 8
+        shapes.append(Case(b=max(1, 32768 // s), s=s, h=32, hkv=8, d=128))
+        shapes.append(Case(b=max(1, 32768 // s), s=s, h=16, hkv=2, d=128))
+    shapes += [Case(b=1, s=1024, h=8, d=128), Case(b=1, s=8192, h=8, d=128),
+               Case(b=64, s=256, h=16, d=64, mask="no_mask"), Case(b=128, s=128, h=16, d=64)]
+    shapes += [Case(b=8, s=4096, h=16, d=128, window=(1024, 0)), Case(b=2, s=16384, h=16, d=128, window=(1024, 0)),
+               Case(b=2, s=16384, h=32, hkv=8, d=128, window=(4096, 0)), Case(b=4, s=8192, h=8, d=256, window=(4096, 0)),
+               Case(b=8, s=4096, h=16, d=64, mask="no_mask", window=(256, 256))]
+    shapes += [Case(b=32, s=1024, h=16, d=128, fmt="sbhd"), Case(b=8, s=4096, h=16, d=128, fmt="sbhd"),
+               Case(b=2, s=16384, h=16, d=128, fmt="sbhd"), Case(b=16, s=2048, h=16, d=64, mask="no_mask", fmt="sbhd")]
+    shapes += [Case(b=32, s=1024, h=16, d=128, mask="padding_causal", fmt="thd"),
+               Case(b=8, s=4096, h=16, d=128, mask="padding_causal", fmt="thd"),
+               Case(b=2, s=16384, h=16, d=128, mask="padding_causal", fmt="thd"),
+               Case(b=16, s=2048, h=16, d=64, mask="padding", fmt="thd")]
+    shapes += [Case(b=8, s=1024, skv=4096, h=16, d=128, mask="no_mask"),
+               Case(b=4, s=512, skv=8192, h=16, d=128, mask="causal_bottom_right")]
+    return _both(shapes)
+
+
+def eval_cases() -> list[Case]:
+    """Held out: none of these shapes is in fit_cases (other lengths, dims, batch x heads, model configs)."""
+    shapes = [
+        Case(b=1, s=8192, h=32, hkv=8, d=128, name="llama8b"),
+        Case(b=2, s=4096, h=8, hkv=4, d=256, name="gemma"),
+        Case(b=2, s=4096, h=16, d=192, dv=128, name="mla"),
+        Case(b=1, s=24576, h=32, hkv=8, d=128, name="longctx"),
+        Case(b=32, s=512, h=16, d=64, mask="no_mask", name="bert"),
+        Case(b=8, s=256, h=16, d=128, name="small"),
+        Case(b=1, s=12288, h=32, hkv=8, d=128, window=(4096, 0), name="mistral"),
+        Case(b=8, s=3000, h=16, d=80, mask="no_mask", name="d80"),
+        Case(b=4, s=6144, h=16, d=96, name="d96"),
+        Case(b=16, s=1536, h=12, d=64, name="gpt2"),
+        Case(b=2, s=4096, h=28, hkv=4, d=128, name="qwen2"),
+        Case(b=2, s=8192, h=32, hkv=8, d=128, fmt="sbhd", name="megatron"),
+        Case(b=8, s=2048, h=16, d=128, fmt="sbhd", name="megatron-s"),
+        Case(b=4, s=8192, h=32, hkv=8, d=128, mask="padding_causal", fmt="thd", name="packed"),
+        Case(b=16, s=1024, h=16, d=64, mask="padding", fmt="thd", name="packed-enc"),
+        Case(b=4, s=128, h=32, d=128, name="tiny"),
+        Case(b=16, s=1536, h=8, d=256, mask="no_mask", name="vision"),
+        Case(b=2, s=12000, h=16, d=128, mask="no_mask", name="enc-long"),
+        Case(b=4, s=2048, skv=6144, h=16, d=128, mask="no_mask", name="cross"),
+        Case(b=4, s=6144, h=16, d=64, mask="no_mask", window=(128, 128), name="local"),
+        Case(b=8, s=2048, h=32, hkv=2, d=128, name="gqa16"),
+    ]
+    return _both(shapes)
+
+
+def smoke_cases() -> list[Case]:
+    return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
+            Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
+
+
+CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases}

@@ -1,0 +1,235 @@
+"""What a user's step costs, per engine: the performance profile's measurements and the default policy's check.
+
+Each row is one attention call as a model makes it: `DotProductAttention` called as a user calls it (module
+__call__, autograd, forward then backward into the leaf tensors' .grad in training; forward under no_grad in
+inference). For every eligible provider a module is built with that provider forced; beside them run
+  - `default`: the module with nothing forced (the default policy's pick), and `order` (ATTN_DISPATCH_POLICY=order
+    semantics: Transformer Engine's order) when --policies asks for them;
+  - `sdpa`: torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] views of the same tensors, with its
+    output brought back to the module's [.., h*d] layout, wherever SDPA can express the call (not thd, not
+    padding, not sliding windows, not bottom-right causal with sq != skv).
+All of them are timed interleaved call by call on the same inputs (attn_dispatch.policy.timing.time_interleaved:
+CUDA events, a warm period, rotated order, median). JSON is rewritten after every row.
+
+    python3 benchmarks/bench_user_step.py --grid fit --out $OUT/fit.json            # profile measurements
+    python3 benchmarks/bench_user_step.py --grid eval --policies --out $OUT/eval.json # held-out check
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform as py_platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attn_dispatch import DotProductAttention, Platform, selection
+from attn_dispatch.policy.cases import CASE_GRIDS, Case
+from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
+
+SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)
+DTYPE = torch.bfloat16
+
+
+def make_tensors(case: Case, device: torch.device, seed: int):
+    """Leaf q, k, v in the case's layout (+ thd offsets), and the output gradient."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(DTYPE)
+
+    kwargs = {}
+    if case.fmt == "thd":
+        lo = max(1, case.s // 2)
+        lens = torch.randint(lo, case.s + 1, (case.b,), generator=torch.Generator().manual_seed(seed)).tolist()
+        lens[0] = case.s  # the longest sequence is the case's length
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        t = int(cu[-1])
+        q, k, v = draw(t, case.h, case.d), draw(t, case.hkv, case.d), draw(t, case.hkv, case.dv)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=case.s, max_seqlen_kv=case.s)
+        out_shape = (t, case.h * case.dv)
+    elif case.fmt == "sbhd":
+        q, k, v = (draw(case.s, case.b, case.h, case.d), draw(case.skv, case.b, case.hkv, case.d),
+                   draw(case.skv, case.b, case.hkv, case.dv))
+        out_shape = (case.s, case.b, case.h * case.dv)
+    else:
+        q, k, v = (draw(case.b, case.s, case.h, case.d), draw(case.b, case.skv, case.hkv, case.d),
+                   draw(case.b, case.skv, case.hkv, case.dv))
+        out_shape = (case.b, case.s, case.h * case.dv)
+    for x in (q, k, v):
+        x.requires_grad_(case.train)
+    dout = draw(*out_shape)
+    return q, k, v, dout, kwargs
+
+
+def module_for(case: Case, backend: str | None, device: torch.device) -> DotProductAttention:
+    m = DotProductAttention(case.h, (case.d, case.dv), num_gqa_groups=case.hkv, qkv_format=case.fmt,
+                            attn_mask_type=case.mask, window_size=case.window, backend=backend)
+    return m.to(device).train(case.train)
+
+
+def sdpa_fn(case: Case):
+    """SDPA as a user writes it for this call, or None where it cannot express it."""
+    if case.fmt == "thd" or case.mask not in ("no_mask", "causal") or case.window is not None:
+        return None
+    causal, gqa = case.mask == "causal", case.h != case.hkv
+    perm, back = ((0, 2, 1, 3), (0, 2, 1, 3)) if case.fmt == "bshd" else ((1, 2, 0, 3), (2, 0, 1, 3))
+
+    def run(q, k, v):
+        o = F.scaled_dot_product_attention(q.permute(*perm), k.permute(*perm), v.permute(*perm), is_causal=causal,
+                                           enable_gqa=gqa)
+        o = o.permute(*back)
+        return o.reshape(*o.shape[:2], -1)
+    return run
+
+
+def sdpa_choice(case: Case, q, k, v) -> str | None:
+    """Which kernel SDPA dispatches to (torch._fused_sdp_choice), for the record."""
+    try:
+        perm = (0, 2, 1, 3) if case.fmt == "bshd" else (1, 2, 0, 3)
+        idx = torch._fused_sdp_choice(q.permute(*perm), k.permute(*perm), v.permute(*perm), None, 0.0,
+                                      case.mask == "causal", enable_gqa=case.h != case.hkv)
+        return torch.nn.attention.SDPBackend(idx).name
+    except Exception as exc:  # noqa: BLE001 - informational only
+        return f"unknown ({type(exc).__name__})"
+
+
+def step_fn(call, q, k, v, dout, kwargs, train: bool):
+    if train:
+        def step():
+            q.grad = k.grad = v.grad = None  # optimizer.zero_grad(set_to_none=True), as a training loop does
+            with torch.enable_grad():
+                out = call(q, k, v, **kwargs)
+                out.backward(dout)
+        return step
+
+    def infer():
+        call(q, k, v, **kwargs)
+    return infer
+
+
+def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, device: torch.device) -> dict:
+    q, k, v, dout, kwargs = make_tensors(case, device, seed)
+    default = module_for(case, None, device)
+    t0 = time.perf_counter()
+    selection.clear_cache()
+    with torch.no_grad():
+        default(q.detach(), k.detach(), v.detach(), **kwargs)
+    first_decision_ms = (time.perf_counter() - t0) * 1e3
+    decision = default.last_decision
+    params = decision.params
+    eligible = [vd.id for vd in decision.verdicts if vd.eligible and (only is None or vd.id in only)]
+    if case.s > 4096 or case.skv > 4096:  # the unfused engine at long lengths: minutes and tens of GB
+        eligible = [p for p in eligible if not p.startswith("unfused")]
+    fns = {}
+    for provider in eligible:
+        fns[provider] = step_fn(module_for(case, provider, device), q, k, v, dout, kwargs, case.train)
+    if policies:
+        fns["default"] = step_fn(default, q, k, v, dout, kwargs, case.train)
+        os.environ["ATTN_DISPATCH_POLICY"] = "order"
+        try:
+            order_pick = selection.explain(selection_params(decision)).chosen
+        finally:
+            del os.environ["ATTN_DISPATCH_POLICY"]
+    sdpa = sdpa_fn(case)
+    if sdpa is not None:
+        fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
+    timings, errors = time_interleaved(fns, device.type, SETTINGS, cutoff_ratio=4.0)
+    from attn_dispatch.params import AttentionParams
+
+    p = AttentionParams(**params)
+    flops = attention_flops(p, "fwd_bwd" if case.train else "fwd")
+    if case.fmt == "thd":  # attention_flops counts full-length sequences; thd's are shorter
+        lens = (kwargs["cu_seqlens_q"][1:] - kwargs["cu_seqlens_q"][:-1]).tolist()
+        flops *= sum(x * x for x in lens) / (len(lens) * case.s * case.s)
+    row = {
+        "label": case.label, "case": case.to_dict(), "params": params,
+        "times_ms": {n: t.median_ms for n, t in timings.items()},
+        "cut_short": sorted(n for n, t in timings.items() if t.cut_short),
+        "tflops": {n: flops / (t.median_ms * 1e9) for n, t in timings.items()},
+        "errors": {n: f"{type(e).__name__}: {e}"[:400] for n, e in errors.items()},
+        "default_pick": decision.chosen, "policy": decision.policy,
+        "first_decision_ms": first_decision_ms,
+        "sdpa_kernel": sdpa_choice(case, q, k, v) if sdpa is not None else None,
+    }
+    if policies:
+        row["order_pick"] = order_pick
+        row["default_reason"] = getattr(decision, "policy_reason", "")
+    return row
+
+
+def selection_params(decision):
+    from attn_dispatch.params import AttentionParams
+
+    return AttentionParams(**decision.params)
+
+
+def environment() -> dict:
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": py_platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "platform": Platform.detect().describe()}
+    for name, mod in (("cudnn_frontend", "cudnn"), ("flash_attn_4", "flash_attn")):
+        try:
+            info[name] = getattr(__import__(mod), "__version__", "present")
+        except Exception as exc:  # noqa: BLE001
+            info[name] = f"absent ({type(exc).__name__})"
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", required=True, choices=sorted(CASE_GRIDS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--policies", action="store_true", help="also time the default module (and record order's pick)")
+    ap.add_argument("--providers", default=None, help="comma list: time only these providers")
+    ap.add_argument("--tag", default="", help="a label for this stack (e.g. 'stock' without extra engines)")
+    ap.add_argument("--max-seconds", type=float, default=540.0, help="stop starting new rows after this")
+    ap.add_argument("--start", type=int, default=0, help="skip the first N cases")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the harness")
+    args = ap.parse_args()
+    cases = CASE_GRIDS[args.grid]()[args.start:]
+    only = set(args.providers.split(",")) if args.providers else None
+    result = {"grid": args.grid, "tag": args.tag, "settings": SETTINGS.to_dict(), "environment": environment(),
+              "rows": [], "failed": []}
+    out = Path(args.out)
+    started = time.perf_counter()
+    for i, case in enumerate(cases):
+        if time.perf_counter() - started > args.max_seconds:
+            result["stopped_at"] = i + args.start
+            break
+        try:
+            row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device))
+            result["rows"].append(row)
+            times = row["times_ms"]
+            best = min((t for n, t in times.items() if n not in ("default", "sdpa")), default=float("nan"))
+            extra = ""
+            if "default" in times:
+                extra += f" default {row['default_pick']} {times['default'] / best:.3f}"
+            if "sdpa" in times:
+                extra += f" sdpa {times['sdpa'] / best:.3f}"
+            fastest = min(((t, n) for n, t in times.items() if n not in ("default", "sdpa")), default=(0, "-"))[1]
+            print(f"[{i + args.start:3d}] {case.label:44s} best {fastest:22s} {best:8.3f} ms{extra}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one row failing is recorded, the grid goes on
+            result["failed"].append({"label": case.label, "error": traceback.format_exc()[-2000:]})
+            print(f"[{i + args.start:3d}] {case.label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        out.write_text(json.dumps(result, indent=1))
+    result["seconds"] = time.perf_counter() - started
+    out.write_text(json.dumps(result, indent=1))
+    print(f"{len(result['rows'])} rows, {len(result['failed'])} failed, {result['seconds']:.0f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
