@@ -775,7 +775,9 @@ class TorchCudnnEngine(Engine):
             raise ImportError(f"torch {torch.__version__} has no aten._scaled_dot_product_cudnn_attention")
         self.fwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention
         self.bwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
-        self._native: dict = {}  # AttnConfig -> whether the op with its own autograd can run it (_torch_native)
+
+    # AttnConfig -> whether SDPA's own aten op (native autograd) can express it; a pure function of the config
+    _native: dict = {}
 
     def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
         native = self._native.get(cfg)

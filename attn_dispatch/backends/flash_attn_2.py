@@ -55,7 +55,9 @@ class TorchFlashEngine(FlashEngineBase):
         self._bwd = torch.ops.aten._flash_attention_backward.default
         names = {a.name for a in self._fwd._schema.arguments}
         self._has_window = {"window_size_left", "window_size_right"} <= names
-        self._native: dict = {}  # AttnConfig -> whether SDPA's own flash op can express it (_torch_native)
+
+    # AttnConfig -> whether SDPA's own aten op (native autograd) can express it; a pure function of the config
+    _native: dict = {}
 
     def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
         native = self._native.get(cfg)
