@@ -73,6 +73,6 @@ def cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
         _bhsd(q, "bshd"), _bhsd(k, "bshd"), _bhsd(v, "bshd"), None, need_lse, float(cfg.dropout_p), causal, False,
         scale=cfg.softmax_scale)
     lse = res[1]
-    if lse.dim() == 4:
+    if lse is not None and lse.dim() == 4:
         lse = lse.squeeze(-1)
     return _from_bhsd(res[0], fmt, flatten_heads), lse, None

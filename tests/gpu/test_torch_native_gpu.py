@@ -8,7 +8,7 @@ import torch
 
 from attn_dispatch import DotProductAttention
 
-from .gpu_common import rel_err
+from gpu_common import rel_err
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
