@@ -1,6 +1,6 @@
 """Issue 8's "Must show" run: how close each selection policy gets to the fastest engine, and the hot-path budget.
 
-1. Grid (attn_dispatch.policy.grid.default_grid: 31 shapes, D 64/128/256, S 512..16k, causal or not, GQA, two
+1. Grid (attn_dispatch.benchmarking.grid.default_grid: 31 shapes, D 64/128/256, S 512..16k, causal or not, GQA, two
    shapes off the bucket steps), each forward and forward+backward. Per row: the static order's pick
    (selection.preference_order), the measured policy's pick through selection's real hook with an empty cache
    (so it comes from its own tuning pass), then every eligible engine timed again for the evaluation (CUDA
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from attn_dispatch import Platform, explain
-from attn_dispatch.policy import hotpath
-from attn_dispatch.policy.bench import EVAL_SETTINGS, BenchConfig, render_table, report, run_bench
-from attn_dispatch.policy.grid import default_grid, quick_grid
+from attn_dispatch.benchmarking import hotpath
+from attn_dispatch.benchmarking.bench import EVAL_SETTINGS, BenchConfig, render_table, report, run_bench
+from attn_dispatch.benchmarking.grid import default_grid, quick_grid
 from attn_dispatch.policy.measured import TUNING_SETTINGS, MeasuredPolicy, install
 from attn_dispatch.policy.timing import TimerSettings
 
@@ -175,7 +175,7 @@ def _ok(check: dict | None) -> str:
 
 
 def plot(result: dict, path: Path) -> str:
-    from attn_dispatch.policy.plot import plot_bench
+    from attn_dispatch.benchmarking.plot import plot_bench
 
     try:
         return f"plot: {plot_bench(result, path)}"

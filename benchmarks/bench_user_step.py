@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_dispatch import DotProductAttention, Platform, selection
-from attn_dispatch.policy.cases import CASE_GRIDS, Case
+from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
 
 SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)

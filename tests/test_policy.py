@@ -24,7 +24,7 @@ from attn_dispatch.constraints.base import Table, fail
 from attn_dispatch.policy import BucketScheme, MeasuredPolicy, TimerSettings, TuningCache, install
 from attn_dispatch.policy.buckets import round_up_steps
 from attn_dispatch.policy.cache import CorruptCacheWarning, cache_dir, platform_key
-from attn_dispatch.policy.grid import load_shapes, shape_label
+from attn_dispatch.benchmarking.grid import load_shapes, shape_label
 from attn_dispatch.policy.measured import why_not_tunable
 from attn_dispatch.policy.timing import (attended_pairs, attention_flops, build_inputs, engine_step, time_engine,
                                         time_interleaved)
@@ -445,7 +445,7 @@ def test_bench_rates_each_policy_pick_against_the_fastest(two_engines, tmp_path,
 
 
 def test_default_grid_covers_issue_8():
-    from attn_dispatch.policy.grid import default_grid
+    from attn_dispatch.benchmarking.grid import default_grid
 
     grid = default_grid()
     assert len(grid) >= 30
@@ -463,7 +463,7 @@ TINY = dict(batch=1, seqlen=16, heads=2, head_dim=16)
 
 
 def test_overhead_harness_times_module_and_engine_on_the_same_inputs():
-    from attn_dispatch.policy import hotpath
+    from attn_dispatch.benchmarking import hotpath
 
     result = hotpath.overhead(torch.device("cpu"), torch.float32, calls=20, repeats=3, shape=TINY)
     assert result["chosen"] == "unfused:pytorch"
@@ -493,7 +493,7 @@ class _Scaled(torch.nn.Module):
 
 @pytest.mark.parametrize("recompile", [False, True])
 def test_compile_check_counts_compilations_after_the_first_call(recompile):
-    from attn_dispatch.policy import hotpath
+    from attn_dispatch.benchmarking import hotpath
 
     result = hotpath.check_compile(torch.device("cpu"), torch.float32, compiler="eager", calls=3, shape=TINY,
                                    factory=lambda: _Scaled(recompile))

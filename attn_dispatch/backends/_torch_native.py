@@ -60,17 +60,16 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
 def cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
                flatten_heads: bool):
     """(out, lse, None) through aten::_scaled_dot_product_cudnn_attention (top-left causal, as SDPA's), or None.
-    The op reads bshd memory viewed as bhsd: sbhd inputs are copied to that order first (differentiably)."""
+    bshd and sbhd both go in as [b, h, s, d] views, GQA with fewer key/value heads, as SDPA passes them (torch
+    2.11 on the H100 ran SDPA's cuDNN kernel on sbhd views and GQA without copies)."""
     fmt = cfg.qkv_format
     seq = 1 if fmt == "bshd" else 0
     causal = cfg.attn_mask_type != "no_mask"
-    if (causal and q.shape[seq] != k.shape[seq]) or q.shape[-2] != k.shape[-2] or aux.dropout_generator is not None:
+    if (causal and q.shape[seq] != k.shape[seq]) or aux.dropout_generator is not None:
         return None
-    if fmt == "sbhd":
-        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
     need_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _bhsd(q, "bshd"), _bhsd(k, "bshd"), _bhsd(v, "bshd"), None, need_lse, float(cfg.dropout_p), causal, False,
+        _bhsd(q, fmt), _bhsd(k, fmt), _bhsd(v, fmt), None, need_lse, float(cfg.dropout_p), causal, False,
         scale=cfg.softmax_scale)
     lse = res[1]
     if lse is not None and lse.dim() == 4:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ..platform import Platform
-from ..policy.bench import EVAL_SETTINGS
+from ..benchmarking.bench import EVAL_SETTINGS
 from .common import add_call_arguments, params_from
 
 
@@ -60,7 +60,7 @@ def _comma_list(flag: str, text: str | None) -> tuple[str, ...] | None:
 
 
 def shapes_for(args: argparse.Namespace, platform: Platform) -> list:
-    from ..policy.grid import GRIDS, load_shapes
+    from ..benchmarking.grid import GRIDS, load_shapes
 
     if args.shapes:
         if args.grid or _explicit_call_flags(args):
@@ -75,7 +75,7 @@ def shapes_for(args: argparse.Namespace, platform: Platform) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..policy.bench import BenchConfig, render_table, report, run_bench
+    from ..benchmarking.bench import BenchConfig, render_table, report, run_bench
     from ..policy.measured import MeasuredPolicy
     from ..policy.timing import TimerSettings
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=1))
     plot_note = ""
     if (args.plot or "").lower() != "none":
-        from ..policy.plot import plot_bench
+        from ..benchmarking.plot import plot_bench
 
         plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
         try:

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..platform import Platform
-    from ..policy.grid import load_shapes, shape_label
+    from ..benchmarking.grid import load_shapes, shape_label
     from ..policy.measured import MeasuredPolicy
 
     policy = MeasuredPolicy(directory=args.cache_dir)
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show(policy, platform, as_json: bool) -> int:
-    from ..policy.grid import shape_from_dict, shape_label
+    from ..benchmarking.grid import shape_from_dict, shape_label
 
     cache = policy.cache_for(platform)
     entries = cache.entries()

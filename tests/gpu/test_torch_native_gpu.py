@@ -21,6 +21,8 @@ CASES = [  # provider, fmt, mask, b, s, skv, h, hkv, d
     ("flash_attn_2:torch", "bshd", "causal_bottom_right", 2, 100, 300, 8, 4, 64),
     ("cudnn_fused:torch", "bshd", "causal", 2, 256, 256, 8, 8, 128),
     ("cudnn_fused:torch", "sbhd", "no_mask", 2, 192, 192, 4, 4, 64),
+    ("cudnn_fused:torch", "sbhd", "causal", 2, 256, 256, 8, 2, 128),
+    ("cudnn_fused:torch", "bshd", "causal", 2, 256, 256, 16, 1, 64),
 ]
 
 

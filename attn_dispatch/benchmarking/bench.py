@@ -17,9 +17,9 @@ from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import Platform
 from .grid import shape_label
-from .measured import MeasuredPolicy
+from ..policy.measured import MeasuredPolicy
 from .progress import progress
-from .timing import MODES, TimerSettings, attention_flops, check_mode, time_engines
+from ..policy.timing import MODES, TimerSettings, attention_flops, check_mode, time_engines
 
 POLICIES = ("order", "measured")
 RATIO_TARGET = 1.03

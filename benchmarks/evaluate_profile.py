@@ -1,0 +1,72 @@
+"""Offline check of the shipped profile's predictions against measured rows (no GPU needed).
+
+For each row of a bench_user_step.py result: the provider the profile predicts fastest among those the row timed
+(optionally only torch's own providers, as on a stock `pip install torch`), and time(pick) / time(fastest).
+--loo: leave-one-out on the profile's own fit rows (each row predicted without itself).
+
+    python3 benchmarks/evaluate_profile.py benchmarks/results/profile/eval_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attn_dispatch.params import AttentionParams  # noqa: E402
+from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
+
+TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
+
+
+def evaluate(rows: list[dict], profile: Profile, *, loo: bool, stock: bool) -> list[dict]:
+    out = []
+    for row in rows:
+        times = {n: t for n, t in row["times_ms"].items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
+        if not times:
+            continue
+        pred = profile.predict(AttentionParams(**row["params"]), exclude_label=row["label"] if loo else None)
+        candidates = sorted(times, key=times.get)
+        pick = pred.best(list(times)) or candidates[0]
+        best = times[candidates[0]]
+        sdpa = row["times_ms"].get("sdpa")
+        out.append({"label": row["label"], "pick": pick, "fastest": candidates[0], "ratio": times[pick] / best,
+                    "vs_sdpa": times[pick] / sdpa if sdpa else None})
+    return out
+
+
+def summarize(name: str, results: list[dict]) -> None:
+    ratios = [r["ratio"] for r in results]
+    worst = max(results, key=lambda r: r["ratio"])
+    sd = [r["vs_sdpa"] for r in results if r["vs_sdpa"]]
+    print(f"{name}: {len(ratios)} rows, mean {statistics.mean(ratios):.3f}, worst {worst['ratio']:.3f} "
+          f"({worst['label']}: picked {worst['pick']}, fastest {worst['fastest']}), "
+          f"{sum(r > 1.03 for r in ratios)} over 1.03"
+          + (f"; vs SDPA worst {max(sd):.3f} mean {statistics.mean(sd):.3f}" if sd else ""))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--profile", default=str(PROFILE_DIR / "sm90.json"))
+    ap.add_argument("--loo", action="store_true")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    profile = Profile(json.loads(Path(args.profile).read_text()))
+    for path in args.results:
+        rows = json.loads(Path(path).read_text())["rows"]
+        for stock in (False, True):
+            res = evaluate(rows, profile, loo=args.loo, stock=stock)
+            summarize(f"{Path(path).name} {'torch providers only' if stock else 'all providers'}", res)
+            if args.verbose:
+                for r in res:
+                    if r["ratio"] > 1.02 or (r["vs_sdpa"] or 0) > 1.02:
+                        print(f"   {r['label']:52s} {r['pick']:22s} {r['ratio']:.3f} fastest {r['fastest']} "
+                              f"vs sdpa {r['vs_sdpa'] or 0:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
