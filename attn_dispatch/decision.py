@@ -33,7 +33,10 @@ class Verdict(BaseModel):
 
 class Decision(BaseModel):
     chosen: str | None = None           # provider id 'family:provider', None when nothing qualifies
-    policy: str = "order"
+    policy: str = "auto"
+    policy_reason: str = ""             # why the policy picked `chosen` over the other eligible providers
+    estimates: dict[str, float] = Field(default_factory=dict)  # provider -> cost behind the pick
+    estimate_unit: str = ""             # e.g. 'ms per step, predicted' (profile) or 'ms per step, measured here'
     forced: str | None = None           # what the user forced, and through what
     forced_by: str | None = None
     order: list[str] = Field(default_factory=list)  # families in preference order for this platform

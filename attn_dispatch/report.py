@@ -14,12 +14,16 @@ def render_decision(decision: "Decision", *, width: int = 100) -> str:
         lines.append(f"forced:   {decision.forced} (by {decision.forced_by})")
     lines.append(f"policy:   {decision.policy}; order: {' > '.join(decision.order)} ({decision.order_reason})")
     lines.append(f"chosen:   {decision.chosen or 'NONE - no backend qualifies'}")
+    if decision.policy_reason:
+        lines.extend(textwrap.wrap(f"why:      {decision.policy_reason}", width, subsequent_indent=" " * 10))
     lines.append("")
     name_width = max(len(v.id) for v in decision.verdicts) + 2 if decision.verdicts else 10
     text_width = max(40, width - name_width - 14)
     for v in decision.verdicts:
         mark = "CHOSEN" if v.id == decision.chosen else ("eligible" if v.eligible else "rejected")
-        lines.append(f"{v.id:<{name_width}}{mark}")
+        estimate = decision.estimates.get(v.id)
+        lines.append(f"{v.id:<{name_width}}{mark}" + (f"  ({estimate:.3f} {decision.estimate_unit})"
+                                                        if estimate is not None else ""))
         for r in v.reasons:
             body = textwrap.wrap(f"{r.message} [{r.code}]", text_width)
             lines.extend(" " * (name_width + 2) + ("- " if i == 0 else "  ") + part for i, part in enumerate(body))

@@ -1,18 +1,20 @@
-"""select(params, platform, env) -> Decision: every check of every backend, then a preference order.
+"""select(params, platform, env) -> Decision: every check of every backend, then a policy's pick.
 
-The preference order lives here and only here (`preference_order`). Decisions are cached on the
+Selection is the one place that composes: it evaluates every constraint table, orders the eligible providers by
+Transformer Engine's preference order (policy/order.py) and hands them to a policy object (policy/: `auto`, the
+default, `order` or `measured`), which returns the pick and why. Decisions are cached on the
 (params, platform, env, force, policy) tuple; AttentionParams and Platform carry precomputed hashes.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
-
 from .constraints import TABLES
 from .decision import Decision, NoBackendAvailableError, Reason, Verdict
-from .env import FAMILIES, EnvFlags, _validate_forced
+from .env import FAMILIES, POLICIES, EnvFlags, _validate_forced
 from .params import AttentionParams
 from .platform import Platform
+from .policy.base import Policy
+from .policy.order import apply_order_rules, preference_order
 
 logger = logging.getLogger("attn_dispatch")
 
@@ -20,33 +22,37 @@ NOT_FORCED = "selection.not_forced"
 UNKNOWN_PROVIDER = "selection.unknown_provider"
 
 
-def preference_order(params: AttentionParams, platform: Platform) -> tuple[tuple[str, ...], str]:
-    """Families in the order they are preferred, and why. Transformer Engine's order on each architecture:
-    FlashAttention before cuDNN fused attention, except on Hopper and newer, where cuDNN's arbitrary-seqlen
-    sub-backend goes first 'for performance reasons' (get_attention_backend). flash-attn-4, which Transformer
-    Engine does not use, comes after cuDNN and before FA3/FA2 on the architectures it targets (sm90, sm100)."""
-    if params.device_type == "cpu" or platform.device_type == "cpu":
-        return ("unfused",), "on the CPU only the unfused engine runs"
-    if platform.sm >= 90:
-        return (("cudnn_fused", "flash_attn_4", "flash_attn_3", "flash_attn_2", "unfused"),
-                f"sm{platform.sm} (Hopper or newer): Transformer Engine prefers cuDNN fused attention, then FlashAttention")
-    return (("flash_attn_2", "cudnn_fused", "flash_attn_4", "flash_attn_3", "unfused"),
-            f"sm{platform.sm}: Transformer Engine prefers FlashAttention 2, then cuDNN fused attention")
-
-
-def _apply_order_rules(order: tuple[str, ...], verdicts: list[Verdict], platform: Platform) -> tuple[str, ...]:
-    """Transformer Engine prefers cuDNN on Hopper only with its arbitrary-seqlen sub-backend."""
-    if platform.sm >= 90 and order[0] == "cudnn_fused":
-        cudnn = next((v for v in verdicts if v.backend == "cudnn_fused" and v.eligible), None)
-        if cudnn is not None and cudnn.detail.get("sub_backend") == "F16_max512_seqlen":
-            return tuple(f for f in order if f != "cudnn_fused")[:-1] + ("cudnn_fused", "unfused")
-    return order
-
-
 _CACHE: dict[tuple, Decision] = {}
 _CACHE_LIMIT = 4096
 _seen_logged: set[tuple] = set()
-measured_policy_hook: Callable[[AttentionParams, Platform, list[Verdict]], str | None] | None = None
+_POLICIES: dict[str, Policy] = {}
+
+
+def policy_named(name: str) -> Policy:
+    """The process's policy object for a name in env.POLICIES (built on first use)."""
+    policy = _POLICIES.get(name)
+    if policy is None:
+        from .policy import AutoPolicy, OrderPolicy, default_policy
+
+        makers = {"order": OrderPolicy, "measured": default_policy,
+                  "auto": lambda: AutoPolicy(measured=default_policy())}
+        if name not in makers:
+            raise ValueError(f"policy={name!r} is not a policy; use one of {', '.join(makers)}")
+        policy = _POLICIES[name] = makers[name]()
+    return policy
+
+
+def set_policy(name: str, policy: Policy) -> None:
+    """Use this policy object for `name` from now on (e.g. a MeasuredPolicy with other timer settings or cache
+    directory); cached decisions are dropped. `auto` reads the tuned buckets of the `measured` one."""
+    if name not in POLICIES:
+        raise ValueError(f"name={name!r} is not a policy; use one of {', '.join(POLICIES)}")
+    _POLICIES[name] = policy
+    if name == "measured":
+        from .policy import AutoPolicy
+
+        _POLICIES["auto"] = AutoPolicy(measured=policy)
+    clear_cache()
 
 
 def clear_cache() -> None:
@@ -55,7 +61,7 @@ def clear_cache() -> None:
 
 
 def explain(params: AttentionParams, platform: Platform | None = None, env: EnvFlags | None = None, *,
-            force: str | None = None, policy: str | None = None, use_cache: bool = True) -> Decision:
+            force: str | None = None, policy: str | Policy | None = None, use_cache: bool = True) -> Decision:
     """The Decision for this call, with every backend's verdict. Never raises for 'nothing qualifies'."""
     platform = Platform.detect() if platform is None else platform
     env = EnvFlags.from_environ() if env is None else env
@@ -74,7 +80,7 @@ def explain(params: AttentionParams, platform: Platform | None = None, env: EnvF
 
 
 def select(params: AttentionParams, platform: Platform | None = None, env: EnvFlags | None = None, *,
-           force: str | None = None, policy: str | None = None, use_cache: bool = True) -> Decision:
+           force: str | None = None, policy: str | Policy | None = None, use_cache: bool = True) -> Decision:
     """Like explain, but raises NoBackendAvailableError when nothing (or not the forced backend) qualifies."""
     decision = explain(params, platform, env, force=force, policy=policy, use_cache=use_cache)
     if decision.chosen is None:
@@ -83,7 +89,7 @@ def select(params: AttentionParams, platform: Platform | None = None, env: EnvFl
 
 
 def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: str | None,
-            policy: str | None) -> Decision:
+            policy: str | Policy | None) -> Decision:
     forced, forced_by = (force, "the force= argument") if force else (env.forced_backend, "ATTN_DISPATCH_BACKEND")
     if force:
         _validate_forced("force", force)
@@ -102,22 +108,20 @@ def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: s
         known = ", ".join(v.id for v in verdicts if v.backend == forced_family) or "none declared"
         raise ValueError(f"{forced_by}={forced!r} names no provider of {forced_family}; known: {known}")
     order, order_reason = preference_order(params, platform)
-    order = _apply_order_rules(order, verdicts, platform)
-    policy = policy or env.policy
-    chosen = None
-    if policy == "measured" and not forced:
-        hook = measured_policy_hook
-        if hook is None:
-            from .policy import install  # attaches the measured policy on first use (it loads torch)
-
-            hook = install()
-        chosen = hook(params, platform, [v for v in verdicts if v.eligible])
-    if chosen is None:
-        chosen = next((v.id for family in order for v in verdicts if v.backend == family and v.eligible), None)
+    order = apply_order_rules(order, verdicts, platform)
+    policy_obj = policy_named(policy or env.policy) if not hasattr(policy, "choose") else policy
+    eligible = [v.id for family in order for v in verdicts if v.backend == family and v.eligible]
+    if forced:
+        chosen = eligible[0] if eligible else None
+        choice_reason, estimates, unit = (f"forced by {forced_by}" if chosen else ""), {}, ""
+    else:
+        choice = policy_obj.choose(params, platform, eligible)
+        chosen, choice_reason, estimates, unit = choice.chosen, choice.reason, choice.estimates, choice.unit
     rank = {family: i for i, family in enumerate(order)}
     verdicts.sort(key=lambda v: rank.get(v.backend, len(FAMILIES)))
     return Decision(
-        chosen=chosen, policy=policy, forced=forced, forced_by=forced_by if forced else None, order=list(order),
+        chosen=chosen, policy=policy_obj.name, policy_reason=choice_reason, estimates=estimates, estimate_unit=unit,
+        forced=forced, forced_by=forced_by if forced else None, order=list(order),
         order_reason=order_reason, verdicts=verdicts, params=params.to_dict(), platform=platform.to_dict(),
         params_text=params.describe(), platform_text=platform.describe(),
     )

@@ -177,11 +177,14 @@ def environment() -> dict:
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "platform": Platform.detect().describe()}
-    for name, mod in (("cudnn_frontend", "cudnn"), ("flash_attn_4", "flash_attn")):
+    from importlib import metadata
+
+    for name, dist in (("cudnn_frontend", "nvidia-cudnn-frontend"), ("flash_attn_4", "flash-attn-4"),
+                       ("transformers", "transformers")):
         try:
-            info[name] = getattr(__import__(mod), "__version__", "present")
-        except Exception as exc:  # noqa: BLE001
-            info[name] = f"absent ({type(exc).__name__})"
+            info[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[name] = "absent"
     return info
 
 

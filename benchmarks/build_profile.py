@@ -9,6 +9,7 @@ by a few percent).
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import statistics
 import sys
@@ -55,7 +56,12 @@ def main() -> int:
         envs.append(env)
         rows += these
     env = envs[0]
-    stack = {"torch": env["torch"], "cuDNN": str(env["cudnn"]), "cudnn-frontend": env["cudnn_frontend"],
+    cudnn = int(env["cudnn"])
+    for key, dist in (("cudnn_frontend", "cudnn-frontend"), ("flash_attn_4", "flash-attn-4")):
+        if not str(env[key])[:1].isdigit():  # older harness runs recorded 'present': the platform line has it
+            found = re.search(re.escape(dist) + r" ([0-9][^ ,;]*)", env["platform"])
+            env[key] = found.group(1) if found else env[key]
+    stack = {"torch": env["torch"], "cuDNN": f"{cudnn // 10000}.{cudnn % 10000 // 100}.{cudnn % 100}", "cudnn-frontend": env["cudnn_frontend"],
              "flash-attn-4": env["flash_attn_4"]}
     profile = build(rows, arch=args.arch, machines=sorted(set(machines)), stack=stack, date=env["date"][:10])
     Path(args.out).write_text(json.dumps(profile, separators=(",", ":")))

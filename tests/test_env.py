@@ -9,7 +9,7 @@ from attn_dispatch.env import EnvFlags
 def test_defaults_allow_everything():
     f = EnvFlags.from_environ({})
     assert f.flash_attn and f.fused_attn and f.unfused_attn and f.allow_nondeterministic
-    assert f.forced_backend is None and f.policy == "order" and f.debug_level == 0
+    assert f.forced_backend is None and f.policy == "auto" and f.debug_level == 0
 
 
 def test_transformer_engine_meanings():

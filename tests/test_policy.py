@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn_dispatch import AttentionParams, Platform, backends, select, selection
+from attn_dispatch import AttentionParams, Platform, backends, constraints, select, selection
 from attn_dispatch.backends.unfused import UnfusedEngine
 from attn_dispatch.cli import main
 from attn_dispatch.constraints.base import Table, fail
-from attn_dispatch.policy import BucketScheme, MeasuredPolicy, TimerSettings, TuningCache, install
+from attn_dispatch.policy import BucketScheme, MeasuredPolicy, TimerSettings, TuningCache
 from attn_dispatch.policy.buckets import round_up_steps
 from attn_dispatch.policy.cache import CorruptCacheWarning, cache_dir, platform_key
 from attn_dispatch.benchmarking.grid import load_shapes, shape_label
@@ -303,21 +303,28 @@ def two_engines(monkeypatch, tmp_path):
         engine.provider = pid.partition(":")[2]
         monkeypatch.setitem(backends._INSTANCES, pid, engine)
         monkeypatch.setitem(backends.ENGINE_CLASSES, pid, "tests.test_policy:CountingEngine")
-    monkeypatch.setattr(selection, "TABLES", {pid: _test_table(pid.partition(":")[2]) for pid in engines})
-    monkeypatch.setattr(selection, "measured_policy_hook", None)
+    tables = {pid: _test_table(pid.partition(":")[2]) for pid in engines}
+    monkeypatch.setattr(selection, "TABLES", tables)
+    monkeypatch.setattr(constraints, "TABLES", tables)  # the measured policy checks the bucket's shape against them
+    monkeypatch.setattr(selection, "_POLICIES", {})
     monkeypatch.setenv("ATTN_DISPATCH_CACHE_DIR", str(tmp_path))
     return engines
 
 
 def _policy(**kw) -> MeasuredPolicy:
-    return install(MeasuredPolicy(settings=FAST, **kw))
+    policy = MeasuredPolicy(settings=FAST, **kw)
+    selection.set_policy("measured", policy)
+    return policy
+
+
+BOTH = ["unfused:slow", "unfused:fast"]
 
 
 def test_measured_policy_picks_the_faster_engine_and_remembers_it(two_engines, tmp_path):
     slow, fast = two_engines["unfused:slow"], two_engines["unfused:fast"]
     slow.delay_s = 0.25  # far beyond any noise on a busy CI machine, so that pruning is certain
     params = cpu_params()
-    assert select(params).chosen == "unfused:slow"  # the preference order
+    assert select(params, policy="order").chosen == "unfused:slow"  # the preference order
     _policy()
     assert select(params, policy="measured").chosen == "unfused:fast"
     entry = TuningCache(Platform.detect(), tmp_path).get(BucketScheme().key(params))
@@ -345,11 +352,11 @@ def test_env_var_selects_the_measured_policy_and_inference_is_tuned_apart(two_en
 def test_close_engines_are_both_timed_fully(two_engines, tmp_path):
     two_engines["unfused:slow"].delay_s = 0.0
     policy = _policy(prune_ratio=100.0)
-    result = policy.tune(cpu_params())
+    result = policy.tune(cpu_params(), Platform.detect(), BOTH)
     assert set(result.entry["times_ms"]) == {"unfused:slow", "unfused:fast"} and not result.entry["probe_ms"]
     assert result.chosen == min(result.entry["times_ms"], key=result.entry["times_ms"].get)
-    assert result.tuned_now and not policy.tune(cpu_params()).tuned_now
-    assert policy.tune(cpu_params(), retune=True).tuned_now
+    assert result.tuned_now and not policy.tune(cpu_params(), Platform.detect(), BOTH).tuned_now
+    assert policy.tune(cpu_params(), Platform.detect(), BOTH, retune=True).tuned_now
 
 
 def test_a_failing_engine_is_left_out_not_fatal(two_engines, caplog):
@@ -369,7 +376,7 @@ def test_no_timing_for_a_described_platform_or_while_compiling(two_engines):
     assert decision.chosen == "unfused:slow"  # nothing timed: the preference order decides
     assert two_engines["unfused:fast"].forwards == 0
     with pytest.raises(ValueError, match="not this machine"):
-        policy.tune(cpu_params(), other)
+        policy.tune(cpu_params(), other, BOTH)
     assert why_not_tunable(cpu_params(), Platform.detect()) is None
 
 

@@ -87,7 +87,7 @@ def test_env_disables_families_with_a_reason_and_fix():
 
 
 def test_hopper_order_prefers_cudnn_like_transformer_engine():
-    d = select(AttentionParams(max_seqlen_q=4096), H100, NO_ENV)
+    d = select(AttentionParams(max_seqlen_q=4096), H100, NO_ENV, policy="order")
     assert d.order[0] == "cudnn_fused" and d.backend == "cudnn_fused"
 
 

@@ -114,14 +114,9 @@ def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config
 
 def _measured_pick(params: AttentionParams, platform: Platform, env: EnvFlags,
                    measured: MeasuredPolicy) -> tuple[str | None, dict[str, Any]]:
-    """The pick through selection's hook, exactly as a call with policy='measured' makes it."""
-    previous = selection.measured_policy_hook
-    selection.measured_policy_hook = measured
+    """The pick through selection, exactly as a call with policy='measured' makes it (with this policy object)."""
     started = time.perf_counter()
-    try:
-        decision = selection.explain(params, platform, env, policy="measured", use_cache=False)
-    finally:
-        selection.measured_policy_hook = previous
+    decision = selection.explain(params, platform, env, policy=measured, use_cache=False)
     entry = measured.cache_for(platform).get(measured.scheme.key(params)) or {}
     info = {"decision_s": round(time.perf_counter() - started, 4),
             "bucket_shape": shape_label(measured.scheme.representative(params)),

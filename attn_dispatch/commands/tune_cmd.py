@@ -25,9 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..platform import Platform
     from ..benchmarking.grid import load_shapes, shape_label
+    from ..platform import Platform
     from ..policy.measured import MeasuredPolicy
+    from ..selection import explain
 
     policy = MeasuredPolicy(directory=args.cache_dir)
     platform = Platform.detect()
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--shapes FILE is required (or --show)")
     results = []
     for params in load_shapes(args.shapes):
-        result = policy.tune(params, platform, retune=args.retune)
+        candidates = [v.id for v in explain(params, platform, use_cache=False).verdicts if v.eligible]
+        result = policy.tune(params, platform, candidates, retune=args.retune)
         results.append({"shape": shape_label(params), "mode": result.entry.get("mode"),
                         "bucket_shape": shape_label(result.representative), "chosen": result.chosen,
                         "tuned_now": result.tuned_now, "times_ms": result.entry.get("times_ms", {}),

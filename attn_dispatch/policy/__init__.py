@@ -1,15 +1,21 @@
-"""Choosing the fastest engine, not just an eligible one: shape buckets, timing, the measured policy and its
-persistent cache, and the benchmark core behind `attn-dispatch bench`.
+"""Choosing among the eligible providers: the policies selection consults (`auto`, the default: the shipped
+performance profile; `order`: Transformer Engine's order; `measured`: timed here once per shape bucket), the
+profile, shape buckets, timing and the measured policy's persistent cache.
 
-Importing this package is light (torch loads on the first timing). `install()` attaches the measured policy to
-selection; `select(..., policy='measured')` or ATTN_DISPATCH_POLICY=measured then uses it.
+Nothing here imports selection: selection composes the tables and a policy. Importing this package is light
+(torch loads on the first timing).
 """
 from __future__ import annotations
 
+from .auto import AutoPolicy
+from .base import Choice, Policy
 from .buckets import BucketScheme
 from .cache import TuningCache, cache_dir
-from .measured import MeasuredPolicy, TuneResult, default_policy, install
+from .measured import MeasuredPolicy, TuneResult, default_policy
+from .order import OrderPolicy, preference_order
+from .profile import Profile, profile_for
 from .timing import TimerSettings, Timing, attention_flops, build_inputs, time_engine
 
-__all__ = ["BucketScheme", "MeasuredPolicy", "TimerSettings", "Timing", "TuneResult", "TuningCache",
-           "attention_flops", "build_inputs", "cache_dir", "default_policy", "install", "time_engine"]
+__all__ = ["AutoPolicy", "BucketScheme", "Choice", "MeasuredPolicy", "OrderPolicy", "Policy", "Profile",
+           "TimerSettings", "Timing", "TuneResult", "TuningCache", "attention_flops", "build_inputs", "cache_dir",
+           "default_policy", "preference_order", "profile_for", "time_engine"]

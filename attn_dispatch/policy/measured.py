@@ -1,13 +1,14 @@
 """The measured policy: on first sight of a shape bucket, time the eligible engines and keep the fastest.
 
-Opt in with ATTN_DISPATCH_POLICY=measured or select(..., policy='measured'); the default stays the documented
-preference order. Selection calls the policy through `attn_dispatch.selection.measured_policy_hook` only when a
-decision is not cached, so the hot path never pays for it.
+Opt in with ATTN_DISPATCH_POLICY=measured or select(..., policy='measured'); the default is the `auto` policy
+(the shipped profile), which also reads the buckets tuned here. Selection consults a policy only when a decision
+is not cached, so the hot path never pays for it.
 
 How a bucket is tuned: every eligible provider (eligible for the call and for the bucket's representative
 shape) is timed against the others, interleaved call by call after a warm period (timing.time_interleaved;
 CUDA events on the GPU). One whose estimate is beyond `prune_ratio` times the best is not timed further.
-Forward alone in inference, forward + backward in training. Whenever a candidate is missing from a bucket's
+What is timed is what a user's step costs: the engine called through the autograd wrapper the module uses, forward
+alone in inference (no_grad), forward then backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's
 entry, all candidates are timed again together, so an entry never compares times taken at different moments.
 The result goes to the persistent cache (see cache.py), so the next process starts tuned.
 
@@ -23,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..decision import Verdict
 from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import Platform
+from .base import Choice
 from .buckets import BucketScheme
 from .cache import TuningCache, cache_dir
 from .timing import TimerSettings, mode_of, time_engines
@@ -74,7 +75,9 @@ def why_not_tunable(params: AttentionParams, platform: Platform) -> str | None:
 
 
 class MeasuredPolicy:
-    """Callable as selection's measured_policy_hook: (params, platform, eligible verdicts) -> provider id."""
+    """The `measured` policy: choose() times the eligible providers once per shape bucket (see the module doc)."""
+
+    name = "measured"
 
     def __init__(self, *, scheme: BucketScheme = BucketScheme(), settings: TimerSettings = TUNING_SETTINGS,
                  prune_ratio: float = PRUNE_RATIO, directory: str | None = None):
@@ -88,15 +91,29 @@ class MeasuredPolicy:
         self._warned: set[str] = set()
         self._lock = threading.RLock()
 
-    # --- the hook ---------------------------------------------------------------------------------------
-    def __call__(self, params: AttentionParams, platform: Platform, eligible: list[Verdict]) -> str | None:
-        candidates = [v.id for v in eligible]
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        return self.choose(params, platform, candidates).chosen
+    # --- the policy -------------------------------------------------------------------------------------
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice:
+        if len(eligible) <= 1:
+            return Choice(eligible[0] if eligible else None,
+                          "the only eligible provider" if eligible else "no provider is eligible")
+        result = self.tune_bucket(params, platform, eligible)
+        if result.chosen is None:
+            return Choice(eligible[0], f"untimed (bucket {result.bucket}); Transformer Engine's preference order "
+                                       "decides")
+        times = {**result.entry.get("probe_ms", {}), **result.entry.get("times_ms", {})}
+        timed = {p: round(times[p], 4) for p in eligible if times.get(p) is not None}
+        how = "timed now" if result.tuned_now else "timed earlier on this machine"
+        return Choice(result.chosen, f"measured fastest ({how}, bucket {result.bucket}, at "
+                                     f"{result.representative.describe()}): {timed[result.chosen]:.3f} ms per step",
+                      timed, "ms per step, measured here")
 
-    def choose(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
-               retune: bool = False) -> TuneResult:
+    def lookup(self, params: AttentionParams, platform: Platform) -> dict[str, Any] | None:
+        """The bucket's tuned entry on disk, if any (no timing)."""
+        with self._lock:
+            return self.cache_for(platform).get(self.scheme.key(params))
+
+    def tune_bucket(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
+                    retune: bool = False) -> TuneResult:
         """Look the bucket up; if it has no time for some candidate (or retune), time all candidates together."""
         bucket = self.scheme.key(params)
         representative = self.scheme.representative(params)
@@ -121,18 +138,14 @@ class MeasuredPolicy:
             chosen = fastest(entry, candidates)
         return TuneResult(bucket, representative, entry or {}, chosen, tuned_now)
 
-    def tune(self, params: AttentionParams, platform: Platform | None = None, env: EnvFlags | None = None, *,
+    def tune(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
              retune: bool = False) -> TuneResult:
-        """Tune params' bucket for every provider eligible for this call (what `attn-dispatch tune` runs)."""
-        from ..selection import explain
-
-        platform = Platform.detect() if platform is None else platform
+        """Tune params' bucket for these candidates now (what `attn-dispatch tune` runs, with the providers
+        selection found eligible); ValueError when timing cannot run here."""
         reason = why_not_tunable(params, platform)
         if reason is not None:
             raise ValueError(f"cannot tune {params.describe()}: {reason}")
-        decision = explain(params, platform, env, use_cache=False)
-        candidates = [v.id for v in decision.verdicts if v.eligible]
-        return self.choose(params, platform, candidates, retune=retune)
+        return self.tune_bucket(params, platform, candidates, retune=retune)
 
     def cache_for(self, platform: Platform) -> TuningCache:
         directory = self.directory or str(cache_dir())
@@ -197,10 +210,10 @@ class MeasuredPolicy:
     def _eligible_at(params: AttentionParams, platform: Platform) -> set[str]:
         """Providers whose tables accept the representative shape. The call's own verdicts already applied the
         environment, so this looks at the shape alone (a permissive env)."""
-        from .. import selection
+        from ..constraints import TABLES
 
         env = EnvFlags(allow_untested_versions=True)
-        return {t.id for t in selection.TABLES.values() if t.evaluate(params, platform, env).eligible}
+        return {t.id for t in TABLES.values() if t.evaluate(params, platform, env).eligible}
 
 
 def _fresh_entry(representative: AttentionParams, mode: str, settings: TimerSettings) -> dict[str, Any]:
@@ -230,14 +243,3 @@ def default_policy() -> MeasuredPolicy:
     if _DEFAULT is None:
         _DEFAULT = MeasuredPolicy()
     return _DEFAULT
-
-
-def install(policy: MeasuredPolicy | None = None) -> MeasuredPolicy:
-    """Make `policy` (default: the process-wide one) the measured policy selection calls; clears cached
-    decisions so that calls already decided under another hook are decided again."""
-    from .. import selection
-
-    policy = policy or default_policy()
-    selection.measured_policy_hook = policy
-    selection.clear_cache()
-    return policy

@@ -1,0 +1,76 @@
+"""The default policy: the fastest eligible provider by the performance profile shipped for the platform's
+architecture, with no timing at run time. A bucket the measured policy has tuned on this machine overrides the
+profile (local timings beat a prediction); without a profile for the architecture, Transformer Engine's order
+decides, and the reason says so."""
+from __future__ import annotations
+
+from ..params import AttentionParams
+from ..platform import Platform
+from .base import Choice
+from .profile import PROFILE_DIR, Profile, arch_of, profile_for
+
+
+class AutoPolicy:
+    name = "auto"
+
+    def __init__(self, directory=PROFILE_DIR, measured=None):
+        self.directory = directory
+        self.measured = measured  # a MeasuredPolicy whose on-disk tuning cache is read (never timed from here)
+
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice:
+        if len(eligible) <= 1:
+            return Choice(eligible[0] if eligible else None,
+                          "the only eligible provider" if eligible else "no provider is eligible")
+        local = self._tuned_here(params, platform, eligible)
+        if local is not None:
+            return local
+        profile = profile_for(platform, self.directory)
+        if profile is None:
+            arch = arch_of(platform) or platform.device_type
+            shipped = ", ".join(sorted(p.stem for p in self.directory.glob("*.json"))) or "none"
+            return Choice(eligible[0], f"no performance profile for {arch} (shipped: {shipped}); Transformer "
+                                       "Engine's preference order decides")
+        prediction = profile.predict(params)
+        chosen = prediction.best(eligible)
+        if chosen is None:
+            return Choice(eligible[0], f"{profile.describe()} has no measurement of this kind of call for "
+                                       f"{', '.join(eligible)}; Transformer Engine's preference order decides")
+        estimates = {p: round(prediction.times_ms[p], 4) for p in eligible if p in prediction.times_ms}
+        others = sorted((t, p) for p, t in estimates.items() if p != chosen)
+        versus = ", ".join(f"{p} {t / estimates[chosen]:.2f}x" for t, p in others) or "no other measured provider"
+        unknown = [p for p in eligible if p not in estimates]
+        reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
+                  f"nearest measured calls: {'; '.join(prediction.neighbours)}")
+        if unknown:
+            reason += f"; not in the profile: {', '.join(unknown)}"
+        drift = _stack_drift(profile, platform)
+        if drift:
+            reason += f"; this machine's stack differs ({drift})"
+        return Choice(chosen, reason, estimates, "ms per step, predicted")
+
+    def _tuned_here(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice | None:
+        if self.measured is None:
+            return None
+        entry = self.measured.lookup(params, platform)
+        if not entry:
+            return None
+        times = {**entry.get("probe_ms", {}), **entry.get("times_ms", {})}
+        timed = {p: times[p] for p in eligible if times.get(p) is not None}
+        if len(timed) < len(eligible):
+            return None  # the tuned bucket does not cover every candidate: the profile decides
+        chosen = min(timed, key=timed.get)
+        return Choice(chosen, f"tuned on this machine (measured policy cache, bucket "
+                              f"{self.measured.scheme.key(params)}): {timed[chosen]:.3f} ms per step",
+                      {p: round(t, 4) for p, t in timed.items()}, "ms per step, measured here")
+
+
+def _stack_drift(profile: Profile, platform: Platform) -> str:
+    """Where this machine's torch or cuDNN differs from the profiled stack (the prediction still stands, flagged)."""
+    diffs = []
+    torch_here, torch_there = platform.torch_version.split("+")[0], profile.stack.get("torch", "").split("+")[0]
+    if torch_there and torch_here != torch_there:
+        diffs.append(f"torch {torch_here} here, {torch_there} profiled")
+    cudnn_there, cudnn_here = profile.stack.get("cuDNN", ""), platform.cudnn_version or ""
+    if cudnn_there and cudnn_here and cudnn_here != cudnn_there:
+        diffs.append(f"cuDNN {cudnn_here} here, {cudnn_there} profiled")
+    return "; ".join(diffs)
