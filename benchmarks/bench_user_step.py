@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform as py_platform
 import sys
 import time
@@ -133,11 +132,7 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         fns[provider] = step_fn(module_for(case, provider, device), q, k, v, dout, kwargs, case.train)
     if policies:
         fns["default"] = step_fn(default, q, k, v, dout, kwargs, case.train)
-        os.environ["ATTN_DISPATCH_POLICY"] = "order"
-        try:
-            order_pick = selection.explain(selection_params(decision)).chosen
-        finally:
-            del os.environ["ATTN_DISPATCH_POLICY"]
+        order_pick = selection.explain(selection_params(decision), policy="order").chosen
     sdpa = sdpa_fn(case)
     if sdpa is not None:
         fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
@@ -161,7 +156,7 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     }
     if policies:
         row["order_pick"] = order_pick
-        row["default_reason"] = getattr(decision, "policy_reason", "")
+        row["default_reason"] = decision.policy_reason
     return row
 
 

@@ -50,7 +50,7 @@ def _both(cases: list[Case]) -> list[Case]:
 
 
 def fit_cases() -> list[Case]:
-    """The grid the shipped profile is fitted on (57 shapes, each fwd and fwd+bwd)."""
+    """The grid the shipped profile is fitted on (74 shapes, each fwd and fwd+bwd)."""
     shapes = []
     for d in (64, 128, 256):
         h = 8 if d == 256 else 16
@@ -77,6 +77,17 @@ def fit_cases() -> list[Case]:
                Case(b=16, s=2048, h=16, d=64, mask="padding", fmt="thd")]
     shapes += [Case(b=8, s=1024, skv=4096, h=16, d=128, mask="no_mask"),
                Case(b=4, s=512, skv=8192, h=16, d=128, mask="causal_bottom_right")]
+    # Second fitting pass: where host-bound and GPU-bound meet, GQA 16, more d256, no-mask windows, small thd.
+    shapes += [Case(b=16, s=1024, h=16, d=64), Case(b=16, s=512, h=16, d=64, mask="no_mask"),
+               Case(b=8, s=512, h=16, d=128), Case(b=16, s=256, h=32, d=128), Case(b=4, s=2048, h=16, d=64),
+               Case(b=2, s=2048, h=16, d=128), Case(b=8, s=1024, h=8, d=256), Case(b=1, s=4096, h=8, d=256),
+               Case(b=4, s=2048, h=16, hkv=4, d=256)]
+    shapes += [Case(b=32, s=1024, h=32, hkv=2, d=128), Case(b=8, s=4096, h=32, hkv=2, d=128)]
+    shapes += [Case(b=32, s=512, h=16, d=64, mask="padding", fmt="thd"),
+               Case(b=8, s=2048, h=32, hkv=8, d=128, mask="padding_causal", fmt="thd")]
+    shapes += [Case(b=2, s=8192, h=16, d=128, mask="no_mask", window=(64, 64)),
+               Case(b=8, s=2048, h=16, d=64, mask="no_mask", window=(512, 512))]
+    shapes += [Case(b=4, s=4096, h=32, hkv=8, d=128, fmt="sbhd")]
     return _both(shapes)
 
 
