@@ -194,9 +194,11 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
                 dv_acc.add_(g.dv)
         if nxt is not None:
             kv = nxt
-    # the accumulator we hold now belongs to the next rank; ours arrives from the previous one
-    mine = dkv.empty_like()
-    Ring.wait(ring.start(dkv.tagged(TAG_DK), mine.tagged(TAG_DK)))
+    # the accumulator we hold now belongs to the next rank; ours arrives from the previous one. It is complete:
+    # cast to the gradient's dtype before the hop (the same rounding as after it, half the bytes of float32)
+    done = Pair.of(*dkv.parts, k.dtype)
+    mine = done.empty_like()
+    Ring.wait(ring.start(done.tagged(TAG_DK), mine.tagged(TAG_DK)))
     dk, dv = mine.parts
     dsink = sink_grad(dout, out, lse, sink, fmt) if sink is not None else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink

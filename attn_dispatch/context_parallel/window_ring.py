@@ -117,7 +117,8 @@ class WindowP2PAttention:
                 kv = nxt
         # the accumulator now belongs to rank r - (steps - 1); ours comes from rank r + (steps - 1)
         back = plan.steps - 1
-        if back:
+        if back:  # complete: cast before the hop (the same rounding as after it, fewer bytes)
+            dkv = Pair.of(*dkv.parts, k.dtype)
             mine = dkv.empty_like()
             info = self.info
             Ring.wait(self.ring.start(dkv.tagged(TAG_DK), mine.tagged(TAG_DK),
