@@ -615,3 +615,31 @@ def test_windowed_cp_selection_composes_per_block_calls():
     assert not torch_cudnn.eligible  # torch's cuDNN op takes no window: its own table says so, for the blocks
     thd = p.replace(qkv_format="thd", attn_mask_type="padding_causal", cp_comm_type="p2p")
     assert all(v.has(f"{v.backend}.cp_support") for v in explain(thd, Platform.parse("h100-cudnn9")).verdicts)
+
+
+def test_per_block_engine_goes_through_selection(monkeypatch):
+    """SelectedPerBlock asks selection.select (default policy, the module's forced backend) for each block's own
+    params, once per block signature, and runs the engine it names."""
+    from attn_dispatch import selection
+
+    asked = []
+    real = selection.select
+
+    def spy(params, *a, **kw):
+        asked.append((params, kw.get("force")))
+        return real(params, *a, **kw)
+    monkeypatch.setattr(selection, "select", spy)
+    per_block = cp.SelectedPerBlock(force="unfused", is_training=True)
+    q, k, v = (torch.randn(2, 12, 4, 8, dtype=torch.float64) for _ in range(3))
+    cfg = AttnConfig(qkv_format="bshd", attn_mask_type="causal_bottom_right", window_size=(3, 0), softmax_scale=0.3)
+    aux = AttnAux(max_seqlen_q=8, max_seqlen_kv=12)
+    for _ in range(2):
+        res = per_block.forward(q[:, :8], k, v, aux, cfg)
+    ((params, force),) = asked  # cached after the first call
+    assert force == "unfused" and params.max_seqlen_q == 8 and params.max_seqlen_kv == 12
+    assert params.attn_mask_type == "causal_bottom_right" and params.window_size == (3, 0)
+    assert list(per_block.choices.values()) == ["unfused:pytorch"]
+    direct = get_engine("unfused:pytorch").forward(q[:, :8], k, v, aux, cfg)
+    assert torch.equal(res.out, direct.out)
+    g = per_block.backward(torch.ones_like(res.out), q[:, :8], k, v, res.out, res.lse, res.state, aux, cfg)
+    assert g.dq.shape == (2, 8, 4, 8) and torch.isfinite(g.dk).all()
