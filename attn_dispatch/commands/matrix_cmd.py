@@ -53,8 +53,9 @@ def _context_parallel_lines() -> list[str]:
     for s in SUPPORT.values():
         masks = "; ".join(f"{fmt}: {', '.join(m)}" for fmt, m in s.masks.items())
         heads = "divisible by the a2a group" if s.heads_divisible_by_group else "any"
-        lines.append(f"| `{s.comm_type}` | {', '.join(s.formats)} | {_cell(masks)} | "
-                     f"{', '.join(s.window_formats) or 'no'} | {heads} | {_cell(s.cross_attention)} | {_cell(s.notes)} |")
+        windows = ", ".join(s.window_formats) or "no"
+        lines.append(f"| `{s.comm_type}` | {', '.join(s.formats)} | {_cell(masks)} | {windows} | {heads} | "
+                     f"{_cell(s.cross_attention)} | {_cell(s.notes)} |")
     lines += ["", f"Source: {_cell(SOURCE)}. Sliding windows: {_cell(WINDOW_SOURCE)}.",
               "Each block's engine is chosen by selection on the block's own parameters (the default policy)."]
     return lines

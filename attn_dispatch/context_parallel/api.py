@@ -30,8 +30,9 @@ _SOFTMAX = ("vanilla", "off-by-one", "learnable")
 _MASKS = ("no_mask", "causal", "padding", "padding_causal")
 
 
-def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
-              cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> torch.Tensor:
+def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+              cfg: AttnConfig, *, cp_group, cp_global_ranks=None, cp_stream=None,
+              cp_comm_type: str = "p2p") -> torch.Tensor:
     """This rank's attention output (cfg.qkv_format, heads not flattened) for its shard of the sequence.
 
     engine: the Engine every per-block call runs on, or None: each block's engine is then chosen by
