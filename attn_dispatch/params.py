@@ -114,6 +114,7 @@ class AttentionParams:
     fp8: bool = False
     cp_size: int = 1
     cp_comm_type: str = "p2p"
+    cp_a2a_size: int | None = None  # a2a+p2p: ranks in the a2a group (None: 2)
     pad_between_seqs: bool = False
     inference_kv_cache: bool = False
     device_type: str = "cuda"
@@ -146,6 +147,11 @@ class AttentionParams:
         for name in ("batch_size", "num_heads", "num_gqa_groups", "head_dim_qk", "head_dim_v",
                      "max_seqlen_q", "max_seqlen_kv", "cp_size"):
             _positive(name, getattr(self, name))
+        if self.cp_a2a_size is not None:
+            _positive("cp_a2a_size", self.cp_a2a_size)
+            if self.cp_comm_type == "a2a+p2p" and self.cp_size % self.cp_a2a_size:
+                raise ValueError(f"cp_a2a_size={self.cp_a2a_size} must divide cp_size={self.cp_size} "
+                                 "(cp_size = a2a group size * p2p group size)")
         if self.num_heads % self.num_gqa_groups:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_gqa_groups}; "
@@ -187,6 +193,15 @@ class AttentionParams:
         return self.window_size != plain
 
     @property
+    def a2a_size(self) -> int:
+        """Ranks a context-parallel call splits heads over: cp_size for a2a, the a2a group for a2a+p2p."""
+        if self.cp_comm_type == "a2a":
+            return self.cp_size
+        if self.cp_comm_type == "a2a+p2p":
+            return self.cp_a2a_size or 2
+        return 1
+
+    @property
     def has_bias_tensor(self) -> bool:
         return self.bias_type in ("pre_scale_bias", "post_scale_bias")
 
@@ -215,7 +230,8 @@ class AttentionParams:
         if self.softmax_type != "vanilla":
             extras.append(f"softmax={self.softmax_type}")
         if self.cp_size > 1:
-            extras.append(f"cp={self.cp_size}x{self.cp_comm_type}")
+            extras.append(f"cp={self.cp_size}x{self.cp_comm_type}"
+                          + (f"(a2a={self.a2a_size})" if self.cp_comm_type == "a2a+p2p" else ""))
         if self.fp8:
             extras.append("fp8")
         extras.append("training" if self.is_training else "inference")

@@ -97,6 +97,8 @@ def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: s
     verdicts = []
     for table in TABLES.values():
         verdict = table.evaluate(params, platform, env)
+        if params.cp_size > 1 and verdict.eligible:
+            verdict = _with_cp_blocks(table, verdict, params, platform, env)
         if forced and (table.family != forced_family or (forced_provider and table.provider != forced_provider)):
             verdict = verdict.model_copy(update={
                 "eligible": False,
@@ -125,6 +127,25 @@ def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: s
         order_reason=order_reason, verdicts=verdicts, params=params.to_dict(), platform=platform.to_dict(),
         params_text=params.describe(), platform_text=platform.describe(),
     )
+
+
+def _with_cp_blocks(table, verdict: Verdict, params: AttentionParams, platform: Platform, env: EnvFlags) -> Verdict:
+    """Context parallelism: the engine must also run every per-block call the CP code makes (declared by
+    constraints.context_parallel.block_params); its own table answers each. At run time each block's engine is
+    chosen by select() on these same block params."""
+    from .constraints.context_parallel import block_params
+
+    for block in block_params(params):
+        reasons = list(table.failures(block, platform, env))
+        if reasons:
+            message = (f"under cp_comm_type={params.cp_comm_type!r}, {table.id} would run per-block calls "
+                       f"(sq={block.max_seqlen_q}, skv={block.max_seqlen_kv}, {block.attn_mask_type}, "
+                       f"window={block.window_size}, h={block.num_heads}) that it cannot: "
+                       + "; ".join(r.message for r in reasons[:3]))
+            reason = Reason(code=f"{table.family}.cp_blocks", message=message, fix=reasons[0].fix,
+                            source="attn_dispatch.constraints.context_parallel.block_params, composed by selection")
+            return verdict.model_copy(update={"eligible": False, "reasons": [reason], "detail": {}})
+    return verdict
 
 
 def _log(key: tuple, decision: Decision, env: EnvFlags) -> None:

@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 from attn_dispatch import context_parallel as cp
 from attn_dispatch.backends import AttnAux, AttnConfig, Engine, get_engine
 
+from reference import reference_attention
+
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 SPAWN_DEADLINE_S = 240
@@ -32,9 +34,37 @@ SPAWN_DEADLINE_S = 240
 # Cases
 # ----------------------------------------------------------------------------------------------
 def _case(name, comm, fmt="bshd", mask="causal", h=4, hkv=4, softmax="vanilla", b=2, s=16, skv=None, d=8,
-          lens=None, dtype="float32", module=False, strided=False):
+          lens=None, dtype="float32", module=False, strided=False, window=None, selected=False):
+    """window: a sliding window (left, right); selected: engine None, each block's engine chosen by selection."""
     return dict(name=name, comm=comm, fmt=fmt, mask=mask, h=h, hkv=hkv, softmax=softmax, b=b, s=s,
-                skv=skv or s, d=d, lens=lens, dtype=dtype, module=module, strided=strided)
+                skv=skv or s, d=d, lens=lens, dtype=dtype, module=module, strided=strided, window=window,
+                selected=selected)
+
+
+def _window_cases(world: int, h: int, gqa_kv: int, lens) -> list[dict]:
+    """Sliding windows: a window narrower than a chunk (most blocks skipped, the ring stops early at 4 ranks),
+    one wider than a chunk, and a two-sided window without a causal mask."""
+    cases = []
+    s = 8 * world  # chunks of 4 tokens
+    for comm in ("p2p", "all_gather", "a2a"):
+        for fmt, mask, window in (("bshd", "causal", (3, 0)), ("sbhd", "causal", (6, 0)),
+                                  ("bshd", "no_mask", (5, 2))):
+            cases.append(_case(f"{comm}-{fmt}-{mask}-window{window[0]}_{window[1]}", comm, fmt, mask, h, gqa_kv,
+                               s=s, window=window, selected=True))
+    cases.append(_case("a2a-thd-padding_causal-window", "a2a", "thd", "padding_causal", h, gqa_kv, lens=lens,
+                       window=(5, 0), selected=True))
+    cases.append(_case("p2p-bshd-causal-window-learnable-sink", "p2p", "bshd", "causal", h, gqa_kv, "learnable",
+                       s=s, window=(7, 0)))
+    cases.append(_case("all_gather-bshd-causal-window-bf16", "all_gather", "bshd", "causal", h, gqa_kv, s=4 * s,
+                       window=(9, 0), dtype="bfloat16", selected=True))
+    cases.append(_case("module-all_gather-bshd-causal-window", "all_gather", "bshd", "causal", h, gqa_kv, s=s,
+                       window=(5, 0), module=True))
+    if world == 4:
+        cases.append(_case("a2a+p2p-bshd-causal-window", "a2a+p2p", "bshd", "causal", h, gqa_kv, s=s,
+                           window=(9, 0), selected=True))
+        cases.append(_case("a2a+p2p-sbhd-no_mask-window", "a2a+p2p", "sbhd", "no_mask", h, gqa_kv, s=s,
+                           window=(4, 4)))
+    return cases
 
 
 def _cases(world: int) -> list[dict]:
@@ -67,6 +97,7 @@ def _cases(world: int) -> list[dict]:
     cases.append(_case("module-a2a-sbhd-no_mask", "a2a", "sbhd", "no_mask", h, gqa_kv, module=True))
     cases.append(_case("module-p2p-thd-padding_causal", "p2p", "thd", "padding_causal", h, gqa_kv, lens=lens,
                        module=True))
+    cases += _window_cases(world, h, gqa_kv, lens)
     if world == 4:
         for fmt, mask, softmax in (("bshd", "causal", "vanilla"), ("sbhd", "no_mask", "vanilla"),
                                    ("bshd", "causal", "learnable"), ("thd", "padding_causal", "vanilla")):
@@ -75,7 +106,7 @@ def _cases(world: int) -> list[dict]:
     return cases
 
 
-ERROR_CASES = ("group_of_one", "seq_mismatch", "a2a_heads", "one_rank_bad_window", "unsupported_mask",
+ERROR_CASES = ("group_of_one", "seq_mismatch", "a2a_heads", "one_rank_bad_window", "thd_window_p2p", "unsupported_mask",
                "list_group_for_p2p", "module_one_rank_bad_arg", "one_rank_unknown_comm", "scale_mismatch")
 FROM_RANK_0 = ("one_rank_bad_window", "module_one_rank_bad_arg", "one_rank_unknown_comm")
 
@@ -151,7 +182,7 @@ def _inputs(case, gen):
 def _whole_sequence(case, engine, q, k, v, dout, sink, cu, scale):
     """The single-process run of the whole sequence, through the engine's autograd wrapper."""
     fmt = case["fmt"]
-    window = (-1, 0) if "causal" in case["mask"] else (-1, -1)
+    window = case["window"] or ((-1, 0) if "causal" in case["mask"] else (-1, -1))
     cfg = AttnConfig(qkv_format=fmt, attn_mask_type=case["mask"], window_size=window, softmax_scale=scale,
                      softmax_type=case["softmax"])
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -173,7 +204,12 @@ def _float64_reference(case, q, k, v, dout, sink, cu, scale):
     if case["softmax"] == "off-by-one":
         sink_leaf = torch.zeros(case["h"], dtype=torch.float64)
     cu_list = cu.tolist() if cu is not None else None
-    out = _reference(*leaves, case["fmt"], "causal" in case["mask"], scale, sink_leaf, cu_list, cu_list)
+    if case["window"]:  # tests/reference.py, written independently of every engine, knows windows
+        out, _ = reference_attention(*leaves, qkv_format=case["fmt"], attn_mask_type=case["mask"],
+                                     window_size=case["window"], cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     softmax_type=case["softmax"], softmax_offset=sink_leaf, softmax_scale=scale)
+    else:
+        out = _reference(*leaves, case["fmt"], "causal" in case["mask"], scale, sink_leaf, cu_list, cu_list)
     out.backward(dout.double())
     grads = [t.grad for t in leaves]
     grads.append(sink_leaf.grad if case["softmax"] == "learnable" else None)
@@ -228,7 +264,8 @@ def _run_case(case, groups: Groups):
         out, sink_grad = _run_module(case, leaves, sink, cu, cp_group, dout, local)
     else:
         aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, softmax_offset=sink_leaf)
-        out = cp.attention(engine, *leaves, aux, cfg, cp_group=cp_group, cp_comm_type=comm)
+        out = cp.attention(None if case["selected"] else engine, *leaves, aux, cfg, cp_group=cp_group,
+                           cp_comm_type=comm)
         out.backward(local(dout))
         sink_grad = sink_leaf.grad if sink_leaf is not None else None
     metrics = {}
@@ -249,7 +286,8 @@ def _run_module(case, leaves, sink, cu, cp_group, dout, local):
 
     fmt, h, hkv, d = case["fmt"], case["h"], case["hkv"], case["d"]
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=case["mask"],
-                                 softmax_type=case["softmax"], cp_group=cp_group, cp_comm_type=case["comm"])
+                                 softmax_type=case["softmax"], cp_group=cp_group, cp_comm_type=case["comm"],
+                                 window_size=case["window"])
     if sink is not None:
         with torch.no_grad():
             module.softmax_offset.copy_(sink)
@@ -298,6 +336,12 @@ def _error_cases(groups: Groups, world: int) -> dict:
     res["one_rank_bad_window"] = _expect_error(
         lambda: cp.attention(engine, *qkv(8), AttnAux(), windowed if rank == 0 else causal, cp_group=groups.world),
         "window_size=(2, 0)")
+    cu = torch.tensor([0, 8 * world], dtype=torch.int32)
+    thd_window = AttnConfig(qkv_format="thd", attn_mask_type="padding_causal", window_size=(3, 0))
+    res["thd_window_p2p"] = _expect_error(
+        lambda: cp.attention(engine, *(t[0, :4 * 2] for t in qkv(8)), AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu),
+                             thd_window, cp_group=groups.world),
+        "window_size=(3, 0)", "not supported under cp_comm_type='p2p'", "'a2a'")
     padding = AttnConfig(qkv_format="bshd", attn_mask_type="padding_causal", window_size=(-1, 0))
     res["unsupported_mask"] = _expect_error(
         lambda: cp.attention(engine, *qkv(8), AttnAux(), padding, cp_group=groups.world),
@@ -479,8 +523,10 @@ def test_support_table_and_params_failures():
     assert code == "cp_heads" and "num_heads=6" in message and fix
     thd_ag = ok.replace(qkv_format="thd", attn_mask_type="padding_causal", cp_comm_type="all_gather")
     assert any("qkv_format='thd'" in m for _, m, _ in cp.params_failures(thd_ag))
-    windowed = ok.replace(window_size=(128, 0))
-    assert any("sliding windows" in m for _, m, _ in cp.params_failures(windowed))
+    assert cp.params_failures(ok.replace(window_size=(128, 0))) == []  # bshd windows: every comm type
+    thd_window = ok.replace(qkv_format="thd", attn_mask_type="padding_causal", window_size=(128, 0))
+    assert any("sliding windows" in m and "'a2a'" in m for _, m, _ in cp.params_failures(thd_window))
+    assert cp.params_failures(thd_window.replace(cp_comm_type="a2a", num_gqa_groups=4)) == []
     biased = ok.replace(bias_type="post_scale_bias", bias_shape="1hss", dropout=0.1)
     messages = " ".join(m for _, m, _ in cp.params_failures(biased))
     assert "post_scale_bias" in messages and "attention_dropout=0.1" in messages
@@ -519,3 +565,81 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     assert {(p["world_size"], p["comm"]) for p in report["summary"]} == {(1, "none"), (2, "p2p"), (2, "a2a")}
     assert all(p["efficiency"] is not None for p in report["summary"])
     assert "| GPUs | S | comm |" in proc.stdout
+
+
+def test_window_blocks_declared_for_selection():
+    """Windowed CP calls declare trimmed band blocks; a window narrower than a chunk skips the far blocks."""
+    from attn_dispatch import AttentionParams
+
+    p = AttentionParams(dtype="bf16", num_heads=8, max_seqlen_q=4096, attn_mask_type="causal", cp_size=4,
+                        cp_comm_type="p2p", window_size=(511, 0), device_type="cpu")
+    blocks = {(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type, b.window_size) for b in cp.block_params(p)}
+    # chunks of 2048: the diagonal (causal, window 511) and the previous chunk's last 511 keys for 511 rows
+    # (query i of the first 511 rows sees previous-chunk key j >= i: window (0, -1), no causal mask)
+    assert blocks == {(2048, 2048, "causal", (511, 0)), (511, 511, "no_mask", (0, -1))}
+    gathered = cp.block_params(p.replace(cp_comm_type="all_gather"))
+    assert {b.attn_mask_type for b in gathered} <= {"causal", "causal_bottom_right"}
+    assert max(b.max_seqlen_kv for b in gathered) == 2048 + 511  # only the keys the window sees
+    heads = cp.block_params(p.replace(cp_comm_type="a2a+p2p", cp_size=8, cp_a2a_size=4))
+    assert {b.num_heads for b in heads} == {2}  # the a2a group size is a parameter, not assumed 2
+    with pytest.raises(ValueError, match="cp_a2a_size=3 must divide cp_size=8"):
+        p.replace(cp_comm_type="a2a+p2p", cp_size=8, cp_a2a_size=3)
+
+
+def test_bands_match_a_brute_force_mask():
+    from attn_dispatch.context_parallel.bands import band
+
+    for n_q, n_k, delta, left, right in [(4, 4, d, l, r) for d in range(-9, 10) for l in (-1, 0, 2, 5)
+                                         for r in (-1, 0, 3)] + [(3, 7, 2, 4, -1), (6, 2, -5, 3, 1)]:
+        want = {(i, j) for i in range(n_q) for j in range(n_k)
+                if (left < 0 or delta + j - i >= -left) and (right < 0 or delta + j - i <= right)}
+        b = band(n_q, n_k, delta, left, right)
+        got = set()
+        if b is not None:
+            off = 0 if b.mask == "causal" else b.k_len - b.q_len
+            lo, hi = b.window
+            got = {(i + b.q_start, j + b.k_start) for i in range(b.q_len) for j in range(b.k_len)
+                   if (lo < 0 or j >= i + off - lo) and (hi < 0 or j <= i + off + hi)}
+        assert got == want, (n_q, n_k, delta, left, right, b)
+
+
+def test_windowed_cp_selection_composes_per_block_calls():
+    """selection evaluates each engine's table on the declared per-block calls; no table calls selection."""
+    from attn_dispatch import AttentionParams, Platform, explain
+
+    p = AttentionParams(dtype="bf16", num_heads=8, max_seqlen_q=4096, attn_mask_type="causal", cp_size=2,
+                        cp_comm_type="all_gather", window_size=(511, 0))
+    d = explain(p, Platform.parse("h100-cudnn9"))
+    assert d.chosen is not None
+    torch_cudnn = next(v for v in d.verdicts if v.id == "cudnn_fused:torch")
+    assert not torch_cudnn.eligible  # torch's cuDNN op takes no window: its own table says so, for the blocks
+    thd = p.replace(qkv_format="thd", attn_mask_type="padding_causal", cp_comm_type="p2p")
+    assert all(v.has(f"{v.backend}.cp_support") for v in explain(thd, Platform.parse("h100-cudnn9")).verdicts)
+
+
+def test_per_block_engine_goes_through_selection(monkeypatch):
+    """SelectedPerBlock asks selection.select (default policy, the module's forced backend) for each block's own
+    params, once per block signature, and runs the engine it names."""
+    from attn_dispatch import selection
+
+    asked = []
+    real = selection.select
+
+    def spy(params, *a, **kw):
+        asked.append((params, kw.get("force")))
+        return real(params, *a, **kw)
+    monkeypatch.setattr(selection, "select", spy)
+    per_block = cp.SelectedPerBlock(force="unfused", is_training=True)
+    q, k, v = (torch.randn(2, 12, 4, 8, dtype=torch.float64) for _ in range(3))
+    cfg = AttnConfig(qkv_format="bshd", attn_mask_type="causal_bottom_right", window_size=(3, 0), softmax_scale=0.3)
+    aux = AttnAux(max_seqlen_q=8, max_seqlen_kv=12)
+    for _ in range(2):
+        res = per_block.forward(q[:, :8], k, v, aux, cfg)
+    ((params, force),) = asked  # cached after the first call
+    assert force == "unfused" and params.max_seqlen_q == 8 and params.max_seqlen_kv == 12
+    assert params.attn_mask_type == "causal_bottom_right" and params.window_size == (3, 0)
+    assert list(per_block.choices.values()) == ["unfused:pytorch"]
+    direct = get_engine("unfused:pytorch").forward(q[:, :8], k, v, aux, cfg)
+    assert torch.equal(res.out, direct.out)
+    g = per_block.backward(torch.ones_like(res.out), q[:, :8], k, v, res.out, res.lse, res.state, aux, cfg)
+    assert g.dq.shape == (2, 8, 4, 8) and torch.isfinite(g.dk).all()

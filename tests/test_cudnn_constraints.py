@@ -270,7 +270,10 @@ def test_context_parallel_fp8_kv_cache_max_logit():
     for comm in ("p2p", "all_gather", "a2a"):
         assert not codes(FRONTEND, params(cp_size=2, cp_comm_type=comm), h100)
     assert not codes(FRONTEND, params(cp_size=4, cp_comm_type="a2a+p2p"), h100)
-    assert "cudnn_fused.cp_support" in codes(FRONTEND, params(cp_size=2, window_size=(64, 64)), h100)
+    # sliding windows under CP: not with thd under p2p (our rule, as Transformer Engine's); bshd windows are ours
+    thd_window = params(cp_size=2, qkv_format="thd", attn_mask_type="padding", window_size=(64, 64))
+    assert "cudnn_fused.cp_support" in codes(FRONTEND, thd_window, h100)
+    assert "cudnn_fused.cp_support" not in codes(FRONTEND, params(cp_size=2, window_size=(64, 64)), h100)
     assert "cudnn_fused.fp8" in codes(FRONTEND, params(fp8=True), h100)
     assert "cudnn_fused.dtype" in codes(FRONTEND, params(dtype="float32"), h100)
     assert "cudnn_fused.kv_cache" in codes(FRONTEND, params(inference_kv_cache=True, is_training=False), h100)

@@ -47,6 +47,7 @@ def add_call_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8", action="store_true")
     g.add_argument("--cp-size", type=int, default=1)
     g.add_argument("--cp-comm", default="p2p", choices=CP_COMM_TYPES)
+    g.add_argument("--cp-a2a-size", type=int, default=None, help="a2a+p2p: ranks in the a2a group (default 2)")
     g.add_argument("--device", default=None, choices=("cuda", "cpu"),
                    help="where the tensors live (default: the platform's device)")
 
@@ -62,5 +63,6 @@ def params_from(args: argparse.Namespace, platform: Platform) -> AttentionParams
         window_size=args.window, bias_type=args.bias, bias_shape=bias_shape, dropout=args.dropout,
         softmax_type=args.softmax_type, is_training=not args.inference, deterministic=args.deterministic,
         fp8=args.fp8, cp_size=args.cp_size, cp_comm_type=args.cp_comm,
+        cp_a2a_size=args.cp_a2a_size,
         device_type=args.device or platform.device_type,
     )

@@ -40,7 +40,25 @@ def render_markdown() -> str:
         lines += ["", f"## `{t.id}`", "", t.description, "", "| code | topic | requires | source |", "|---|---|---|---|"]
         for c in t.checks:
             lines.append(f"| `{c.code}` | {c.topic} | {_cell(c.requires)} | {_cell(c.source)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _context_parallel_lines()) + "\n"
+
+
+def _context_parallel_lines() -> list[str]:
+    """attn-dispatch's context parallelism per comm type (the data every table's cp_support check reads)."""
+    from ..constraints.context_parallel import SOURCE, SUPPORT, WINDOW_SOURCE
+
+    lines = ["", "## Context parallelism (every engine, through `<family>.cp_support` and the per-block calls)", "",
+             "| comm type | formats | masks | sliding window | heads | cross-attention | notes |",
+             "|---|---|---|---|---|---|---|"]
+    for s in SUPPORT.values():
+        masks = "; ".join(f"{fmt}: {', '.join(m)}" for fmt, m in s.masks.items())
+        heads = "divisible by the a2a group" if s.heads_divisible_by_group else "any"
+        windows = ", ".join(s.window_formats) or "no"
+        lines.append(f"| `{s.comm_type}` | {', '.join(s.formats)} | {_cell(masks)} | {windows} | {heads} | "
+                     f"{_cell(s.cross_attention)} | {_cell(s.notes)} |")
+    lines += ["", f"Source: {_cell(SOURCE)}. Sliding windows: {_cell(WINDOW_SOURCE)}.",
+              "Each block's engine is chosen by selection on the block's own parameters (the default policy)."]
+    return lines
 
 
 def render_text() -> str:

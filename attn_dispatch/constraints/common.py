@@ -209,28 +209,19 @@ def head_dim_limit(table: Table, *, max_qk: int, max_v: int | None = None, multi
 
 
 def context_parallel(table: Table) -> Check:
-    """Under cp_size > 1: our context-parallel code supports the call, and this engine can run every per-block
-    call that code will make (plain calls: cp_size 1, vanilla softmax). Added to every table by the registry."""
+    """Under cp_size > 1: attn-dispatch's context parallelism supports the call's features under its comm type.
+    Added to every table by the registry. Whether the engine can run the per-block calls is selection's part
+    (it evaluates this same table on constraints.context_parallel.block_params and composes)."""
+    from .context_parallel import params_failures
+
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         if p.cp_size <= 1:
             return None
-        from ..context_parallel.support import engine_block_params, params_failures
-
         ours = params_failures(p)
         if ours:
             return fail("; ".join(message for _, message, _ in ours), next((f for _, _, f in ours if f), None))
-        # Reasons the call itself already fails on (platform, package, a seqlen rule...) are in its own verdict:
-        # report only what the per-block calls add.
-        own = f"{table.family}.cp_support"
-        already = {c.code for c in table.checks if c.code != own and c.fn(p, plat, env) is not None}
-        for block in engine_block_params(p):
-            reasons = [r for r in table.failures(block, plat, env) if r.code not in already]
-            if reasons:
-                return fail(f"under cp_comm_type={p.cp_comm_type!r}, {table.id} would run per-block calls "
-                            f"(sq={block.max_seqlen_q}, skv={block.max_seqlen_kv}, {block.attn_mask_type}, "
-                            f"h={block.num_heads}) that it cannot: " + "; ".join(r.message for r in reasons[:3]),
-                            reasons[0].fix)
         return None
-    return Check(f"{table.family}.cp_support", "context parallelism: a mode attn-dispatch implements for the call, "
-                 "and every per-block call eligible", "context_parallel",
-                 "attn_dispatch.context_parallel.support (params_failures, engine_block_params)", fn)
+    return Check(f"{table.family}.cp_support", "context parallelism: a comm type attn-dispatch implements for the "
+                 "call's features (formats, masks, sliding windows, heads)", "context_parallel",
+                 "attn_dispatch.constraints.context_parallel (SUPPORT, params_failures); windows: " +
+                 "Transformer Engine context_parallel.py attn_forward_func_with_cp (a2a, all_gather)", fn)

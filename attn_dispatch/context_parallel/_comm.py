@@ -95,27 +95,31 @@ def agree(info: GroupInfo, signature: list[int], describe, local_error: str | No
 
 
 class Ring:
-    """Batched isend/irecv to the next rank / from the previous one. On GPUs the batch is issued from
-    cp_stream (when given) after it waits for the compute stream, so the transfer overlaps the next
-    compute; NCCL runs it on its own stream either way. On CPU, gloo runs it on its own threads."""
+    """Batched isend/irecv to the next rank / from the previous one (or to given peers). On GPUs the batch is
+    issued from a communication stream (cp_stream, else one side stream per device) after it waits for the
+    compute stream, so the transfer overlaps the next compute; NCCL runs it on its own stream either way. On CPU,
+    gloo runs it on its own threads."""
 
     def __init__(self, info: GroupInfo, stream=None):
         self.info = info
         self.stream = stream
 
-    def start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+    def start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+              send_to: int | None = None, recv_from: int | None = None) -> list:
         if not sends and not recvs:
             return []
         for t, tag in sends + recvs:
             if not t.is_contiguous():  # NCCL would reject it; gloo would send the wrong bytes
                 raise RuntimeError(f"internal error: ring buffer (tag {tag}) of shape {tuple(t.shape)} is not "
                                    "contiguous")
-        ops = [dist.P2POp(dist.isend, t, self.info.next_global, self.info.group, tag) for t, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.info.prev_global, self.info.group, tag) for t, tag in recvs]
-        use_stream = self.stream is not None and any(t.is_cuda for t, _ in sends + recvs)
-        if use_stream:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+        dst = self.info.next_global if send_to is None else send_to
+        src = self.info.prev_global if recv_from is None else recv_from
+        ops = [dist.P2POp(dist.isend, t, dst, self.info.group, tag) for t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, src, self.info.group, tag) for t, tag in recvs]
+        if any(t.is_cuda for t, _ in sends + recvs):
+            stream = self.stream or side_stream(sends[0][0].device if sends else recvs[0][0].device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 return dist.batch_isend_irecv(ops)
         return dist.batch_isend_irecv(ops)
 
@@ -123,6 +127,17 @@ class Ring:
     def wait(works: list) -> None:
         for w in works:
             w.wait()
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device):
+    """One communication stream per CUDA device, shared by every ring of this process."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
 
 
 def all_gather_seq(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:

@@ -19,7 +19,10 @@ from .all_gather import AllGatherAttention
 from .merge import sink_logits
 from .p2p import P2PAttention, RingPlan
 from .sharding import RankOrder, local_cu_seqlens
-from .support import COMM_TYPES, unsupported_features
+from .engines import SelectedPerBlock
+from .support import COMM_TYPES, is_windowed, unsupported_features
+from .window_gather import WindowAllGatherAttention
+from .window_ring import WindowP2PAttention, WindowRingPlan
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FORMATS = ("bshd", "sbhd", "thd")
@@ -27,9 +30,14 @@ _SOFTMAX = ("vanilla", "off-by-one", "learnable")
 _MASKS = ("no_mask", "causal", "padding", "padding_causal")
 
 
-def attention(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
-              cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p") -> torch.Tensor:
+def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+              cfg: AttnConfig, *, cp_group, cp_global_ranks=None, cp_stream=None,
+              cp_comm_type: str = "p2p") -> torch.Tensor:
     """This rank's attention output (cfg.qkv_format, heads not flattened) for its shard of the sequence.
+
+    engine: the Engine every per-block call runs on, or None: each block's engine is then chosen by
+    selection.select on that block's own AttentionParams (SelectedPerBlock), as a single-GPU call would be.
+    A sliding window (cfg.window_size) needs the load-balanced layout, like a causal mask.
 
     q, k, v: local shards, in the load-balanced layout when the mask is causal (see sharding.shard). For thd,
     aux.cu_seqlens_q/kv describe the WHOLE sequences (Transformer Engine's convention); each rank holds
@@ -37,6 +45,9 @@ def attention(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gradient on each rank covers that rank's rows (or heads, for a2a): summing over the cp group gives the
     full gradient, as for any weight whose gradients the data-parallel reduction sums.
     """
+    if engine is None:
+        engine = SelectedPerBlock(is_training=torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)))
     try:
         infos = _groups(cp_group, cp_global_ranks, cp_comm_type)
     except ValueError as exc:  # still tell the ranks of any usable group, which would otherwise wait
@@ -59,7 +70,7 @@ def attention(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   aux.softmax_offset if learnable else None)
 
 
-SIGNATURE_LEN = 19  # _signature's length, the same for every format
+SIGNATURE_LEN = 21  # _signature's length, the same for every format
 
 
 def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_comm_type: str = "p2p",
@@ -170,6 +181,7 @@ def _check_local(engine, q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str, info
     if h % hkv:
         raise ValueError(f"num_heads={h} is not divisible by num_gqa_groups={hkv}")
     causal = "causal" in cfg.attn_mask_type
+    windowed = is_windowed(cfg.attn_mask_type, cfg.window_size)
     if comm in ("a2a", "a2a+p2p"):
         size = infos[0].size
         if h % size or hkv % size:
@@ -183,8 +195,12 @@ def _check_local(engine, q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str, info
     if causal and sq != skv:
         raise ValueError(f"attn_mask_type={cfg.attn_mask_type!r} under context parallelism needs self-attention: "
                          f"local q has {sq} tokens, local k has {skv}")
-    if causal and sq % 2:
-        raise ValueError(f"local sequence length {sq} is odd; with a causal mask each rank holds two equal chunks "
+    if windowed and sq != skv:
+        raise ValueError(f"window_size={tuple(cfg.window_size)} under context parallelism needs self-attention: "
+                         f"local q has {sq} tokens, local k has {skv}")
+    if (causal or windowed) and sq % 2:
+        raise ValueError(f"local sequence length {sq} is odd; with a causal mask or a window each rank holds two "
+                         "equal chunks "
                          f"(the sequence cut in 2*cp_size chunks): pad the sequence to a multiple of "
                          f"{2 * _cp_size(infos)}")
     if comm in ("a2a", "a2a+p2p") and sq != skv:
@@ -231,7 +247,7 @@ def _signature(q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str) -> list[int]:
     code = lambda value, options: options.index(value) if value in options else -1  # noqa: E731
     scale_bits = int.from_bytes(struct.pack("<d", float(cfg.softmax_scale)), "little", signed=True)
     sig = [code(fmt, _FORMATS), code(comm, COMM_TYPES), code(cfg.attn_mask_type, _MASKS),
-           code(cfg.softmax_type, _SOFTMAX), _DTYPE_CODES.get(q.dtype, -1), scale_bits]
+           code(cfg.softmax_type, _SOFTMAX), _DTYPE_CODES.get(q.dtype, -1), scale_bits, *map(int, cfg.window_size)]
     sig += [*q.shape, *k.shape, v.shape[-1]] + [0] * (4 - q.dim()) * 2
     if fmt == "thd" and aux.cu_seqlens_q is not None and aux.cu_seqlens_kv is not None:
         cu_q, cu_kv = aux.cu_seqlens_q.tolist(), aux.cu_seqlens_kv.tolist()
@@ -246,12 +262,12 @@ def _describe(sig: list[int]) -> str:
     names = lambda options, i: options[i] if 0 <= i < len(options) else "?"  # noqa: E731
     fmt = names(_FORMATS, sig[0])
     n = NDIM.get(fmt, 4)
-    q_shape, k_shape = sig[6:6 + n], sig[6 + n:6 + 2 * n]
+    q_shape, k_shape = sig[8:8 + n], sig[8 + n:8 + 2 * n]
     scale = struct.unpack("<d", int(sig[5]).to_bytes(8, "little", signed=True))[0]
     sd = SEQ_DIM.get(fmt, 1)
     text = (f"{fmt} q{tuple(q_shape)} k{tuple(k_shape)} (local sq={q_shape[sd]}, skv={k_shape[sd]}) "
             f"{names(COMM_TYPES, sig[1])} {names(_MASKS, sig[2])} {names(_SOFTMAX, sig[3])} "
-            f"{names([str(d) for d in _DTYPES], sig[4])} softmax_scale={scale:.6g}")
+            f"{names([str(d) for d in _DTYPES], sig[4])} softmax_scale={scale:.6g} window_size=({sig[6]}, {sig[7]})")
     if fmt == "thd":
         text += f" cu_seqlens: {sig[-4] - 1} seqs, checksum {sig[-3]}"
     return text
@@ -263,13 +279,19 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
     if fmt == "thd":  # the engine sees thd as padding masks, one sequence at a time
         cfg = dataclasses.replace(cfg, attn_mask_type="padding_causal" if causal else "padding")
     sd = SEQ_DIM[fmt]
+    windowed = is_windowed(cfg.attn_mask_type, cfg.window_size)
+    if windowed and comm == "p2p":
+        return WindowP2PAttention(engine, WindowRingPlan(cfg, aux, fmt, q.shape[sd], infos[0]), infos[0], stream)
+    if windowed and comm == "all_gather":
+        return WindowAllGatherAttention(engine, cfg, aux, fmt, infos[0], q.shape[sd])
     if comm == "p2p":
         return P2PAttention(engine, _ring_plan(cfg, aux, fmt, causal, q.shape[sd], k.shape[sd], 1, infos[0].size),
                             infos[0], stream)
     if comm == "all_gather":
         return AllGatherAttention(engine, cfg, aux, fmt, infos[0], causal, q.shape[sd], k.shape[sd], q.device)
     a2a = infos[0]
-    order = _rank_order(fmt, a2a.size, aux, causal, q.device, outer=infos[1].size if comm == "a2a+p2p" else 1)
+    order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device,
+                        outer=infos[1].size if comm == "a2a+p2p" else 1)
     split = HeadSplit(fmt, a2a, order)
     if comm == "a2a":
         whole = dataclasses.replace(aux, max_seqlen_q=q.shape[sd] * a2a.size, max_seqlen_kv=k.shape[sd] * a2a.size,
@@ -278,17 +300,20 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
             whole = _thd_aux(aux, divisor=1)
         return A2AAttention(engine, cfg, whole, split)
     p2p = infos[1]
+    if windowed:
+        plan = WindowRingPlan(cfg, aux, fmt, q.shape[sd] * a2a.size, p2p)
+        return A2AP2PAttention(split, WindowP2PAttention(engine, plan, p2p, stream))
     plan = _ring_plan(cfg, aux, fmt, causal, q.shape[sd] * a2a.size, k.shape[sd] * a2a.size, a2a.size, p2p.size)
     return A2AP2PAttention(split, P2PAttention(engine, plan, p2p, stream))
 
 
-def _rank_order(fmt, size, aux: AttnAux, causal: bool, device, outer: int) -> RankOrder | None:
-    """The all-to-all delivers the group's shards in rank order; bshd/sbhd with no mask can stay that way,
-    causal masks and thd (sequences must be contiguous for cu_seqlens) need natural order."""
+def _rank_order(fmt, size, aux: AttnAux, positional: bool, device, outer: int) -> RankOrder | None:
+    """The all-to-all delivers the group's shards in rank order; bshd/sbhd with no mask and no window can stay
+    that way, causal masks, windows and thd (sequences must be contiguous for cu_seqlens) need natural order."""
     if fmt == "thd":
         cu = aux.cu_seqlens_q.tolist()
         return RankOrder(fmt, size, device, [(b - a) // outer for a, b in zip(cu, cu[1:])])
-    return RankOrder(fmt, size, device) if causal else None
+    return RankOrder(fmt, size, device) if positional else None
 
 
 def _thd_aux(aux: AttnAux, divisor: int) -> AttnAux:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import inputs, selection
-from ..backends import get_engine
+from .. import inputs
 from .api import attention, fail_collectively
+from .engines import SelectedPerBlock
 from .sharding import cp_size_of, local_cu_seqlens
 
 
@@ -65,7 +65,8 @@ def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqle
                                local["max_seqlen_kv"], pad_between_seqs)
     params = inputs.build_params(module._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
                                  core_attention_bias, alibi_slopes, attention_mask, module.training)
-    params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type)
+    a2a_size = dist.get_world_size(module.cp_group[0]) if module.cp_comm_type == "a2a+p2p" else None
+    params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type, cp_a2a_size=a2a_size)
     plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
     plan = plans.get(params)
     if plan is None:
@@ -81,9 +82,11 @@ def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqle
 
 
 def _plan(spec, params, cp_group) -> inputs.Plan:
-    """The same selection as any call: every table carries the context-parallel rules (its '<family>.cp_support'
-    check asks support.params_failures and whether the engine runs every per-block call of this comm type)."""
-    return inputs.make_plan(spec, params)
+    """Selection on the CP call explains it (every table's '<family>.cp_support' check, and selection's
+    composition over the per-block calls); each block then runs on the engine selection picks for that block's
+    own params (SelectedPerBlock), with the module's forced backend if any."""
+    plan = inputs.make_plan(spec, params)
+    return dataclasses.replace(plan, engine=SelectedPerBlock(force=spec.backend, is_training=params.is_training))
 
 
 def _local_cu(name: str, cu, cp_size: int):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..backends.base import AttnAux, AttnConfig, Engine
-from ._comm import TAG_DK, TAG_DV, TAG_K, TAG_V, GroupInfo, Ring
+from ._comm import TAG_DK, TAG_K, GroupInfo, Ring
 from ._layout import LSE_SEQ_DIM, SEQ_DIM, Halves
 from .merge import BlockState, acc_dtype, add_sink, merge_, sink_grad
 
@@ -67,9 +67,28 @@ def _thd_aux(cu_q, cu_kv, max_q: int, max_kv: int, aux: AttnAux) -> AttnAux:
                    max_seqlen_q=max_q, max_seqlen_kv=max_kv, extra=aux.extra)
 
 
-def _new_kv_buffers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+class Pair:
+    """K and V (or dK and dV) travelling together: one contiguous [2, ...] buffer, so one transfer per hop,
+    when their shapes agree; else two buffers."""
+
+    def __init__(self, buffers: tuple[torch.Tensor, ...]):
+        self.buffers = buffers
+        self.parts = (buffers[0][0], buffers[0][1]) if len(buffers) == 1 else buffers
+        self.lead = 1 if len(buffers) == 1 else 0  # dims before a part's own
+
+    @classmethod
+    def of(cls, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> "Pair":
+        dtype = dtype or a.dtype
+        if a.shape == b.shape:
+            return cls((torch.stack([a.to(dtype), b.to(dtype)]),))
+        return cls((a.to(dtype, memory_format=torch.contiguous_format, copy=True),
+                    b.to(dtype, memory_format=torch.contiguous_format, copy=True)))
+
+    def empty_like(self) -> "Pair":
+        return Pair(tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.buffers))
+
+    def tagged(self, tag: int) -> list[tuple[torch.Tensor, int]]:
+        return [(t, tag + i) for i, t in enumerate(self.buffers)]
 
 
 def _acc_copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,13 +103,14 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q_second = halves.take(q, 1).contiguous() if halves else None
     out_acc = lse_acc = None
     states: list[Any] = []
-    k_cur, v_cur = k.contiguous(), v.contiguous()  # they travel: NCCL sends contiguous memory only
+    kv = Pair.of(k, v)  # it travels: NCCL sends contiguous memory only
     for step in range(info.size):
         src = (info.rank - step) % info.size
+        k_cur, v_cur = kv.parts
         pending, nxt = [], None
         if step + 1 < info.size:  # issue the next step's transfer before this step's compute
-            nxt = _new_kv_buffers(k_cur, v_cur)
-            pending = ring.start([(k_cur, TAG_K), (v_cur, TAG_V)], [(nxt[0], TAG_K), (nxt[1], TAG_V)])
+            nxt = kv.empty_like()
+            pending = ring.start(kv.tagged(TAG_K), nxt.tagged(TAG_K))
         kind = plan.kind(step, src, info.rank)
         qb, kb, vb = q, k_cur, v_cur
         if kind == KV_FIRST:
@@ -108,7 +128,7 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             merge_(out_acc, lse_acc, res.out, res.lse, fmt)
         Ring.wait(pending)
         if nxt is not None:
-            k_cur, v_cur = nxt
+            kv = nxt
     if sink is not None:
         out_acc, lse_acc = add_sink(out_acc, lse_acc, sink, fmt)
     return out_acc.to(q.dtype), lse_acc, states
@@ -133,19 +153,20 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
         second = tuple(halves.take(t, 1).contiguous() for t in (q, dout, out))
         lse_second = halves.take(lse, 1, lse=True).contiguous()
     dq = torch.zeros_like(q, dtype=acc_dtype(q))
-    k_cur, v_cur = k.contiguous(), v.contiguous()
-    dk_acc = dv_acc = None  # float32 gradient of the kv block held at the previous step, all ranks so far
+    kv = Pair.of(k, v)
+    dkv = None  # float32 gradient of the kv block held at the previous step, all ranks so far
     for step in range(info.size):
         src = (info.rank - step) % info.size
+        k_cur, v_cur = kv.parts
         sends, recvs, nxt, incoming = [], [], None, None
         if step + 1 < info.size:
-            nxt = _new_kv_buffers(k_cur, v_cur)
-            sends += [(k_cur, TAG_K), (v_cur, TAG_V)]
-            recvs += [(nxt[0], TAG_K), (nxt[1], TAG_V)]
+            nxt = kv.empty_like()
+            sends += kv.tagged(TAG_K)
+            recvs += nxt.tagged(TAG_K)
         if step > 0:  # pass on the accumulator of the block we held last step; receive the one for this block
-            incoming = _new_kv_buffers(dk_acc, dv_acc)
-            sends += [(dk_acc, TAG_DK), (dv_acc, TAG_DV)]
-            recvs += [(incoming[0], TAG_DK), (incoming[1], TAG_DV)]
+            incoming = dkv.empty_like()
+            sends += dkv.tagged(TAG_DK)
+            recvs += incoming.tagged(TAG_DK)
         pending = ring.start(sends, recvs)
         kind = plan.kind(step, src, info.rank)
         if kind == Q_SECOND:
@@ -161,9 +182,10 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
             dq.add_(g.dq)
         Ring.wait(pending)
         if incoming is None:
-            dk_acc, dv_acc = _acc_copy(g.dk, acc_dtype(q)), _acc_copy(g.dv, acc_dtype(q))
+            dkv = Pair.of(g.dk, g.dv, acc_dtype(q))
         else:
-            dk_acc, dv_acc = incoming
+            dkv = incoming
+            dk_acc, dv_acc = dkv.parts
             if kind == KV_FIRST:
                 halves.add_into(dk_acc, g.dk, 0)
                 halves.add_into(dv_acc, g.dv, 0)
@@ -171,10 +193,13 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
                 dk_acc.add_(g.dk)
                 dv_acc.add_(g.dv)
         if nxt is not None:
-            k_cur, v_cur = nxt
-    # the accumulator we hold now belongs to the next rank; ours arrives from the previous one
-    dk, dv = _new_kv_buffers(dk_acc, dv_acc)
-    Ring.wait(ring.start([(dk_acc, TAG_DK), (dv_acc, TAG_DV)], [(dk, TAG_DK), (dv, TAG_DV)]))
+            kv = nxt
+    # the accumulator we hold now belongs to the next rank; ours arrives from the previous one. It is complete:
+    # cast to the gradient's dtype before the hop (the same rounding as after it, half the bytes of float32)
+    done = Pair.of(*dkv.parts, k.dtype)
+    mine = done.empty_like()
+    Ring.wait(ring.start(done.tagged(TAG_DK), mine.tagged(TAG_DK)))
+    dk, dv = mine.parts
     dsink = sink_grad(dout, out, lse, sink, fmt) if sink is not None else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
