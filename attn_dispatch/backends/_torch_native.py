@@ -17,6 +17,12 @@ import torch
 from .base import AttnAux, AttnConfig
 
 _NO_WINDOW = ((-1, -1), (-1, 0))
+# torch's generated bindings of the ops (the same schema as torch.ops.aten.*): their argument parsing costs ~7 us
+# less per call than going through torch.ops, which matters where a small call is host-bound.
+_FLASH = getattr(torch, "_scaled_dot_product_flash_attention", None) or \
+    torch.ops.aten._scaled_dot_product_flash_attention
+_CUDNN = getattr(torch, "_scaled_dot_product_cudnn_attention", None) or \
+    getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 
 
 def static_ok(cfg: AttnConfig, *, allow_bottom_right: bool) -> bool:
@@ -52,7 +58,7 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
         return None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or aux.dropout_generator is not None:
         return None
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
+    res = _FLASH(
         _bhsd(q, fmt), _bhsd(k, fmt), _bhsd(v, fmt), float(cfg.dropout_p), causal, False, scale=cfg.softmax_scale)
     return _from_bhsd(res[0], fmt, flatten_heads), res[1], None
 
@@ -68,7 +74,7 @@ def cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
     if (causal and q.shape[seq] != k.shape[seq]) or aux.dropout_generator is not None:
         return None
     need_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+    res = _CUDNN(
         _bhsd(q, fmt), _bhsd(k, fmt), _bhsd(v, fmt), None, need_lse, float(cfg.dropout_p), causal, False,
         scale=cfg.softmax_scale)
     lse = res[1]
