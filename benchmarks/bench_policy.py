@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from attn_dispatch import Platform, explain
+from attn_dispatch import Platform, explain, selection
 from attn_dispatch.benchmarking import hotpath
 from attn_dispatch.benchmarking.bench import EVAL_SETTINGS, BenchConfig, render_table, report, run_bench
 from attn_dispatch.benchmarking.grid import default_grid, quick_grid
-from attn_dispatch.policy.measured import TUNING_SETTINGS, MeasuredPolicy, install
+from attn_dispatch.policy.measured import TUNING_SETTINGS, MeasuredPolicy
 from attn_dispatch.policy.timing import TimerSettings
 
 QUICK = TimerSettings(warmup=1, reps=2, max_reps=2, target_ms=0.0)
@@ -100,8 +100,8 @@ def hotpath_section(run: Run, device: torch.device, dtype: torch.dtype, args: ar
     hot["inference"] = hotpath.overhead(device, dtype, **kw)
     hot["training"] = hotpath.overhead(device, dtype, grad=True, **kw)
     previous = os.environ.get("ATTN_DISPATCH_POLICY")
-    install(MeasuredPolicy(directory=tempfile.mkdtemp(prefix="attn-dispatch-hot-"), settings=QUICK if args.quick
-                           else TUNING_SETTINGS))
+    selection.set_policy("measured", MeasuredPolicy(directory=tempfile.mkdtemp(prefix="attn-dispatch-hot-"),
+                                                    settings=QUICK if args.quick else TUNING_SETTINGS))
     os.environ["ATTN_DISPATCH_POLICY"] = "measured"
     try:
         hot["measured_policy_inference"] = hotpath.overhead(device, dtype, **kw)
