@@ -5,11 +5,11 @@ forced (benchmarks/bench_user_step.py: the module called as a user calls it, for
 into the leaves' .grad; interleaved on the same inputs), on a named machine and software stack.
 
 The cost model: a step costs its host time or its GPU time, whichever dominates (the GPU runs behind the host),
-combined smoothly as t = (H^4 + G^4)^(1/4).
+combined smoothly as t = (H^8 + G^8)^(1/8).
 - H, the host floor of a provider in training or in inference, is the least it was ever measured to cost: the
   tiniest calls are host-bound (flash-attn-4's Python launch costs ~0.2 ms a forward on the H100's host).
 - G = work / rate: the work is the call's matmul flops (policy.timing.attention_flops), and the rate is
-  interpolated in log space from the K nearest measured calls of the same kind (training or inference, causal,
+  taken from the nearest measured call (K = 1; K > 1 averages log rates) of the same kind (training or inference, causal,
   windowed or neither, packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims,
   query and key lengths, the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another
   memory format. The GPU part of a measured time is what remains of it above the host floor.
@@ -29,11 +29,11 @@ from ..platform import Platform
 from .timing import attention_flops, mode_of
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
-K_NEIGHBOURS = 3
+K_NEIGHBOURS = 1
 # Distance per log2 unit (a doubling) of each size; and for a different memory format.
-WEIGHTS = {"d_qk": 4.0, "d_v": 2.0, "sq": 0.5, "skv": 0.25, "span": 0.5, "bh": 0.5, "gqa": 2.0}
+WEIGHTS = {"d_qk": 4.0, "d_v": 2.0, "sq": 0.5, "skv": 0.25, "span": 1.0, "bh": 1.0, "gqa": 2.0}
 FORMAT_MISMATCH = 1.5
-COMBINE = 4.0  # t = (H^p + G^p)^(1/p)
+COMBINE = 8.0  # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
 
 
 def features(p: AttentionParams) -> tuple[tuple, dict[str, float], str]:

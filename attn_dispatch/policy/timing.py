@@ -12,6 +12,7 @@ forward/backward pair under no_grad, the context autograd runs them in.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -232,11 +233,20 @@ def _call_each(fns: dict[str, Callable[[], None]], names: list[str], errors: dic
 
 
 def _rotated(names: list[str], r: int) -> list[str]:
-    """Round r's calling order: each name takes each position equally often."""
+    """Round r's calling order: a rotation picks who goes first (each name equally often, so none always runs
+    after a pause), and the rest follow in an order that varies (reversed on odd rounds, shuffled every third)
+    so that each name follows different names. With a fixed cyclic order a name always follows the same one,
+    and on the GPU what runs just before a call (a deep queue that hides its host time, the clock a heavy
+    kernel leaves) biased close comparisons by several percent."""
     if not names:
         return []
-    r %= len(names)
-    return names[r:] + names[:r]
+    first = r % len(names)
+    rest = names[first + 1:] + names[:first]
+    if r % 2:
+        rest.reverse()
+    if r % 3 == 2:
+        random.Random(r).shuffle(rest)
+    return [names[first]] + rest
 
 
 def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
