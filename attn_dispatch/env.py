@@ -6,8 +6,6 @@ the variable, the value and what is accepted.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -100,59 +98,14 @@ class EnvFlags:
 
 
 _PARSED: dict[tuple, EnvFlags] = {}
-# os.environ.get costs ~2 us per unset variable (it raises and catches KeyError inside); the encoded
-# mapping behind it answers in ~0.1 us.
-_ENVIRON_DATA = getattr(os.environ, "_data", None)
-_ENCODED_NAMES = tuple(os.environ.encodekey(n) for n in ENV_VARS) if _ENVIRON_DATA is not None else ()
-
-
-def _read_process_environ() -> tuple:
-    if _ENVIRON_DATA is None:
-        return tuple(os.environ.get(name) for name in ENV_VARS)
-    return tuple(map(_ENVIRON_DATA.get, _ENCODED_NAMES))
-
-
-# The variables' current values, kept by an audit hook (PEP 578): every change to the process environment
-# through os.environ or os.putenv/os.unsetenv raises the "os.putenv" / "os.unsetenv" audit event, and the hook
-# replaces this tuple when one of ENV_VARS changes. A cached call then checks the environment by identity
-# (~0.05 us) instead of reading ten variables (~1-2 us). The hook updates the tuple before os.environ's own
-# mapping, so readers take their values from the tuple, never from a mix of the two. None: not watched (no
-# audit hooks here, or the hook met something unexpected): read the process environment each time.
-_WATCHED: list = [None]
-_WATCH_LOCK = threading.Lock()
-_WATCHED_INDEX = {name: i for i, name in enumerate(ENV_VARS)}
 
 
 def current_raw() -> tuple:
-    """The raw values of ENV_VARS now (str, or bytes when read from the process environment; None if unset).
-    The same tuple object while nothing changed, when the environment is watched."""
-    watched = _WATCHED[0]
-    return watched if watched is not None else _read_process_environ()
-
-
-def _watch_environment(event: str, args: tuple) -> None:
-    if event != "os.putenv" and event != "os.unsetenv":
-        return
-    try:
-        name = os.fsdecode(args[0])
-        index = _WATCHED_INDEX.get(name)
-        if index is not None:
-            with _WATCH_LOCK:  # two threads setting two variables must not each drop the other's change
-                if _WATCHED[0] is not None:
-                    values = list(_WATCHED[0])
-                    values[index] = os.fsdecode(args[1]) if event == "os.putenv" else None
-                    _WATCHED[0] = tuple(values)
-    except Exception:  # noqa: BLE001 - an audit hook must never raise: fall back to reading the environment
-        _WATCHED[0] = None
-
-
-def _start_watching() -> None:
-    if hasattr(sys, "addaudithook"):
-        _WATCHED[0] = tuple(os.fsdecode(v) if isinstance(v, bytes) else v for v in _read_process_environ())
-        sys.addaudithook(_watch_environment)
-
-
-_start_watching()
+    """The raw values of ENV_VARS now (None where unset), read through os.environ. Like Transformer Engine, the
+    environment is read when a decision is made: a decision (and a module's plan) made earlier stands until
+    `attn_dispatch.clear_cache()`; nothing watches the process environment in between."""
+    environ = os.environ
+    return tuple(environ.get(name) for name in ENV_VARS)
 
 
 def _parse_cached(raw_values: tuple) -> EnvFlags:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .backends import get_engine
+from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
 from .backends.base import AttnAux, AttnConfig, Engine
 from .decision import Decision
 from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
@@ -77,6 +77,12 @@ class Plan:
     decision: Decision
     engine: Engine
     cfg: AttnConfig
+    generation: int = 0  # selection.generation() when made: a later one makes the plan stale
+
+
+# Plans one call signature keeps for thd/padding calls (one per longest-sequence pair seen); beyond it they are
+# dropped and remade, so that a stream of packed batches cannot grow them without bound.
+MAX_DYNAMIC_PLANS = 16
 
 
 @dataclass
@@ -100,7 +106,7 @@ class FastHit:
     aux: AttnAux | None
     max_q: int
     max_kv: int
-    env: tuple  # env.current_raw() when validated: any change to the environment misses
+    deterministic: bool  # torch.are_deterministic_algorithms_enabled() when planned: a change misses
     guard: Callable[..., bool] | None = None  # tensor_guard of the q, k, v that were validated
 
 
@@ -533,11 +539,21 @@ def build_config(spec: ModuleSpec, params: AttentionParams) -> AttnConfig:
 
 
 def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
+    """Select and load the engine. One that fails to load (a flash-attn wheel built for another torch, say) is
+    recorded (backends.LOAD_FAILURES, which its table then reports as the reason), decisions are forgotten, and
+    selection runs again without it; a forced one raises with that reason."""
     from . import selection
 
-    decision = selection.select(params, force=spec.backend)
-    selection.warn_unfused_fallback(decision)
-    return Plan(params, decision, get_engine(decision.chosen), build_config(spec, params))
+    for _ in range(len(ENGINE_CLASSES) + 1):
+        decision = selection.select(params, force=spec.backend)
+        try:
+            engine = get_engine(decision.chosen)
+        except EngineUnavailableError:
+            selection.clear_cache()
+            continue
+        selection.warn_unfused_fallback(decision)
+        return Plan(params, decision, engine, build_config(spec, params), selection.generation())
+    raise RuntimeError(f"no engine could be loaded for {params.describe()}")
 
 
 def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi_slopes: Any,

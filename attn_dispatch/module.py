@@ -10,6 +10,7 @@ What is not built yet (context parallelism, FP8 output, KV-cache inference) rais
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -23,7 +24,8 @@ from .backends._cudnn_graph import CudnnGraphError
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .decision import Decision
-from .env import _WATCHED as _WATCHED_ENV, FAMILIES, EnvFlags, current_raw
+from .env import FAMILIES, EnvFlags
+from .selection import _GENERATION
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
@@ -61,62 +63,145 @@ class DotProductAttention(torch.nn.Module):
         tp_size = inputs._positive_int("tp_size", tp_size)
         if heads % tp_size or groups % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide num_attention_heads={heads} and num_gqa_groups={groups}")
-        if not isinstance(attention_dropout, (int, float)) or not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout={attention_dropout!r} must be a float in [0, 1)")
-        _choice("qkv_format", qkv_format, QKV_FORMATS)
         _choice("attention_type", attention_type, ("self", "cross"))
         _choice("cp_comm_type", cp_comm_type, CP_COMM_TYPES)
         _choice("softmax_type", softmax_type, SOFTMAX_TYPES)
-        if backend is not None and backend.partition(":")[0] not in FAMILIES:
-            raise ValueError(f"backend={backend!r} names no backend; use one of {', '.join(FAMILIES)} "
-                             "(optionally 'family:provider')")
+        self.__dict__["_planned"] = False  # the setters below re-plan only once construction is done
         self.qkv_format = qkv_format
-        self.attn_mask_type = inputs.normalize_mask_type(attn_mask_type)
-        self._window_arg = window_size  # kept as given: each forward's mask type normalises it (causal => right 0)
-        self.window_size = inputs.check_window(window_size, self.attn_mask_type)
+        self.attn_mask_type = attn_mask_type
+        self.window_size = window_size
         self.attention_type = attention_type
         self.num_attention_heads = heads
         self.num_gqa_groups = groups
         self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = dim_qk, dim_v
         self.tp_size, self.tp_group, self.sequence_parallel = tp_size, tp_group, sequence_parallel
         self.layer_number = 1 if layer_number is None else layer_number
-        self.attention_dropout = float(attention_dropout)
         self.softmax_type = softmax_type
-        self.return_max_logit = bool(return_max_logit)
+        self.return_max_logit = return_max_logit
         self.backend = backend
         self.get_rng_state_tracker = get_rng_state_tracker
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         # Transformer Engine draws attention dropout inside the RNG tracker's fork(), except with sequence parallelism.
         self.rng_states_tracker = None
-        self._dropout_ctx: Callable = nullcontext
         if get_rng_state_tracker is not None and not sequence_parallel:
             self.rng_states_tracker = get_rng_state_tracker()
-            if attention_dropout > 0:
-                self._dropout_ctx = self.rng_states_tracker.fork
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(dim_qk)
-        self.softmax_scale = float(softmax_scale)
-        heads_local = heads // tp_size
+        self.attention_dropout = attention_dropout
+        self.softmax_scale = 1.0 / math.sqrt(dim_qk) if softmax_scale is None else softmax_scale
+        self._heads_local, self._groups_local = heads // tp_size, groups // tp_size
         if softmax_type == "learnable":
-            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads_local))
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(self._heads_local))
         elif softmax_type == "off-by-one":
-            self.register_buffer("softmax_offset", torch.zeros(heads_local), persistent=False)
+            self.register_buffer("softmax_offset", torch.zeros(self._heads_local), persistent=False)
         else:
             self.softmax_offset = None
-        env = EnvFlags.from_environ()
-        self._spec = inputs.ModuleSpec(
-            num_heads=heads_local, num_gqa_groups=groups // tp_size, head_dim_qk=dim_qk, head_dim_v=dim_v,
-            softmax_scale=self.softmax_scale, attention_dropout=self.attention_dropout, softmax_type=softmax_type,
-            return_max_logit=self.return_max_logit, attention_type=attention_type,
-            deterministic=not env.allow_nondeterministic or torch.are_deterministic_algorithms_enabled(),
-            cp_comm_type=cp_comm_type, backend=backend)
         self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
         # Calls passing only q, k, v: (shapes, dtypes, devices, training) -> validated plan; the last one used,
         # as (its tensor guard, training, plan): a call matching the guard skips building the key.
         self._fast: dict[tuple, inputs.FastHit] = {}
         self._fast_last: tuple = (None, None, None)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
+        self._generation = _GENERATION[0]
         self.last_decision: Decision | None = None
+        self.__dict__["_planned"] = True
+        self._configure()
+
+    # --- configuration: every public setting forward acts on; assigning one re-plans ----------------------
+    def _configure(self) -> None:
+        """Rebuild the spec plans are made from and drop every plan, so that the next call decides again."""
+        if not self.__dict__.get("_planned"):
+            return
+        self._spec = inputs.ModuleSpec(
+            num_heads=self._heads_local, num_gqa_groups=self._groups_local,
+            head_dim_qk=self.hidden_size_per_attention_head_k, head_dim_v=self.hidden_size_per_attention_head_v,
+            softmax_scale=self._softmax_scale, attention_dropout=self._attention_dropout,
+            softmax_type=self.softmax_type, return_max_logit=self._return_max_logit,
+            attention_type=self.attention_type, deterministic=False, cp_comm_type=self.cp_comm_type,
+            backend=self._backend)
+        self._forget_plans()
+
+    def _spec_now(self) -> inputs.ModuleSpec:
+        """The spec with determinism as the environment and torch report it now (read when a plan is made)."""
+        env = EnvFlags.from_environ()
+        deterministic = not env.allow_nondeterministic or _deterministic_now()
+        return self._spec if deterministic == self._spec.deterministic else \
+            dataclasses.replace(self._spec, deterministic=deterministic)
+
+    @property
+    def qkv_format(self) -> str:
+        return self._qkv_format
+
+    @qkv_format.setter
+    def qkv_format(self, value: str) -> None:
+        _choice("qkv_format", value, QKV_FORMATS)
+        self.__dict__["_qkv_format"] = value
+        self._configure()
+
+    @property
+    def attn_mask_type(self) -> str:
+        return self._attn_mask_type
+
+    @attn_mask_type.setter
+    def attn_mask_type(self, value: str) -> None:
+        mask_type = inputs.normalize_mask_type(value)
+        window = inputs.check_window(self.__dict__.get("_window_arg"), mask_type)
+        self.__dict__.update(_attn_mask_type=mask_type, _window=window)
+        self._configure()
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        return self._window
+
+    @window_size.setter
+    def window_size(self, value: tuple[int, int] | None) -> None:
+        # kept as given: each forward's mask type normalises it (causal => right 0)
+        window = inputs.check_window(value, self._attn_mask_type)
+        self.__dict__.update(_window_arg=value, _window=window)
+        self._configure()
+
+    @property
+    def attention_dropout(self) -> float:
+        return self._attention_dropout
+
+    @attention_dropout.setter
+    def attention_dropout(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"attention_dropout={value!r} must be a float in [0, 1)")
+        tracker = self.__dict__.get("rng_states_tracker")
+        self.__dict__.update(_attention_dropout=float(value),
+                             _dropout_ctx=tracker.fork if tracker is not None and value > 0 else nullcontext)
+        self._configure()
+
+    @property
+    def softmax_scale(self) -> float:
+        return self._softmax_scale
+
+    @softmax_scale.setter
+    def softmax_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"softmax_scale={value!r} must be a positive finite number")
+        self.__dict__["_softmax_scale"] = float(value)
+        self._configure()
+
+    @property
+    def backend(self) -> str | None:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str | None) -> None:
+        if value is not None and (not isinstance(value, str) or value.partition(":")[0] not in FAMILIES):
+            raise ValueError(f"backend={value!r} names no backend; use one of {', '.join(FAMILIES)} "
+                             "(optionally 'family:provider'), or None")
+        self.__dict__["_backend"] = value
+        self._configure()
+
+    @property
+    def return_max_logit(self) -> bool:
+        return self._return_max_logit
+
+    @return_max_logit.setter
+    def return_max_logit(self, value: bool) -> None:
+        self.__dict__["_return_max_logit"] = bool(value)
+        self._configure()
 
     def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: list[int] | None, cp_stream: Any,
                                    cp_comm_type: str = "p2p") -> None:
@@ -133,14 +218,15 @@ class DotProductAttention(torch.nn.Module):
         any module with hooks, goes through it unchanged."""
         if _is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
             return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
-        if not args and not kwargs and self._fast and not (
+        if not args and not kwargs and self._fast and type(query_layer) is torch.Tensor and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
                 or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
             result = self._fast_forward(query_layer, key_layer, value_layer)
             if result is not _MISS:
                 return result
-        return _MODULE_CALL(self, query_layer, key_layer, value_layer, *args, **kwargs)
+        # Looked up per call: torch.fx patches nn.Module.__call__ while tracing, which makes this module a leaf.
+        return torch.nn.Module.__call__(self, query_layer, key_layer, value_layer, *args, **kwargs)
 
     def _fast_forward(self, query_layer, key_layer, value_layer):
         """The cached path for a call passing only q, k, v: _MISS unless this signature was validated before
@@ -157,12 +243,9 @@ class DotProductAttention(torch.nn.Module):
             if hit is None:
                 return _MISS
             self._fast_last = (hit.guard, self.training, hit)
-        env_now = _WATCHED_ENV[0]  # the same tuple while no variable changed (env.current_raw)
-        if hit.env is not env_now:
-            env_now = current_raw()
-            if hit.env != env_now:
-                return _MISS
-            hit.env = env_now  # the same values, in a new tuple
+        plan = hit.plan
+        if plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic:
+            return _MISS  # decisions were cleared, or torch's determinism flag changed: plan again
         plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
@@ -252,7 +335,7 @@ class DotProductAttention(torch.nn.Module):
         if len(self._fast) >= 64:
             self._fast.clear()
         hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
-                             current_raw(), inputs.tensor_guard(q, k, v))
+                             _deterministic_now(), inputs.tensor_guard(q, k, v))
         self._fast[_fast_key(q, k, v, self.training)] = hit
         self._fast_last = (hit.guard, self.training, hit)
 
@@ -260,6 +343,13 @@ class DotProductAttention(torch.nn.Module):
         self._entries.clear()
         self._fast.clear()
         self._fast_last = (None, None, None)
+        self.__dict__.pop("_cp_plans", None)
+
+    def _check_generation(self) -> None:
+        """Plans made before clear_cache() (or an engine load failure, a cuDNN rejection, ...) are stale."""
+        if self._generation != _GENERATION[0]:
+            self._forget_plans()
+            self._generation = _GENERATION[0]
 
     @torch.compiler.disable
     def _dispatch_opaque(self, *args):
@@ -291,7 +381,7 @@ class DotProductAttention(torch.nn.Module):
         seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                    cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
                                    pad_between_seqs)
-        params = inputs.build_params(self._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
+        params = inputs.build_params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
                                      core_attention_bias, alibi_slopes, attention_mask, self.training)
         return params, seq
 
@@ -323,7 +413,8 @@ class DotProductAttention(torch.nn.Module):
                cu_seqlens_q_padded is None, cu_seqlens_kv_padded is None, pad_between_seqs,
                inputs.arg_signature(attention_mask), core_attention_bias_type,
                None if core_attention_bias is None else inputs.arg_signature(core_attention_bias, grad=True),
-               inputs.arg_signature(alibi_slopes), self.training, EnvFlags.from_environ())
+               inputs.arg_signature(alibi_slopes), self.training, _deterministic_now())
+        self._check_generation()
         entry = self._entries.get(key)
         if entry is None:
             fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
@@ -338,10 +429,13 @@ class DotProductAttention(torch.nn.Module):
         seq_key = (seq.max_q, seq.max_kv, seq.pad_between_seqs)
         plan = entry.plans.get(seq_key)
         if plan is None:
-            params = inputs.build_params(self._spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq,
+            spec = self._spec_now()
+            params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq,
                                          core_attention_bias_type, core_attention_bias, alibi_slopes, attention_mask,
                                          self.training)
-            plan = entry.plans[seq_key] = inputs.make_plan(self._spec, params)
+            if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
+                entry.plans.clear()
+            plan = entry.plans[seq_key] = inputs.make_plan(spec, params)
             if len(self._entries) >= 64:
                 self._forget_plans()
             if not entry.dynamic:
@@ -372,6 +466,9 @@ class DotProductAttention(torch.nn.Module):
             else:
                 out, _, max_logit = engine(q, k, v, aux, cfg, flatten_heads=True)
         return out, max_logit
+
+
+_deterministic_now = torch.are_deterministic_algorithms_enabled
 
 
 def _fast_key(q, k, v, training: bool) -> tuple:

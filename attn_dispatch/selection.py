@@ -23,6 +23,10 @@ UNKNOWN_PROVIDER = "selection.unknown_provider"
 
 
 _CACHE: dict[tuple, Decision] = {}
+# Bumped by everything that can make a decision made earlier wrong: clear_cache() (an environment change is
+# taken up there, as Transformer Engine reads the environment when it decides), refresh_detected(), an engine
+# that failed to load, a graph cuDNN refused at run time. Modules compare it with their plans' on every call.
+_GENERATION = [0]
 _CACHE_LIMIT = 4096
 _seen_logged: set[tuple] = set()
 _POLICIES: dict[str, Policy] = {}
@@ -55,9 +59,26 @@ def set_policy(name: str, policy: Policy) -> None:
     clear_cache()
 
 
+def generation() -> int:
+    """The current decision generation (see _GENERATION); a plan made under another one is stale."""
+    return _GENERATION[0]
+
+
 def clear_cache() -> None:
+    """Forget every decision, here and in every module's plans (their generation is stale); the environment and
+    torch's determinism flag are read again at the next decision."""
     _CACHE.clear()
     _seen_logged.clear()
+    _GENERATION[0] += 1
+
+
+def refresh_detected() -> Platform:
+    """Probe the machine again (after installing an engine in a running process, say) and forget decisions."""
+    from .platform import refresh_detected as probe_again
+
+    platform = probe_again()
+    clear_cache()
+    return platform
 
 
 def explain(params: AttentionParams, platform: Platform | None = None, env: EnvFlags | None = None, *,

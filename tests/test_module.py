@@ -223,11 +223,17 @@ def test_backend_forcing():
         DotProductAttention(4, 8, backend="warp_drive")
 
 
-def test_environment_forcing_applies_to_later_calls(monkeypatch):
+def test_environment_is_read_when_deciding_and_clear_cache_reaches_module_plans(monkeypatch):
+    """Transformer Engine's semantics: the environment is read when a decision is made; clear_cache() makes every
+    module decide again (no process-wide watch of the environment)."""
+    import attn_dispatch
+
     q, k, v = qkv()
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd")
-    dpa(q, k, v)
+    first = dpa(q, k, v)
     monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    torch.testing.assert_close(dpa(q, k, v), first, rtol=0, atol=0)  # the plan made earlier stands
+    attn_dispatch.clear_cache()
     with pytest.raises(NoBackendAvailableError, match="NVTE_UNFUSED_ATTN"):
         dpa(q, k, v)
 
@@ -381,11 +387,15 @@ def test_fast_path_still_rejects_mismatched_dtype_or_shape_after_a_cached_call()
         dpa(q, k[:, :, :1], v)  # one kv head: not the configured num_gqa_groups
 
 
-def test_fast_path_sees_environment_changes(monkeypatch):
+def test_fast_path_sees_cleared_decisions(monkeypatch):
+    import attn_dispatch
+
     q, k, v = qkv()
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
     dpa(q, k, v)
+    dpa(q, k, v)  # the cached path
     monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    attn_dispatch.clear_cache()
     with pytest.raises(NoBackendAvailableError, match="NVTE_UNFUSED_ATTN=0"):
         dpa(q, k, v)
 

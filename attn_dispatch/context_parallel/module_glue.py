@@ -63,16 +63,17 @@ def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqle
     seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, local["cu_seqlens_q"], local["cu_seqlens_kv"],
                                local["cu_seqlens_q_padded"], local["cu_seqlens_kv_padded"], local["max_seqlen_q"],
                                local["max_seqlen_kv"], pad_between_seqs)
-    params = inputs.build_params(module._spec, fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
+    params = inputs.build_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
                                  core_attention_bias, alibi_slopes, attention_mask, module.training)
     a2a_size = dist.get_world_size(module.cp_group[0]) if module.cp_comm_type == "a2a+p2p" else None
     params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type, cp_a2a_size=a2a_size)
+    module._check_generation()
     plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
     plan = plans.get(params)
     if plan is None:
         if len(plans) >= 64:
             plans.clear()
-        plan = plans[params] = _plan(module._spec, params, module.cp_group)
+        plan = plans[params] = _plan(module._spec_now(), params, module.cp_group)
     aux = inputs.make_aux(seq, mask_type, attention_mask, core_attention_bias, alibi_slopes, module.softmax_offset)
     if thd:  # attention() takes the whole-sequence cu_seqlens
         aux = dataclasses.replace(aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
