@@ -16,11 +16,13 @@ class Reason(BaseModel):
 
 
 class Verdict(BaseModel):
+    model_config = ConfigDict(frozen=True)  # shared by every caller of a cached decision: never edited in place
+
     backend: str   # family, e.g. 'flash_attn_2'
     provider: str  # e.g. 'torch' (the FA2 kernels vendored in torch)
     eligible: bool
-    reasons: list[Reason] = Field(default_factory=list)
-    notes: list[str] = Field(default_factory=list)
+    reasons: tuple[Reason, ...] = ()
+    notes: tuple[str, ...] = ()
     detail: dict[str, Any] = Field(default_factory=dict)  # e.g. cuDNN's sub-backend
 
     @property
@@ -32,6 +34,10 @@ class Verdict(BaseModel):
 
 
 class Decision(BaseModel):
+    """Immutable: a cached decision is shared by every call that hits it (model_copy(update=...) derives one)."""
+
+    model_config = ConfigDict(frozen=True)
+
     chosen: str | None = None           # provider id 'family:provider', None when nothing qualifies
     policy: str = "auto"
     policy_reason: str = ""             # why the policy picked `chosen` over the other eligible providers
@@ -39,9 +45,9 @@ class Decision(BaseModel):
     estimate_unit: str = ""             # e.g. 'ms per step, predicted' (profile) or 'ms per step, measured here'
     forced: str | None = None           # what the user forced, and through what
     forced_by: str | None = None
-    order: list[str] = Field(default_factory=list)  # families in preference order for this platform
+    order: tuple[str, ...] = ()  # families in preference order for this platform
     order_reason: str = ""
-    verdicts: list[Verdict] = Field(default_factory=list)
+    verdicts: tuple[Verdict, ...] = ()
     params: dict[str, Any] = Field(default_factory=dict)
     platform: dict[str, Any] = Field(default_factory=dict)
     params_text: str = ""

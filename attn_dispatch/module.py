@@ -26,7 +26,7 @@ from .backends.unfused import draw_dropout_seed
 from .decision import Decision
 from .env import FAMILIES, EnvFlags
 from .selection import _GENERATION
-from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, has_padding
+from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 _MISS = object()  # _fast_forward found no validated plan
@@ -218,7 +218,7 @@ class DotProductAttention(torch.nn.Module):
         any module with hooks, goes through it unchanged."""
         if _is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
             return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
-        if not args and not kwargs and self._fast and type(query_layer) is torch.Tensor and not (
+        if not args and not kwargs and self._fast and isinstance(query_layer, torch.Tensor) and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
                 or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
@@ -510,8 +510,3 @@ def _kv_channels(kv_channels: Any) -> tuple[int, int]:
         return (inputs._positive_int("kv_channels[0]", kv_channels[0]),
                 inputs._positive_int("kv_channels[1]", kv_channels[1]))
     raise ValueError(f"kv_channels={kv_channels!r} must be an int or a pair (head_dim_qk, head_dim_v)")
-
-
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, allowed))}")

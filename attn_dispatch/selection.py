@@ -123,9 +123,9 @@ def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: s
         if forced and (table.family != forced_family or (forced_provider and table.provider != forced_provider)):
             verdict = verdict.model_copy(update={
                 "eligible": False,
-                "reasons": [Reason(code=NOT_FORCED, message=f"{forced_by} forces {forced}",
+                "reasons": (Reason(code=NOT_FORCED, message=f"{forced_by} forces {forced}",
                                    fix=f"unset {forced_by}" if forced_by.isupper() else None,
-                                   source="attn-dispatch")] + verdict.reasons})
+                                   source="attn-dispatch"), *verdict.reasons)})
         verdicts.append(verdict)
     if forced and forced_provider and not any(v.id == forced for v in verdicts):
         known = ", ".join(v.id for v in verdicts if v.backend == forced_family) or "none declared"
@@ -165,7 +165,7 @@ def _with_cp_blocks(table, verdict: Verdict, params: AttentionParams, platform: 
                        + "; ".join(r.message for r in reasons[:3]))
             reason = Reason(code=f"{table.family}.cp_blocks", message=message, fix=reasons[0].fix,
                             source="attn_dispatch.constraints.context_parallel.block_params, composed by selection")
-            return verdict.model_copy(update={"eligible": False, "reasons": [reason], "detail": {}})
+            return verdict.model_copy(update={"eligible": False, "reasons": (reason,), "detail": {}})
     return verdict
 
 

@@ -167,3 +167,17 @@ def test_torch_fx_traces_a_model_holding_the_module_as_a_leaf():
     traced = torch.fx.GraphModule(block, graph)
     assert any(n.op == "call_module" and n.target == "attn" for n in traced.graph.nodes)
     torch.testing.assert_close(traced(x), block(x), rtol=0, atol=0)
+
+
+def test_decisions_are_immutable_values():
+    import pydantic
+
+    from attn_dispatch import AttentionParams, explain
+
+    d = explain(AttentionParams(device_type="cpu", dtype="fp32"))
+    with pytest.raises(pydantic.ValidationError):
+        d.chosen = "cudnn_fused:frontend"
+    with pytest.raises(pydantic.ValidationError):
+        d.verdicts[0].eligible = False
+    assert isinstance(d.verdicts, tuple) and isinstance(d.verdicts[0].reasons, tuple)
+    assert explain(AttentionParams(device_type="cpu", dtype="fp32")).chosen == "unfused:pytorch"
