@@ -54,8 +54,8 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
     fmt = cfg.qkv_format
     seq = 1 if fmt == "bshd" else 0
     causal = cfg.attn_mask_type != "no_mask"
-    if causal and cfg.attn_mask_type == "causal" and q.shape[seq] != k.shape[seq]:
-        return None
+    if causal and (q.shape[seq] > k.shape[seq] or (cfg.attn_mask_type == "causal" and q.shape[seq] != k.shape[seq])):
+        return None  # top-left needs equal lengths; sq > skv leaves rows with no key (FA2's lse +inf: general path)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or aux.dropout_generator is not None:
         return None
     res = _FLASH(
