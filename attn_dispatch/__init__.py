@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionParams", "Decision", "DotProductAttention", "EnvFlags", "NoBackendAvailableError", "Platform",
-    "Reason", "Verdict", "clear_cache", "explain", "preference_order", "select", "__version__",
+    "Reason", "Verdict", "clear_cache", "explain", "explain_sdpa", "preference_order", "scaled_dot_product_attention",
+    "select", "__version__",
 ]
 
 
@@ -20,4 +21,8 @@ def __getattr__(name: str):  # the module imports torch; keep `import attn_dispa
         from .module import DotProductAttention
 
         return DotProductAttention
+    if name in ("scaled_dot_product_attention", "explain_sdpa"):
+        from . import sdpa
+
+        return getattr(sdpa, name)
     raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")

@@ -1,0 +1,138 @@
+"""`scaled_dot_product_attention`: torch SDPA's signature and semantics, dispatched through the same decision as
+`DotProductAttention` (same tables, policy, explanations and errors).
+
+Translation to Transformer Engine's terms (the module's forward):
+- [b, h, s, d] tensors become bshd views (no copy); the output comes back as a [b, h, sq, d_v] view.
+- `is_causal` is SDPA's top-left diagonal: Transformer Engine's 'causal'.
+- A float `attn_mask` is added to the scaled scores: a post-scale bias [1|b, 1|h, sq, skv] (cuDNN fuses it).
+- A bool `attn_mask` (True = take part, the opposite of Transformer Engine's convention) that is exactly a causal
+  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type, so the fused
+  engines take it; any other bool mask is 'arbitrary' (True = masked out, inverted here), which the Decision
+  explains. Recognising the pattern compares the mask with a triangle on its device (one small kernel and a
+  host sync); the verdict is cached per mask tensor and version, and `recognize_masks=False` skips it.
+- A row every key of which is masked out returns 0, as torch's SDPA does.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .decision import Decision
+from .inputs import _cached_on
+
+_MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout) -> DotProductAttention
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+                                 recognize_masks: bool = True) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors."""
+    module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                recognize_masks)
+    out = module(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+    b, sq, h, dv = query.shape[0], query.shape[2], query.shape[1], value.shape[-1]
+    return out.view(b, sq, h, dv).transpose(1, 2)
+
+
+def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False, *, recognize_masks: bool = True) -> Decision:
+    """The Decision scaled_dot_product_attention would act on for these arguments, without running it."""
+    module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                recognize_masks)
+    return module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+
+
+def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} is {shape}; attn_dispatch.scaled_dot_product_attention takes 4-D "
+                             "[batch, heads, seq, head_dim] tensors")
+    b, h, sq, d = query.shape
+    hkv, skv = key.shape[1], key.shape[2]
+    if key.shape[0] != b or value.shape[:3] != key.shape[:3] or key.shape[-1] != d:
+        raise ValueError(f"query {list(query.shape)}, key {list(key.shape)}, value {list(value.shape)}: key and "
+                         "value must share batch, heads and length, and key the query's head_dim")
+    if hkv != h and not enable_gqa:
+        raise ValueError(f"query has {h} heads and key {hkv}: pass enable_gqa=True for grouped-query attention")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} must be a float in [0, 1)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal=True were both given; torch's SDPA refuses this too: pass one")
+    kwargs: dict[str, Any] = {"attn_mask_type": "causal" if is_causal else "no_mask"}
+    if attn_mask is not None:
+        kwargs.update(_mask_kwargs(attn_mask, b, h, sq, skv, query.device, recognize_masks))
+    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) or (
+        isinstance(kwargs.get("core_attention_bias"), torch.Tensor) and kwargs["core_attention_bias"].requires_grad)
+    module.train(bool(needs_grad) or dropout_p > 0)
+    return module, kwargs
+
+
+def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float):
+    from .module import DotProductAttention
+
+    key = (h, hkv, d, dv, scale, dropout)
+    module = _MODULES.get(key)
+    if module is None:
+        if len(_MODULES) >= 64:
+            _MODULES.clear()
+        module = _MODULES[key] = DotProductAttention(h, (d, dv), num_gqa_groups=hkv, attention_dropout=dropout,
+                                                     qkv_format="bshd", attn_mask_type="no_mask",
+                                                     softmax_scale=scale)
+    return module
+
+
+def _as_4d(mask: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tensor:
+    """A [1|b, 1|h, sq, skv] view of a mask SDPA would broadcast to [b, h, sq, skv]."""
+    if mask.dim() > 4:
+        raise ValueError(f"attn_mask has shape {list(mask.shape)}; it must broadcast to [{b}, {h}, {sq}, {skv}]")
+    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    try:
+        full = torch.broadcast_shapes(mask4.shape, (b, h, sq, skv))
+    except RuntimeError:
+        full = None
+    if full != (b, h, sq, skv):
+        raise ValueError(f"attn_mask has shape {list(mask.shape)}; it must broadcast to [{b}, {h}, {sq}, {skv}]")
+    return mask4.expand(mask4.shape[0], mask4.shape[1], sq, skv)
+
+
+def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: torch.device,
+                 recognize: bool) -> dict[str, Any]:
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"attn_mask must be a tensor (bool: True takes part; float: added to the scores); got "
+                         f"{type(mask).__name__}")
+    if mask.device != device:
+        raise ValueError(f"attn_mask is on {mask.device} but query is on {device}")
+    mask4 = _as_4d(mask, b, h, sq, skv)
+    if mask.dtype == torch.bool:
+        if recognize and mask4.shape[0] == 1 and mask4.shape[1] == 1:
+            pattern = _pattern(mask, mask4[0, 0], sq, skv)
+            if pattern is not None:
+                return {"attn_mask_type": pattern}
+        return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4}
+    if not mask.dtype.is_floating_point:
+        raise ValueError(f"attn_mask has dtype {mask.dtype}; it must be bool or a float dtype")
+    return {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": mask4}
+
+
+def _pattern(mask: torch.Tensor, mask2: torch.Tensor, sq: int, skv: int) -> str | None:
+    """'causal' / 'causal_bottom_right' when the [sq, skv] bool mask is exactly that triangle, else None; cached on
+    the mask tensor (a dead or modified mask is looked at again)."""
+    def compute() -> str:
+        ones = torch.ones(sq, skv, dtype=torch.bool, device=mask.device)
+        if torch.equal(mask2, ones.tril()):
+            return "causal"
+        if torch.equal(mask2, ones.tril(skv - sq)):
+            return "causal_bottom_right"
+        return ""
+
+    return _cached_on((mask,), ("sdpa_pattern", sq, skv), compute) or None
