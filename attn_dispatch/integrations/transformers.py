@@ -1,0 +1,57 @@
+"""Hugging Face transformers: `register()` makes `attn_implementation="attn_dispatch"` work for the models that
+use transformers' AttentionInterface (Llama, Mistral, Qwen2/3, Gemma 2/3, ...).
+
+The models build SDPA-format masks for this implementation (transformers' `sdpa_mask`: None where causality alone
+says it, else a bool mask, True = take part), and the attention runs through
+`attn_dispatch.scaled_dot_product_attention`: the same decision, explanations and errors as the module. A plain
+causal call (no padding) reaches the fused engines as 'causal'; decode steps (one query, every cached key visible)
+as 'no_mask'; padded and packed batches carry a bool mask and run as 'arbitrary' (the unfused engine on a GPU;
+the Decision says so). Whatever the interface passes that no engine here can do is refused with the reason
+(attention logit softcapping, Gemma 2's; attention weights as output).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+NAME = "attn_dispatch"
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function signature: [b, h, s, d] in, ([b, s, h, d_v], None) out."""
+    from ..sdpa import scaled_dot_product_attention
+
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"softcap={kwargs['softcap']!r} (attention logit softcapping, e.g. Gemma 2's "
+                         "attn_logit_softcapping) is not supported by attn_dispatch's engines; set the config's "
+                         "attn_logit_softcapping=None or use attn_implementation='eager'")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True: attn_dispatch's engines return no attention weights; use "
+                         "attn_implementation='eager' to get them")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("position_bias is not supported by attn_dispatch (models such as T5 pass one); use "
+                         "attn_implementation='sdpa'")
+    q_len = query.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal) and attention_mask is None and q_len > 1
+    if is_causal and key.shape[2] > q_len:  # SDPA's top-left causal with more keys: only the first q_len count
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    gqa = key.shape[1] != query.shape[1]
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                       dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
+                                       scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = NAME) -> str:
+    """Register the attention function (and transformers' SDPA mask format) under `name`; returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

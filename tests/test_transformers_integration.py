@@ -1,0 +1,109 @@
+"""attn_implementation="attn_dispatch" against "sdpa" ("eager" for Gemma 2) on small random-initialised transformers models (float32, CPU):
+logits, loss and parameter gradients on padded and packed batches, greedy generation, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attn_dispatch.integrations.transformers import register  # noqa: E402
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, head_dim=16)
+
+
+def families():
+    t = transformers
+    return {
+        "llama": (t.LlamaConfig(**TINY), t.LlamaForCausalLM),
+        "mistral": (t.MistralConfig(**TINY, sliding_window=6), t.MistralForCausalLM),
+        "qwen2": (t.Qwen2Config(**TINY), t.Qwen2ForCausalLM),
+        "qwen3": (t.Qwen3Config(**TINY), t.Qwen3ForCausalLM),
+        "gemma2": (t.Gemma2Config(**TINY, attn_logit_softcapping=None, final_logit_softcapping=None,
+                                  sliding_window=6), t.Gemma2ForCausalLM),
+        "gemma3": (t.Gemma3TextConfig(**TINY, sliding_window=6), t.Gemma3ForCausalLM),
+    }
+
+
+def build(name: str):
+    config, cls = families()[name]
+    torch.manual_seed(0)
+    return cls(config).float()
+
+
+def run(model, impl: str, **batch):
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def padded_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (3, 14), generator=g)
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    mask[2, 10:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 5] = -100  # its prediction comes from a padded position, whose output eager and SDPA define differently
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def packed_batch():
+    """What DataCollatorWithFlattening hands a model: one row, position_ids restarting at each sequence."""
+    g = torch.Generator().manual_seed(2)
+    lens = [5, 7, 4]
+    ids = torch.randint(0, 97, (1, sum(lens)), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in lens])[None]
+    labels = ids.clone()
+    labels[0, [0, 5, 12]] = -100
+    return dict(input_ids=ids, position_ids=position_ids, labels=labels)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    register()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("batch", [padded_batch, packed_batch], ids=["padded", "packed"])
+def test_logits_loss_and_gradients_match_sdpa(name, batch):
+    model = build(name)
+    data = batch()
+    reference = "eager" if name == "gemma2" else "sdpa"  # transformers offers Gemma 2 no SDPA path
+    ref_logits, ref_loss, ref_grads = run(model, reference, **data)
+    logits, loss, grads = run(model, "attn_dispatch", **data)
+    valid = data.get("attention_mask", torch.ones_like(data["input_ids"])).bool()
+    torch.testing.assert_close(logits[valid], ref_logits[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 5
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_greedy_generation_matches_sdpa(name):
+    model = build(name).eval()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 97, (2, 7), generator=g)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    outs = []
+    for impl in ("sdpa", "attn_dispatch"):
+        model.set_attn_implementation(impl)
+        outs.append(model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                   min_new_tokens=20, pad_token_id=0))
+    assert outs[0].shape[1] == 27 and torch.equal(outs[0], outs[1])
+
+
+def test_softcapping_is_refused_with_the_reason():
+    config, cls = families()["gemma2"]
+    config.attn_logit_softcapping = 50.0
+    torch.manual_seed(0)
+    model = cls(config)
+    model.set_attn_implementation("attn_dispatch")
+    with pytest.raises(ValueError, match="softcap=50.0"):
+        model(input_ids=torch.randint(0, 97, (1, 6)))
