@@ -454,6 +454,25 @@ class DotProductAttention(torch.nn.Module):
             cached = self._alibi_cache[device] = inputs.default_alibi_slopes(self._spec.num_heads).to(device)
         return cached
 
+    def _attend_unmerged(self, q, k, v, attention_mask=None, attn_mask_type=None,
+                         core_attention_bias_type: str = "no_bias", core_attention_bias=None):
+        """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
+        merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways."""
+        args = (q, k, v, attention_mask, None, None, None, None, None, None, None, attn_mask_type, None,
+                core_attention_bias_type, core_attention_bias, None, None)
+        for attempt in (0, 1):
+            plan, aux = self._prepare(*args)
+            self.__dict__["last_decision"] = plan.decision
+            with self._dropout_ctx():
+                if plan.cfg.dropout_p > 0.0:
+                    aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
+                try:
+                    return plan.engine(q, k, v, aux, plan.cfg)[0]
+                except CudnnGraphError:  # recorded by the engine: selecting again moves on (see _dispatch)
+                    if attempt:
+                        raise
+                    self._forget_plans()
+
     def _run(self, plan: inputs.Plan, aux, q, k, v, checkpoint_core_attention: bool):
         engine, cfg = plan.engine, plan.cfg
         with self._dropout_ctx():

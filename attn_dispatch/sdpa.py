@@ -2,7 +2,8 @@
 `DotProductAttention` (same tables, policy, explanations and errors).
 
 Translation to Transformer Engine's terms (the module's forward):
-- [b, h, s, d] tensors become bshd views (no copy); the output comes back as a [b, h, sq, d_v] view.
+- [b, h, s, d] tensors become bshd views (no copy); the engine's output comes back as a [b, h, sq, d_v] view,
+  heads never merged (merging them, as the module's forward does, would copy a [b, h, s, d] result both ways).
 - `is_causal` is SDPA's top-left diagonal: Transformer Engine's 'causal'.
 - A float `attn_mask` is added to the scaled scores: a post-scale bias [1|b, 1|h, sq, skv] (cuDNN fuses it).
 - A bool `attn_mask` (True = take part, the opposite of Transformer Engine's convention) that is exactly a causal
@@ -32,9 +33,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks)
-    out = module(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
-    b, sq, h, dv = query.shape[0], query.shape[2], query.shape[1], value.shape[-1]
-    return out.view(b, sq, h, dv).transpose(1, 2)
+    out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+    return out.transpose(1, 2)  # [b, h, sq, d_v]: no copy where the engine wrote that order
 
 
 def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
