@@ -81,3 +81,25 @@ def cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
     if lse is not None and lse.dim() == 4:
         lse = lse.squeeze(-1)
     return _from_bhsd(res[0], fmt, flatten_heads), lse, None
+
+
+class NativeOpPath:
+    """Mixin for the torch providers: their differentiable call goes through `native_call` (flash_call or
+    cudnn_call) when the config allows it (cached per AttnConfig) and the call's tensors do, else through the
+    engine's general path."""
+
+    native_call = None  # set by each provider: flash_call or cudnn_call
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._native_ok: dict = {}  # AttnConfig -> static_ok(cfg): one per provider class
+
+    def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
+        ok = self._native_ok.get(cfg)
+        if ok is None:
+            ok = self._native_ok[cfg] = static_ok(cfg, allow_bottom_right=True)
+        if ok:
+            result = type(self).native_call(q, k, v, aux, cfg, flatten_heads)
+            if result is not None:
+                return result
+        return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)

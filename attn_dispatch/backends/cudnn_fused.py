@@ -766,7 +766,7 @@ class _TorchState:
     is_causal: bool
 
 
-class TorchCudnnEngine(Engine):
+class TorchCudnnEngine(_torch_native.NativeOpPath, Engine):
     family = "cudnn_fused"
     provider = "torch"
 
@@ -776,18 +776,7 @@ class TorchCudnnEngine(Engine):
         self.fwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention
         self.bwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 
-    # AttnConfig -> whether SDPA's own aten op (native autograd) can express it; a pure function of the config
-    _native: dict = {}
-
-    def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
-        native = self._native.get(cfg)
-        if native is None:
-            native = self._native[cfg] = _torch_native.static_ok(cfg, allow_bottom_right=True)
-        if native:
-            result = _torch_native.cudnn_call(q, k, v, aux, cfg, flatten_heads)
-            if result is not None:
-                return result
-        return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+    native_call = staticmethod(_torch_native.cudnn_call)  # SDPA's own op and autograd where it fits
 
     @staticmethod
     def _validate(q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> bool:

@@ -30,7 +30,7 @@ def _torch_deterministic(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
-class TorchFlashEngine(FlashEngineBase):
+class TorchFlashEngine(_torch_native.NativeOpPath, FlashEngineBase):
     """torch.ops.aten._flash_attention_forward/_backward: torch's vendored FA2 (flash_api.cpp mha_fwd/mha_varlen_fwd).
 
     Dense calls take bshd (last dim contiguous; the op reads the other strides, so sbhd views need no copy; its
@@ -56,18 +56,7 @@ class TorchFlashEngine(FlashEngineBase):
         names = {a.name for a in self._fwd._schema.arguments}
         self._has_window = {"window_size_left", "window_size_right"} <= names
 
-    # AttnConfig -> whether SDPA's own aten op (native autograd) can express it; a pure function of the config
-    _native: dict = {}
-
-    def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
-        native = self._native.get(cfg)
-        if native is None:
-            native = self._native[cfg] = _torch_native.static_ok(cfg, allow_bottom_right=True)
-        if native:
-            result = _torch_native.flash_call(q, k, v, aux, cfg, flatten_heads)
-            if result is not None:
-                return result
-        return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+    native_call = staticmethod(_torch_native.flash_call)  # SDPA's own op and autograd where it fits
 
     def _window_kwargs(self, call: KernelCall) -> dict[str, Any]:
         if call.window in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
