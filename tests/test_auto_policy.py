@@ -148,3 +148,35 @@ def test_policies_never_import_selection():
                     top = (node.module or "").split(".")[0]
                     names = {a.name for a in node.names} if not node.module else {top}
                     assert not (names & callers), f"{path.name} imports {names & callers}"
+
+
+def test_attended_pairs_closed_form_matches_counting_rows():
+    """The default policy's work estimate counts attended (query, key) pairs in closed form; check it against a
+    row-by-row count over masks, windows and lengths."""
+    import random
+
+    from attn_dispatch.policy.timing import attended_pairs
+
+    def by_rows(p):
+        sq, skv = p.max_seqlen_q, p.max_seqlen_kv
+        left, right = p.window_size
+        offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
+        total = 0
+        for i in range(sq):
+            lo = 0 if left < 0 else max(0, i + offset - left)
+            hi = skv - 1 if right < 0 else min(skv - 1, i + offset + right)
+            total += max(0, hi - lo + 1)
+        return total
+
+    rng = random.Random(0)
+    checked = 0
+    while checked < 2000:
+        mask = rng.choice(["no_mask", "causal", "causal_bottom_right", "padding_causal", "padding"])
+        window = (rng.choice([-1, rng.randint(0, 40)]), rng.choice([-1, rng.randint(0, 40)]))
+        try:
+            p = AttentionParams(max_seqlen_q=rng.randint(1, 50), max_seqlen_kv=rng.randint(1, 50),
+                                attn_mask_type=mask, window_size=window)
+        except ValueError:
+            continue
+        assert attended_pairs(p) == by_rows(p), p.describe()
+        checked += 1

@@ -33,6 +33,7 @@ K_NEIGHBOURS = 1
 # Distance per log2 unit (a doubling) of each size; and for a different memory format.
 WEIGHTS = {"d_qk": 4.0, "d_v": 2.0, "sq": 0.5, "skv": 0.25, "span": 1.0, "bh": 1.0, "gqa": 2.0}
 FORMAT_MISMATCH = 1.5
+_FEATURES = tuple(WEIGHTS)
 COMBINE = 8.0  # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
 
 
@@ -93,6 +94,10 @@ class Profile:
             for provider, ms in e.times_ms.items():
                 key = (provider, e.kind[0])
                 self.host_ms[key] = min(self.host_ms.get(key, math.inf), ms)
+        # Per kind of call, (entry, its log2 sizes in _FEATURES order): a fresh decision compares only these.
+        self._by_kind: dict[tuple, list[tuple[Entry, tuple[float, ...]]]] = {}
+        for e in self.entries:
+            self._by_kind.setdefault(e.kind, []).append((e, tuple(e.log2[f] for f in _FEATURES)))
 
     def describe(self) -> str:
         stack = ", ".join(f"{k} {v}" for k, v in self.stack.items())
@@ -100,14 +105,14 @@ class Profile:
 
     def predict(self, params: AttentionParams, *, exclude_label: str | None = None) -> Prediction:
         kind, log2, fmt = features(params)
-        near = []
-        for e in self.entries:
-            if e.kind == kind and e.label != exclude_label:
-                dist = sum(w * abs(log2[f] - e.log2[f]) for f, w in WEIGHTS.items())
-                near.append((dist + (FORMAT_MISMATCH if e.fmt != fmt else 0.0), e))
-        near.sort(key=lambda item: item[0])
+        here = tuple(log2[f] for f in _FEATURES)
+        scale = tuple(WEIGHTS[f] for f in _FEATURES)
+        near = sorted(
+            (sum(w * abs(a - b) for w, a, b in zip(scale, here, sizes)) + (FORMAT_MISMATCH if e.fmt != fmt else 0.0),
+             i, e)
+            for i, (e, sizes) in enumerate(self._by_kind.get(kind, ())) if e.label != exclude_label)
         rates: dict[str, list[tuple[float, float]]] = {}
-        for dist, e in near:
+        for dist, _, e in near:
             for provider, ms in e.times_ms.items():
                 found = rates.setdefault(provider, [])
                 if len(found) >= K_NEIGHBOURS:
@@ -122,7 +127,7 @@ class Profile:
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
             host = self.host_ms[(provider, kind[0])]
             times[provider] = (host ** COMBINE + (amount / rate) ** COMBINE) ** (1.0 / COMBINE)
-        return Prediction(times, tuple(e.label for _, e in near[:K_NEIGHBOURS]))
+        return Prediction(times, tuple(e.label for _, _, e in near[:K_NEIGHBOURS]))
 
 
 def arch_of(platform: Platform) -> str | None:
