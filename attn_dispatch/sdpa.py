@@ -7,9 +7,10 @@ Translation to Transformer Engine's terms (the module's forward):
 - `is_causal` is SDPA's top-left diagonal: Transformer Engine's 'causal'.
 - A float `attn_mask` is added to the scaled scores: a post-scale bias [1|b, 1|h, sq, skv] (cuDNN fuses it).
 - A bool `attn_mask` (True = take part, the opposite of Transformer Engine's convention) that is exactly a causal
-  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type, so the fused
-  engines take it; any other bool mask is 'arbitrary' (True = masked out, inverted here), which the Decision
-  explains. Recognising the pattern compares the mask with a triangle on its device (one small kernel and a
+  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type, and one packed row
+  whose mask is causal within consecutive segments (what a flattening collator gives) runs as thd with those
+  segments' cu_seqlens ('padding_causal'), so the fused engines take both; any other bool mask is 'arbitrary'
+  (True = masked out, inverted here), which the Decision explains. Recognising the pattern compares the mask with a triangle on its device (one small kernel and a
   host sync); the verdict is cached per mask tensor and version, and `recognize_masks=False` skips it.
 - A row every key of which is masked out returns 0, as torch's SDPA does.
 """
@@ -33,8 +34,23 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks)
+    if "cu_seqlens_q" in kwargs:  # one packed row: thd with the sequences' own lengths (fused engines take it)
+        return varlen_attention(query, key, value, kwargs["cu_seqlens_q"], dropout_p, scale, enable_gqa)
     out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
     return out.transpose(1, 2)  # [b, h, sq, d_v]: no copy where the engine wrote that order
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                     dropout_p: float = 0.0, scale: float | None = None, enable_gqa: bool = False,
+                     window_left: int | None = None) -> torch.Tensor:
+    """Causal attention within each of the packed sequences of one [1, h, t, d] row (int32 `cu_seqlens` [n+1]):
+    thd with the sequences' own lengths, as a flattening collator's batch means it; `window_left` keys before each
+    query at most (a sliding window). Returns [1, h, t, d_v]."""
+    module, _ = _translate(query, key, value, None, dropout_p, False, scale, enable_gqa, False)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [t, h, d] views
+    out = module(q, k, v, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu_seqlens,
+                 cu_seqlens_kv=cu_seqlens, window_size=None if window_left is None else (window_left, 0))
+    return out.view(1, q.shape[0], q.shape[1], -1).transpose(1, 2)
 
 
 def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -43,6 +59,8 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks)
+    if "cu_seqlens_q" in kwargs:
+        return module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd", **kwargs)
     return module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
 
 
@@ -118,6 +136,10 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
             pattern = _pattern(mask, mask4[0, 0], sq, skv)
             if pattern is not None:
                 return {"attn_mask_type": pattern}
+            if b == 1 and sq == skv:
+                cu = _packed_segments(mask, mask4[0, 0])
+                if cu is not None:
+                    return {"attn_mask_type": "padding_causal", "cu_seqlens_q": cu, "cu_seqlens_kv": cu}
         return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4}
     if not mask.dtype.is_floating_point:
         raise ValueError(f"attn_mask has dtype {mask.dtype}; it must be bool or a float dtype")
@@ -136,3 +158,21 @@ def _pattern(mask: torch.Tensor, mask2: torch.Tensor, sq: int, skv: int) -> str 
         return ""
 
     return _cached_on((mask,), ("sdpa_pattern", sq, skv), compute) or None
+
+
+def _packed_segments(mask: torch.Tensor, mask2: torch.Tensor) -> torch.Tensor | None:
+    """int32 cu_seqlens when the [t, t] bool mask is causal attention within consecutive segments (what a
+    flattening collator's packed batch gives), else None; cached on the mask tensor."""
+    def compute():
+        t = mask2.shape[0]
+        first = mask2.to(torch.int8).argmax(dim=1)  # the first key each row sees
+        rows = torch.arange(t, device=mask2.device)
+        starts = first == rows
+        segment = starts.cumsum(0)
+        expected = (segment[:, None] == segment[None, :]) & (rows[None, :] <= rows[:, None])
+        if not bool(starts[0]) or not torch.equal(mask2, expected):
+            return None
+        bounds = torch.nonzero(starts).flatten().to(torch.int32)
+        return torch.cat([bounds, torch.tensor([t], dtype=torch.int32, device=mask2.device)])
+
+    return _cached_on((mask,), ("sdpa_packed",), compute)

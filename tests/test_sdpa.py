@@ -116,3 +116,19 @@ def test_gqa_needs_enable_gqa_and_3d_inputs_are_refused():
 
 def test_it_is_exported_lazily():
     assert attn_dispatch.scaled_dot_product_attention is scaled_dot_product_attention
+
+
+def test_a_packed_causal_row_runs_as_thd_and_matches_torch():
+    lens = [5, 1, 7, 3]
+    t = sum(lens)
+    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    rows = torch.arange(t)
+    mask = (seg[:, None] == seg[None, :]) & (rows[None, :] <= rows[:, None])
+    q, k, v, dout = tensors(1, 4, 2, t, t, 8, 8, seed=9)
+    d = explain_sdpa(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
+    assert d.params["qkv_format"] == "thd" and d.params["attn_mask_type"] == "padding_causal"
+    check(q, k, v, dout, attn_mask=mask[None, None], enable_gqa=True)
+    broken = mask.clone()
+    broken[8, 5] = True  # a key from the previous segment: not a packed pattern any more
+    assert explain_sdpa(q, k, v, attn_mask=broken, enable_gqa=True).params["attn_mask_type"] == "arbitrary"
+    check(q, k, v, dout, attn_mask=broken, enable_gqa=True)

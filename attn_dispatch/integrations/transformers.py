@@ -5,8 +5,10 @@ The models build SDPA-format masks for this implementation (transformers' `sdpa_
 says it, else a bool mask, True = take part), and the attention runs through
 `attn_dispatch.scaled_dot_product_attention`: the same decision, explanations and errors as the module. A plain
 causal call (no padding) reaches the fused engines as 'causal'; decode steps (one query, every cached key visible)
-as 'no_mask'; padded and packed batches carry a bool mask and run as 'arbitrary' (the unfused engine on a GPU;
-the Decision says so). Whatever the interface passes that no engine here can do is refused with the reason
+as 'no_mask'; a packed row from a flattening collator (`cu_seq_lens_q`, or, where transformers passes no mask,
+`position_ids` restarting at 0) runs as thd, each sequence attending only to itself (as transformers'
+FlashAttention path treats it; sliding windows kept); padded batches
+carry a bool mask and run as 'arbitrary' (the unfused engine on a GPU; the Decision says so). Whatever the interface passes that no engine here can do is refused with the reason
 (attention logit softcapping, Gemma 2's; attention weights as output).
 """
 from __future__ import annotations
@@ -35,6 +37,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError("position_bias is not supported by attn_dispatch (models such as T5 pass one); use "
                          "attn_implementation='sdpa'")
     q_len = query.shape[2]
+    cu = _packed_offsets(query, key, attention_mask, kwargs)
+    if cu is not None:  # a flattening collator's row: each sequence attends only to itself, as thd
+        from ..sdpa import varlen_attention
+
+        window = kwargs.get("sliding_window")  # the last `window` keys, the query's own included (transformers')
+        out = varlen_attention(query, key, value, cu, dropout if module.training else 0.0, scaling,
+                               key.shape[1] != query.shape[1], None if window is None else int(window) - 1)
+        return out.transpose(1, 2).contiguous(), None
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     is_causal = bool(is_causal) and attention_mask is None and q_len > 1
@@ -45,6 +55,34 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                        dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
                                        scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
+    """int32 cu_seqlens of a packed row: the collator's `cu_seq_lens_q` (== `cu_seq_lens_k`; it wins over the
+    causal or sliding-window mask transformers builds over the whole row), or, with no mask, where `position_ids`
+    restart at 0; None for anything else (batches of several rows, a KV cache)."""
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None:
+        if cu_k is not None and not torch.equal(cu_q, cu_k):
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: packed self-attention needs the same "
+                             "sequence boundaries for queries and keys")
+        return cu_q.to(torch.int32)
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or not isinstance(position_ids, torch.Tensor) or \
+            position_ids.shape != (1, query.shape[2]):
+        return None  # a mask transformers built says more than the positions: follow it, as its SDPA path does
+    from ..inputs import _cached_on
+
+    def compute():
+        starts = torch.nonzero(position_ids[0] == 0).flatten()
+        if starts.numel() <= 1 or int(starts[0]) != 0:
+            return None  # one sequence (or positions not starting at 0): plain causal
+        t = position_ids.shape[1]
+        return torch.cat([starts, torch.tensor([t], device=starts.device)]).to(torch.int32)
+
+    return _cached_on((position_ids,), ("hf_packed",), compute)
 
 
 def register(name: str = NAME) -> str:
