@@ -67,6 +67,7 @@ class ModuleSpec:
     deterministic: bool
     cp_comm_type: str
     backend: str | None  # forced provider ('family' or 'family:provider'), our extension
+    softcap: float = 0.0  # logit soft-capping, our extension
 
 
 @dataclass
@@ -525,7 +526,7 @@ def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, 
         dropout=spec.attention_dropout if training else 0.0, softmax_type=spec.softmax_type,
         return_max_logit=spec.return_max_logit, is_training=training, deterministic=spec.deterministic,
         cp_size=1, cp_comm_type=spec.cp_comm_type, pad_between_seqs=seq.pad_between_seqs,
-        device_type="cuda" if q.device.type == "cuda" else q.device.type,
+        device_type="cuda" if q.device.type == "cuda" else q.device.type, softcap=spec.softcap,
     )
 
 
@@ -534,7 +535,7 @@ def build_config(spec: ModuleSpec, params: AttentionParams) -> AttnConfig:
         qkv_format=params.qkv_format, attn_mask_type=params.attn_mask_type, window_size=params.window_size,
         softmax_scale=spec.softmax_scale, dropout_p=params.dropout, bias_type=params.bias_type,
         softmax_type=params.softmax_type, deterministic=params.deterministic,
-        return_max_logit=params.return_max_logit,
+        return_max_logit=params.return_max_logit, softcap=params.softcap,
     )
 
 

@@ -1,8 +1,9 @@
 """DotProductAttention: Transformer Engine 2.x's module interface, with the engine chosen per call by
 attn_dispatch.selection and the reasons kept in `last_decision` / `explain()`.
 
-Differences from Transformer Engine, on purpose: `backend=` forces an engine (our extension); bad input
-raises ValueError (not AssertionError); a padding attention_mask must put padding after the real tokens,
+Differences from Transformer Engine, on purpose: `backend=` forces an engine and `softcap=` caps the logits
+(Gemma 2's soft-capping), both our extensions; bad input raises ValueError (not AssertionError); a padding
+attention_mask must put padding after the real tokens,
 and is not accepted together with cu_seqlens; a window (-1, 0) on a non-causal mask is a real window
 (Transformer Engine resets it to (-1, -1)); with thd and no max_seqlen the exact longest sequence is used
 (Transformer Engine rounds up to a multiple of 64); in eval mode the call is described with dropout 0.
@@ -50,7 +51,8 @@ class DotProductAttention(torch.nn.Module):
                  get_rng_state_tracker: Callable | None = None, tp_group: Any = None, layer_number: int | None = None,
                  attention_type: str = "self", cp_group: Any = None, cp_global_ranks: list[int] | None = None,
                  cp_stream: Any = None, cp_comm_type: str = "p2p", softmax_scale: float | None = None,
-                 softmax_type: str = "vanilla", return_max_logit: bool = False, *, backend: str | None = None) -> None:
+                 softmax_type: str = "vanilla", return_max_logit: bool = False, *, backend: str | None = None,
+                 softcap: float = 0.0) -> None:
         super().__init__()
         heads = inputs._positive_int("num_attention_heads", num_attention_heads)
         dim_qk, dim_v = _kv_channels(kv_channels)
@@ -66,6 +68,9 @@ class DotProductAttention(torch.nn.Module):
         _choice("attention_type", attention_type, ("self", "cross"))
         _choice("cp_comm_type", cp_comm_type, CP_COMM_TYPES)
         _choice("softmax_type", softmax_type, SOFTMAX_TYPES)
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 <= softcap < math.inf:
+            raise ValueError(f"softcap={softcap!r} must be a finite float >= 0 (0 turns logit soft-capping off)")
+        self._softcap = float(softcap)
         self.__dict__["_planned"] = False  # the setters below re-plan only once construction is done
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
@@ -116,7 +121,7 @@ class DotProductAttention(torch.nn.Module):
             softmax_scale=self._softmax_scale, attention_dropout=self._attention_dropout,
             softmax_type=self.softmax_type, return_max_logit=self._return_max_logit,
             attention_type=self.attention_type, deterministic=False, cp_comm_type=self.cp_comm_type,
-            backend=self._backend)
+            backend=self._backend, softcap=self._softcap)
         self._forget_plans()
 
     def _spec_now(self) -> inputs.ModuleSpec:

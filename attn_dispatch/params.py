@@ -118,6 +118,7 @@ class AttentionParams:
     pad_between_seqs: bool = False
     inference_kv_cache: bool = False
     device_type: str = "cuda"
+    softcap: float = 0.0  # logit soft-capping (Gemma 2): scores -> softcap * tanh(scores / softcap); 0 is off
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +160,9 @@ class AttentionParams:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if not isinstance(self.softcap, (int, float)) or isinstance(self.softcap, bool) or \
+                not 0.0 <= self.softcap < float("inf"):
+            raise ValueError(f"softcap={self.softcap!r} must be a finite float >= 0 (0 turns soft-capping off)")
         if self.bias_type in ("pre_scale_bias", "post_scale_bias"):
             _choice("bias_shape", self.bias_shape, BIAS_SHAPES)
         elif self.bias_shape is not None:
@@ -229,6 +233,8 @@ class AttentionParams:
             extras.append(f"dropout={self.dropout}")
         if self.softmax_type != "vanilla":
             extras.append(f"softmax={self.softmax_type}")
+        if self.softcap:
+            extras.append(f"softcap={self.softcap:g}")
         if self.cp_size > 1:
             extras.append(f"cp={self.cp_size}x{self.cp_comm_type}"
                           + (f"(a2a={self.a2a_size})" if self.cp_comm_type == "a2a+p2p" else ""))

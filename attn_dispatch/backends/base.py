@@ -30,6 +30,7 @@ class AttnConfig:
     softmax_type: str = "vanilla"    # vanilla | off-by-one | learnable
     deterministic: bool = False
     return_max_logit: bool = False
+    softcap: float = 0.0             # scores -> softcap * tanh(scores / softcap) after scaling; 0 is off
 
 
 @dataclass

@@ -9,6 +9,9 @@ fp16/bf16 inputs are computed in float32, float64 in float64.
 Layout: every format is brought to [b, h, s, d] views (thd through a gather into padded sequences of
 length max_seqlen), so one masked-softmax core serves bshd, sbhd and thd.
 
+Soft-capping (softcap > 0, Gemma 2): scaled scores become softcap * tanh(scores / softcap) before the
+post-scale bias, ALiBi and masks; backward multiplies by the derivative 1 - tanh^2.
+
 Masks follow Transformer Engine (utils.get_full_mask, get_alibi): query i is aligned with key i + off,
 off = 0 for 'causal'/'padding_causal' (top-left) and Lkv - Lq otherwise (bottom-right, per sequence
 when lengths are known); key j is kept iff i + off - left <= j <= i + off + right (-1: unbounded).
@@ -85,6 +88,7 @@ class _Geometry:
     slopes: torch.Tensor | None    # [b|1, h, 1, 1] ALiBi slopes
     sink: torch.Tensor | None      # [1, h, 1, 1] sink logit (off-by-one: zeros)
     needs_rel: bool                # window or ALiBi need key - query distances
+    softcap: float = 0.0           # scores -> softcap * tanh(scores / softcap) before the post-scale bias
 
     def rows_per_block(self, budget: int) -> int:
         return max(1, min(self.sq, budget // max(1, self.b * self.hq * self.skv)))
@@ -120,18 +124,26 @@ def _geometry(q4: torch.Tensor, k4: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
     mask = aux.attention_mask if cfg.attn_mask_type == "arbitrary" else None
     return _Geometry(b, hq, hk, sq, skv, lens_q, lens_kv, off, window, mask, bias,
                      cfg.bias_type == "pre_scale_bias", slopes, sink,
-                     needs_rel=slopes is not None or window != (-1, -1))
+                     needs_rel=slopes is not None or window != (-1, -1), softcap=cfg.softcap)
 
 
-def _scores(g: _Geometry, qg: torch.Tensor, kt: torch.Tensor, i0: int, i1: int, scale: float) -> torch.Tensor:
-    """Masked, scaled, biased scores [b, h, rows, skv]; masked entries are -inf."""
+def _scores(g: _Geometry, qg: torch.Tensor, kt: torch.Tensor, i0: int, i1: int,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masked, scaled, biased scores [b, h, rows, skv] (masked entries -inf), and with soft-capping the tanh of
+    the capped scores, which backward needs for the cap's derivative (1 - tanh^2)."""
     rows = i1 - i0
     s = torch.matmul(qg, kt).view(g.b, g.hq, rows, g.skv)
-    if g.bias is not None:
-        bias = g.bias[:, :, i0:i1].to(s.dtype)
-        s = (s + bias).mul_(scale) if g.pre_scale_bias else s.mul_(scale).add_(bias)
+    bias = None if g.bias is None else g.bias[:, :, i0:i1].to(s.dtype)
+    if bias is not None and g.pre_scale_bias:
+        s = (s + bias).mul_(scale)
     else:
         s.mul_(scale)
+    capped = None
+    if g.softcap:
+        capped = torch.tanh(s.div_(g.softcap))
+        s = capped * g.softcap
+    if bias is not None and not g.pre_scale_bias:
+        s.add_(bias)
     dev = s.device
     keep = None
     if g.needs_rel:
@@ -154,7 +166,7 @@ def _scores(g: _Geometry, qg: torch.Tensor, kt: torch.Tensor, i0: int, i1: int, 
         keep = allowed if keep is None else keep & allowed
     if keep is not None:
         s.masked_fill_(~keep, NEG_INF)
-    return s
+    return s, capped
 
 
 def _row_stats(g: _Geometry, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,7 +205,7 @@ def _forward_blocks(g: _Geometry, q4, k4, v4, out4, scale, dropout_p, seed, retu
     step = g.rows_per_block(budget)
     for i0 in range(0, g.sq, step):
         i1 = min(i0 + step, g.sq)
-        s = _scores(g, _grouped(q4[:, :, i0:i1].to(cdtype), g), kt, i0, i1, scale)
+        s, _ = _scores(g, _grouped(q4[:, :, i0:i1].to(cdtype), g), kt, i0, i1, scale)
         if max_logit is not None:
             torch.maximum(max_logit, s.amax(dim=(0, 2, 3)).float(), out=max_logit)
         p, denom, lse_b = _row_stats(g, s)
@@ -224,7 +236,8 @@ def _backward_blocks(g: _Geometry, dout4, q4, k4, v4, out4, lse, dq4, scale, dro
         delta = (do * out4[:, :, i0:i1].to(cdtype)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
         lse_b = lse[:, :, i0:i1].unsqueeze(-1).to(cdtype)
         lse_b = torch.where(lse_b == NEG_INF, torch.zeros_like(lse_b), lse_b)  # fully masked: s is -inf, p 0
-        p = _scores(g, qg, kc.transpose(-1, -2), i0, i1, scale).sub_(lse_b).exp_()  # [b, hq, rows, skv]
+        s, capped = _scores(g, qg, kc.transpose(-1, -2), i0, i1, scale)
+        p = s.sub_(lse_b).exp_()  # [b, hq, rows, skv]
         dog = _grouped(do, g)
         dp = torch.matmul(dog, vt).view(g.b, g.hq, rows, g.skv)
         if dropout_p > 0.0:
@@ -237,9 +250,13 @@ def _backward_blocks(g: _Geometry, dout4, q4, k4, v4, out4, lse, dq4, scale, dro
         del p_drop
         ds = p.mul_(dp.sub_(delta))  # dS = P * (dP - rowsum(dO * O))
         del dp
-        if dbias is not None:
+        if dbias is not None and not g.pre_scale_bias:  # a post-scale bias is added after the cap
+            dbias[:, :, i0:i1] = ds.sum(dim=bias_sum_dims, keepdim=True) if bias_sum_dims else ds
+        if capped is not None:  # d(c * tanh(x / c)) / dx = 1 - tanh^2
+            ds.mul_(1.0 - capped * capped)
+        if dbias is not None and g.pre_scale_bias:
             db = ds.sum(dim=bias_sum_dims, keepdim=True) if bias_sum_dims else ds
-            dbias[:, :, i0:i1] = db * scale if g.pre_scale_bias else db
+            dbias[:, :, i0:i1] = db * scale
         if dsink is not None:
             p_sink = torch.where(lse[:, :, i0:i1].unsqueeze(-1) == NEG_INF, torch.zeros_like(lse_b),
                                  torch.exp(g.sink - lse_b))

@@ -20,11 +20,13 @@ def _load() -> dict[str, Table]:
             continue  # family not declared yet
         for table in getattr(module, "TABLES", None) or [getattr(module, family.upper())]:
             tables[table.id] = table
-    from .common import context_parallel
+    from .common import context_parallel, no_softcap
 
     for table in tables.values():  # every engine runs under our context parallelism through the same rules
         if not any(c.code == f"{table.family}.cp_support" for c in table.checks):
             table.add(context_parallel(table))
+        if not any(c.code == f"{table.family}.softcap" for c in table.checks):
+            table.add(no_softcap(table))
     return tables
 
 

@@ -225,3 +225,15 @@ def context_parallel(table: Table) -> Check:
                  "call's features (formats, masks, sliding windows, heads)", "context_parallel",
                  "attn_dispatch.constraints.context_parallel (SUPPORT, params_failures); windows: " +
                  "Transformer Engine context_parallel.py attn_forward_func_with_cp (a2a, all_gather)", fn)
+
+
+def no_softcap(table: Table) -> Check:
+    """Logit soft-capping is passed to no engine but the unfused one (added by the registry to every table that
+    declares no softcap check of its own)."""
+    def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+        if p.softcap:
+            return fail(f"softcap={p.softcap:g} (logit soft-capping) is not passed to {table.id} by attn-dispatch",
+                        "the unfused engine supports it")
+        return None
+    return Check(f"{table.family}.softcap", "no logit soft-capping (softcap=0)", "softmax",
+                 "attn-dispatch scope: only the unfused engine implements softcap", fn)

@@ -31,3 +31,9 @@ def _slow_on_gpu(p: AttentionParams, plat: Platform) -> str | None:
     if p.device_type == "cuda":
         return "unfused on a GPU is several times slower than the fused engines and uses O(block x skv) extra memory"
     return None
+
+
+@UNFUSED.check("softcap", requires="any softcap >= 0 (scores -> softcap * tanh(scores / softcap))", topic="softmax",
+               source=OURS)
+def _softcap(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    return None  # implemented in forward and backward; AttentionParams already refuses negative values
