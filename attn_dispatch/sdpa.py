@@ -24,29 +24,31 @@ import torch
 from .decision import Decision
 from .inputs import _cached_on
 
-_MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout) -> DotProductAttention
+_MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap) -> DotProductAttention
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-                                 recognize_masks: bool = True) -> torch.Tensor:
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors."""
+                                 recognize_masks: bool = True, softcap: float = 0.0) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors. `softcap` (our
+    extension, 0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                recognize_masks)
+                                recognize_masks, softcap)
     if "cu_seqlens_q" in kwargs:  # one packed row: thd with the sequences' own lengths (fused engines take it)
-        return varlen_attention(query, key, value, kwargs["cu_seqlens_q"], dropout_p, scale, enable_gqa)
+        return varlen_attention(query, key, value, kwargs["cu_seqlens_q"], dropout_p, scale, enable_gqa,
+                                softcap=softcap)
     out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
     return out.transpose(1, 2)  # [b, h, sq, d_v]: no copy where the engine wrote that order
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                      dropout_p: float = 0.0, scale: float | None = None, enable_gqa: bool = False,
-                     window_left: int | None = None) -> torch.Tensor:
+                     window_left: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention within each of the packed sequences of one [1, h, t, d] row (int32 `cu_seqlens` [n+1]):
     thd with the sequences' own lengths, as a flattening collator's batch means it; `window_left` keys before each
     query at most (a sliding window). Returns [1, h, t, d_v]."""
-    module, _ = _translate(query, key, value, None, dropout_p, False, scale, enable_gqa, False)
+    module, _ = _translate(query, key, value, None, dropout_p, False, scale, enable_gqa, False, softcap)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [t, h, d] views
     out = module(q, k, v, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu_seqlens,
                  cu_seqlens_kv=cu_seqlens, window_size=None if window_left is None else (window_left, 0))
@@ -64,7 +66,8 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     return module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
 
 
-def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks):
+def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
+               softcap: float = 0.0):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -88,24 +91,24 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     kwargs: dict[str, Any] = {"attn_mask_type": "causal" if is_causal else "no_mask"}
     if attn_mask is not None:
         kwargs.update(_mask_kwargs(attn_mask, b, h, sq, skv, query.device, recognize_masks))
-    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p))
+    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) or (
         isinstance(kwargs.get("core_attention_bias"), torch.Tensor) and kwargs["core_attention_bias"].requires_grad)
     module.train(bool(needs_grad) or dropout_p > 0)
     return module, kwargs
 
 
-def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float):
+def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, softcap: float):
     from .module import DotProductAttention
 
-    key = (h, hkv, d, dv, scale, dropout)
+    key = (h, hkv, d, dv, scale, dropout, softcap)
     module = _MODULES.get(key)
     if module is None:
         if len(_MODULES) >= 64:
             _MODULES.clear()
         module = _MODULES[key] = DotProductAttention(h, (d, dv), num_gqa_groups=hkv, attention_dropout=dropout,
                                                      qkv_format="bshd", attn_mask_type="no_mask",
-                                                     softmax_scale=scale)
+                                                     softmax_scale=scale, softcap=softcap)
     return module
 
 

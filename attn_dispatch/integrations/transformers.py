@@ -8,8 +8,9 @@ causal call (no padding) reaches the fused engines as 'causal'; decode steps (on
 as 'no_mask'; a packed row from a flattening collator (`cu_seq_lens_q`, or, where transformers passes no mask,
 `position_ids` restarting at 0) runs as thd, each sequence attending only to itself (as transformers'
 FlashAttention path treats it; sliding windows kept); padded batches
-carry a bool mask and run as 'arbitrary' (the unfused engine on a GPU; the Decision says so). Whatever the interface passes that no engine here can do is refused with the reason
-(attention logit softcapping, Gemma 2's; attention weights as output).
+carry a bool mask and run as 'arbitrary' (the unfused engine on a GPU; the Decision says so). Attention logit softcapping (Gemma 2's) runs on the engine that implements it (the
+unfused one; the others refuse it with the reason). Whatever the interface passes that no engine here can do is
+refused with the reason (attention weights as output, position_bias).
 """
 from __future__ import annotations
 
@@ -26,10 +27,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention function signature: [b, h, s, d] in, ([b, s, h, d_v], None) out."""
     from ..sdpa import scaled_dot_product_attention
 
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"softcap={kwargs['softcap']!r} (attention logit softcapping, e.g. Gemma 2's "
-                         "attn_logit_softcapping) is not supported by attn_dispatch's engines; set the config's "
-                         "attn_logit_softcapping=None or use attn_implementation='eager'")
+    softcap = float(kwargs.get("softcap") or 0.0)  # Gemma 2's attn_logit_softcapping: the unfused engine takes it
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: attn_dispatch's engines return no attention weights; use "
                          "attn_implementation='eager' to get them")
@@ -43,7 +41,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
         window = kwargs.get("sliding_window")  # the last `window` keys, the query's own included (transformers')
         out = varlen_attention(query, key, value, cu, dropout if module.training else 0.0, scaling,
-                               key.shape[1] != query.shape[1], None if window is None else int(window) - 1)
+                               key.shape[1] != query.shape[1], None if window is None else int(window) - 1,
+                               softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -53,7 +52,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     gqa = key.shape[1] != query.shape[1]
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                        dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
-                                       scale=scaling, enable_gqa=gqa)
+                                       scale=scaling, enable_gqa=gqa, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
