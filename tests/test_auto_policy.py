@@ -13,7 +13,7 @@ import pytest
 from attn_dispatch import AttentionParams, Platform, explain, selection
 from attn_dispatch.env import EnvFlags
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
-from attn_dispatch.policy.profile import PROFILE_DIR, build, features
+from attn_dispatch.policy.profile import build, features
 
 H100 = Platform.parse("h100-cudnn9")
 A100 = Platform.parse("a100-cudnn9")
