@@ -10,7 +10,8 @@ from .selection import clear_cache, explain, preference_order, select
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionParams", "Decision", "DotProductAttention", "EnvFlags", "NoBackendAvailableError", "Platform",
+    "AttentionParams", "Decision", "DotProductAttention", "EnvFlags", "InferenceParams", "KVCacheError",
+    "NoBackendAvailableError", "Platform",
     "Reason", "Verdict", "clear_cache", "explain", "explain_sdpa", "preference_order", "scaled_dot_product_attention",
     "select", "__version__",
 ]
@@ -21,6 +22,10 @@ def __getattr__(name: str):  # the module imports torch; keep `import attn_dispa
         from .module import DotProductAttention
 
         return DotProductAttention
+    if name in ("InferenceParams", "KVCacheError"):
+        from . import kv_cache
+
+        return getattr(kv_cache, name)
     if name in ("scaled_dot_product_attention", "explain_sdpa"):
         from . import sdpa
 

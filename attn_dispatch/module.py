@@ -283,7 +283,17 @@ class DotProductAttention(torch.nn.Module):
             result = self._fast_forward(query_layer, key_layer, value_layer)
             if result is not _MISS:
                 return result
-        _reject_unbuilt(inference_params, fp8_output)
+        _reject_unbuilt(fp8_output)
+        if inference_params is not None:
+            from .kv_cache import attend
+
+            return attend.forward(
+                self, query_layer, key_layer, value_layer, inference_params, qkv_format=qkv_format,
+                attn_mask_type=attn_mask_type, window_size=window_size, attention_mask=attention_mask,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
+                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
         if self.cp_group is not None:
             from .context_parallel import module_glue
 
@@ -349,6 +359,7 @@ class DotProductAttention(torch.nn.Module):
         self._fast.clear()
         self._fast_last = (None, None, None)
         self.__dict__.pop("_cp_plans", None)
+        self.__dict__.pop("_kv_plans", None)
 
     def _check_generation(self) -> None:
         """Plans made before clear_cache() (or an engine load failure, a cuDNN rejection, ...) are stale."""
@@ -368,11 +379,17 @@ class DotProductAttention(torch.nn.Module):
 
         plan_kwargs = {k: kwargs.pop(k, None) for k in _PREPARE_KEYS}
         plan_kwargs["core_attention_bias_type"] = plan_kwargs["core_attention_bias_type"] or "no_bias"
-        _reject_unbuilt(kwargs.pop("inference_params", None), kwargs.pop("fp8_output", False))
-        kwargs.pop("checkpoint_core_attention", None)
+        _reject_unbuilt(kwargs.pop("fp8_output", False))
+        inference_params = kwargs.pop("inference_params", None)
+        checkpoint_core_attention = kwargs.pop("checkpoint_core_attention", False)
         kwargs.pop("fast_zero_fill", None)
         if kwargs:
             raise ValueError(f"explain() got unexpected arguments {sorted(kwargs)}; it takes forward's keywords")
+        if inference_params is not None:
+            from .kv_cache import attend
+
+            return attend.explain(self, query_layer, key_layer, value_layer, inference_params,
+                                  checkpoint_core_attention=checkpoint_core_attention, **plan_kwargs)
         params, _ = self._describe(query_layer, key_layer, value_layer, **plan_kwargs)
         return selection.explain(params, force=self.backend)
 
@@ -510,10 +527,7 @@ _PREPARE_KEYS = ("attention_mask", "qkv_format", "cu_seqlens_q", "cu_seqlens_kv"
                  "core_attention_bias_type", "core_attention_bias", "alibi_slopes", "pad_between_seqs")
 
 
-def _reject_unbuilt(inference_params: Any, fp8_output: Any) -> None:
-    if inference_params is not None:
-        raise NotImplementedError("inference_params (KV-cache inference) is not supported by attn_dispatch yet; "
-                                  "pass inference_params=None")
+def _reject_unbuilt(fp8_output: Any) -> None:
     if fp8_output:
         raise NotImplementedError(f"fp8_output={fp8_output!r}: FP8 attention is not supported by attn_dispatch yet; "
                                   "pass fp8_output=False")

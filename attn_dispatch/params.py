@@ -116,7 +116,9 @@ class AttentionParams:
     cp_comm_type: str = "p2p"
     cp_a2a_size: int | None = None  # a2a+p2p: ranks in the a2a group (None: 2)
     pad_between_seqs: bool = False
-    inference_kv_cache: bool = False
+    inference_kv_cache: bool = False  # attends a KV cache (InferenceParams): q is the step's new tokens
+    kv_cache_paged: bool = False      # the cache is a page pool with a page table
+    kv_page_size: int | None = None   # tokens per page (paged) or per row (contiguous: max_sequence_length)
     device_type: str = "cuda"
     softcap: float = 0.0  # logit soft-capping (Gemma 2): scores -> softcap * tanh(scores / softcap); 0 is off
     _hash: int = field(default=0, init=False, repr=False, compare=False)
@@ -153,6 +155,10 @@ class AttentionParams:
             if self.cp_comm_type == "a2a+p2p" and self.cp_size % self.cp_a2a_size:
                 raise ValueError(f"cp_a2a_size={self.cp_a2a_size} must divide cp_size={self.cp_size} "
                                  "(cp_size = a2a group size * p2p group size)")
+        if (self.kv_cache_paged or self.kv_page_size is not None) and not self.inference_kv_cache:
+            raise ValueError("kv_cache_paged / kv_page_size describe a KV cache: set inference_kv_cache=True")
+        if self.kv_page_size is not None:
+            _positive("kv_page_size", self.kv_page_size)
         if self.num_heads % self.num_gqa_groups:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_gqa_groups}; "
@@ -240,5 +246,8 @@ class AttentionParams:
                           + (f"(a2a={self.a2a_size})" if self.cp_comm_type == "a2a+p2p" else ""))
         if self.fp8:
             extras.append("fp8")
+        if self.inference_kv_cache:
+            extras.append(("paged" if self.kv_cache_paged else "contiguous") + " kv-cache"
+                          + (f"(page={self.kv_page_size})" if self.kv_page_size else ""))
         extras.append("training" if self.is_training else "inference")
         return f"{self.dtype} {self.qkv_format} {shape} {dims} {self.device_type} " + " ".join(extras)

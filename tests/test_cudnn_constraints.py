@@ -276,7 +276,9 @@ def test_context_parallel_fp8_kv_cache_max_logit():
     assert "cudnn_fused.cp_support" not in codes(FRONTEND, params(cp_size=2, window_size=(64, 64)), h100)
     assert "cudnn_fused.fp8" in codes(FRONTEND, params(fp8=True), h100)
     assert "cudnn_fused.dtype" in codes(FRONTEND, params(dtype="float32"), h100)
-    assert "cudnn_fused.kv_cache" in codes(FRONTEND, params(inference_kv_cache=True, is_training=False), h100)
+    assert "cudnn_fused.kv_cache" not in codes(FRONTEND, params(inference_kv_cache=True, is_training=False), h100)
+    paged = params(inference_kv_cache=True, kv_cache_paged=True, kv_page_size=64, is_training=False)
+    assert "cudnn_fused.kv_cache" in codes(FRONTEND, paged, h100)
     assert "cudnn_fused.return_max_logit" in codes(FRONTEND, params(return_max_logit=True), h100)
 
 

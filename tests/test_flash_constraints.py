@@ -182,7 +182,13 @@ def test_environment_and_out_of_scope_features(provider):
     off = EnvFlags.from_environ({"NVTE_FLASH_ATTN": "0"})
     assert f"{family}.env_disabled" in codes(provider, BASE, H100_ALL, off)
     assert f"{family}.return_max_logit" in codes(provider, BASE.replace(return_max_logit=True), H100_ALL)
-    assert f"{family}.kv_cache" in codes(provider, BASE.replace(inference_kv_cache=True), H100_ALL)
+    kv = BASE.replace(inference_kv_cache=True, is_training=False)
+    paged = kv.replace(kv_cache_paged=True, kv_page_size=64)
+    if provider == "flash_attn_2:torch":  # reads a contiguous cache in place; pages of 256 only
+        assert f"{family}.kv_cache" not in codes(provider, kv, H100_ALL)
+        assert f"{family}.kv_cache" in codes(provider, paged, H100_ALL)
+    else:
+        assert f"{family}.kv_cache" in codes(provider, kv, H100_ALL)
     assert f"{family}.fp8" in codes(provider, BASE.replace(fp8=True), H100_ALL)
     for comm in ("p2p", "all_gather", "a2a", "a2a+p2p"):
         assert verdict(provider, BASE.replace(cp_size=2, cp_comm_type=comm), H100_ALL).eligible

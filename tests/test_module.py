@@ -292,7 +292,7 @@ def test_unbuilt_features_raise_naming_the_argument():
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd")
     with pytest.raises(NotImplementedError, match="fp8_output"):
         dpa(q, k, v, fp8_output=True)
-    with pytest.raises(NotImplementedError, match="inference_params"):
+    with pytest.raises(TypeError, match="inference_params must be an attn_dispatch.InferenceParams"):
         dpa(q, k, v, inference_params=object())
 
 

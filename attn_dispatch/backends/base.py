@@ -11,6 +11,7 @@ Conventions (all engines):
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -66,6 +67,36 @@ class BwdResult(NamedTuple):
     dsoftmax_offset: torch.Tensor | None = None
 
 
+class KVCacheView(NamedTuple):
+    """The keys/values a KV-cache inference step attends to (see attn_dispatch.kv_cache). Rows are the step's
+    sequences in batch order; every length already counts this step's new tokens.
+
+    contiguous: k, v are [capacity, page_size, hkv, d] and sequence i lives in row i (page_size = the cache's
+    max_sequence_length); paged: k, v are page pools [pages, page_size, hkv, d] and page_table[i] lists sequence
+    i's pages in order."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seqlens_kv: torch.Tensor      # int32 [b], cached tokens per sequence
+    cu_seqlens_kv: torch.Tensor   # int32 [b + 1], their running sum
+    max_seqlen_kv: int            # max(seqlens_kv), known on the host
+    page_size: int
+    page_table: torch.Tensor | None = None  # int32 [b, pages per sequence]; None for a contiguous cache
+
+    @property
+    def batch(self) -> int:
+        return self.seqlens_kv.shape[0]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v as [b, max_seqlen_kv, hkv, d]: views of a contiguous cache, a gather of a paged one."""
+        b, length = self.batch, self.max_seqlen_kv
+        if self.page_table is None:
+            return self.k[:b, :length], self.v[:b, :length]
+        pages = -(-length // self.page_size)
+        table = self.page_table[:b, :pages]
+        return tuple(x[table].flatten(1, 2)[:, :length] for x in (self.k, self.v))
+
+
 class Engine:
     """Base class. Subclasses set family/provider and implement forward/backward."""
 
@@ -86,6 +117,22 @@ class Engine:
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
         raise NotImplementedError
+
+    def forward_kv_cache(self, q: torch.Tensor, cache: KVCacheView, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                         cfg: AttnConfig) -> torch.Tensor:
+        """One KV-cache inference step: q is thd [t, h, d] (cu_seqlens_q: the step's new tokens per sequence),
+        attending bottom-right to the cache; returns thd [t, h, d_v]. This default runs the engine's own padded
+        bshd path on cache.dense() (no copy for a contiguous cache); engines with a native cache kernel override
+        it. cfg.qkv_format is 'thd' and cfg.attn_mask_type a padding mask."""
+        k4, v4 = cache.dense()
+        b, t = cache.batch, q.shape[0]
+        rows, cols = _thd_positions(cu_seqlens_q, b, max_seqlen_q, t)
+        q4 = q.new_zeros(b, max_seqlen_q, *q.shape[1:])
+        q4[rows, cols] = q
+        aux = AttnAux(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cache.cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_kv=cache.max_seqlen_kv)
+        out4 = self.forward(q4, k4, v4, aux, dataclasses.replace(cfg, qkv_format="bshd")).out
+        return out4[rows, cols]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
                  flatten_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -108,6 +155,14 @@ class Engine:
         # wrappers: done for the tensors directly, it saves a few microseconds per call.
         return _RAW_APPLY(self, aux, cfg, flatten_heads, _unwrap(q), _unwrap(k), _unwrap(v),
                           None if bias is None else _unwrap(bias), None if offset is None else _unwrap(offset))
+
+
+def _thd_positions(cu: torch.Tensor, batch: int, max_len: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) in a padded [batch, max_len] layout of each of the total tokens of a thd tensor."""
+    lengths = (cu[1:] - cu[:-1]).long()
+    rows = torch.repeat_interleave(torch.arange(batch, device=cu.device), lengths, output_size=total)
+    cols = torch.arange(total, device=cu.device) - cu[:-1].long()[rows]
+    return rows, cols
 
 
 class _EngineFunction(torch.autograd.Function):

@@ -55,6 +55,8 @@ class TorchFlashEngine(_torch_native.NativeOpPath, FlashEngineBase):
         self._bwd = torch.ops.aten._flash_attention_backward.default
         names = {a.name for a in self._fwd._schema.arguments}
         self._has_window = {"window_size_left", "window_size_right"} <= names
+        self._has_block_table = "block_table" in names
+        self._row_starts_cache: dict[tuple, torch.Tensor] = {}
 
     native_call = staticmethod(_torch_native.flash_call)  # SDPA's own op and autograd where it fits
 
@@ -77,6 +79,38 @@ class TorchFlashEngine(_torch_native.NativeOpPath, FlashEngineBase):
             raise RuntimeError(f"aten::_flash_attention_forward returned lse of shape {list(lse.shape)}, expected "
                                f"{list(expected)}; this torch ({torch.__version__}) predates the FA2 2.5 API (2.4+)")
         return out, lse, (rng_state, unused, max_q, max_k)
+
+    def forward_kv_cache(self, q, cache, cu_seqlens_q, max_seqlen_q, cfg):
+        """The varlen kernel reads the cache in place: a contiguous cache as rows of page_size tokens of which
+        seqused_k are live, a paged one through block_table (flash_api.cpp mha_varlen_fwd). With q_len 1 and GQA
+        the kernel folds the query heads of a group into rows and splits the keys across blocks (split-KV)."""
+        window = cfg.window_size
+        kwargs: dict[str, Any] = {"scale": cfg.softmax_scale}
+        if window not in ((UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0)):
+            kwargs.update(window_size_left=window[0], window_size_right=window[1])
+        if cache.page_table is None:
+            k, v = cache.k.flatten(0, 1), cache.v.flatten(0, 1)
+            cu_k = self._row_starts(cache.batch, cache.page_size, q.device)
+            kwargs["seqused_k"] = cache.seqlens_kv
+        else:
+            if not self._has_block_table:
+                raise RuntimeError(f"this torch ({torch.__version__}) has no block_table argument on "
+                                   "aten::_flash_attention_forward: a paged cache needs it")
+            k, v, cu_k = cache.k, cache.v, cache.cu_seqlens_kv
+            kwargs["block_table"] = cache.page_table
+        causal = "causal" in cfg.attn_mask_type
+        return self._fwd(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, cache.max_seqlen_kv, 0.0, causal, False,
+                         **kwargs)[0]
+
+    def _row_starts(self, batch: int, row_len: int, device: torch.device) -> torch.Tensor:
+        key = (batch, row_len, device)
+        starts = self._row_starts_cache.get(key)
+        if starts is None:
+            if len(self._row_starts_cache) > 64:
+                self._row_starts_cache.clear()
+            starts = self._row_starts_cache[key] = torch.arange(0, (batch + 1) * row_len, row_len,
+                                                                dtype=torch.int32, device=device)
+        return starts
 
     def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
         if kernel_state is None:

@@ -159,12 +159,33 @@ def no_return_max_logit(table: Table, *, source: str) -> Check:
     return Check(f"{table.family}.return_max_logit", "return_max_logit=False", "softmax", source, fn)
 
 
-def no_kv_cache(table: Table) -> Check:
+TE_KV_FILTER = ("Transformer Engine attention/dot_product_attention/utils.py get_attention_backend "
+                "('Filter: KV cache' table)")
+
+
+def kv_cache(table: Table, *, contiguous: bool, paged: bool, page_multiple: int = 1, source: str,
+             why_not: str = "") -> Check:
+    """KV-cache inference (InferenceParams): which caches the engine attends in place. why_not says why one
+    it cannot take is refused (e.g. its kernel has no page table)."""
+    kinds = [name for name, ok in (("contiguous", contiguous), ("paged", paged)) if ok]
+    requires = ("KV cache: " + " or ".join(kinds)) if kinds else "no inference KV cache"
+    if paged and page_multiple > 1:
+        requires += f" (page_size % {page_multiple} == 0)"
+
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-        if p.inference_kv_cache:
-            return fail("inference with a KV cache (inference_params) is not implemented in attn-dispatch yet")
+        if not p.inference_kv_cache:
+            return None
+        kind = "paged" if p.kv_cache_paged else "contiguous"
+        if kind not in kinds:
+            other = [k for k in kinds if k != kind]
+            return fail(f"a {kind} KV cache is not supported by {table.id}" + (f": {why_not}" if why_not else ""),
+                        f"use a {other[0]} cache (InferenceParams(is_paged={other[0] == 'paged'}))" if other
+                        else "the unfused engine attends any KV cache")
+        if p.kv_cache_paged and p.kv_page_size and p.kv_page_size % page_multiple:
+            return fail(f"page_size={p.kv_page_size} is not a multiple of {page_multiple}, which {table.id}'s "
+                        "paged kernel requires", f"InferenceParams(page_size=<multiple of {page_multiple}>)")
         return None
-    return Check(f"{table.family}.kv_cache", "no inference KV cache", "inference", "attn-dispatch scope", fn)
+    return Check(f"{table.family}.kv_cache", requires, "inference", source, fn)
 
 
 def cp_comm_types(table: Table, allowed: tuple[str, ...], *, source: str) -> Check:

@@ -31,6 +31,7 @@ from .base import Check, Failure, Table, fail
 
 TE_CPP = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_arbitrary_seqlen)"
 TE_PY = common.TE_SELECTION
+TE_KV = common.TE_KV_FILTER
 TE_M512 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_max512_seqlen)"
 FE_DOCS = "cudnn-frontend docs/operations/Attention.md (support matrix, cuDNN 9.18.1)"
 FE_TESTS = "cudnn-frontend test/python/test_mhas.py (version skips)"
@@ -698,10 +699,23 @@ def _cudnn_rules(table: Table) -> None:
     _add(table, "backward_single_token", "training: not s_q = s_kv = 1", "seqlen",
          FE_VALIDATE + " (_validate_backward)", rule_backward_single_token)
     _add(table, "decode_sink", "softmax sinks: s_q > 1", "softmax", FE_SURFACE + " (backend path)", rule_decode_sink)
-    table.add(common.no_kv_cache(table))
+    table.add(_kv_cache_check(table))
     table.add(common.no_return_max_logit(table, source=OURS + " (cuDNN's score_max output is not wired up)"))
     table.add(common.cp_comm_types(table, ("p2p", "all_gather", "a2a", "a2a+p2p"),
                                    source=OURS + " returns the log-sum-exp that context parallelism merges"))
+
+
+def _kv_cache_check(table: Table) -> Check:
+    if table.provider == "frontend":
+        return common.kv_cache(
+            table, contiguous=True, paged=False,
+            why_not="cuDNN's paged attention (page tables, cuDNN >= 9.5) is not wired up in attn-dispatch",
+            source=TE_KV + " (FusedAttention: non-paged and paged, bshd/sbhd/thd); the contiguous cache runs "
+                   "the padded bshd graph on the cache rows in place")
+    return common.kv_cache(
+        table, contiguous=False, paged=False,
+        why_not="aten::_scaled_dot_product_cudnn_attention takes no per-sequence lengths, so it cannot leave a "
+                "cache row's unused tail out", source="torch aten::_scaled_dot_product_cudnn_attention schema")
 
 
 # --- provider 1: cudnn-frontend graphs ---------------------------------------------------------

@@ -95,7 +95,8 @@ P.add(
     common.softmax_types(P, ("vanilla",), source=TE_UTILS + " (softmax_type other than vanilla disables "
                                                             "FlashAttention)"),
     common.no_return_max_logit(P, source=TE_UTILS + " (return_max_logit disables FlashAttention)"),
-    common.no_kv_cache(P),
+    common.kv_cache(P, contiguous=False, paged=False, source=common.TE_KV_FILTER,
+                    why_not="flash_attn_with_kvcache is not wired up in attn-dispatch"),
     common.cp_comm_types(P, ("p2p", "all_gather", "a2a", "a2a+p2p"), source=CP),
 )
 
@@ -127,6 +128,18 @@ def _torch_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
         return fail(f"torch {plat.torch_version} predates the FA2 2.5 interface of aten::_flash_attention_forward "
                     "(window sizes, ALiBi slopes, the [h, t] varlen lse) that flash_attn_2:torch calls",
                     "pip install -U 'torch>=2.4'")
+    return None
+
+
+# The oldest torch whose aten::_flash_attention_forward schema we have seen take block_table (and num_splits).
+TORCH_BLOCK_TABLE = "2.13"
+
+
+def _paged_needs_block_table(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.inference_kv_cache and p.kv_cache_paged and plat.torch < parse_version(TORCH_BLOCK_TABLE):
+        return fail(f"torch {plat.torch_version}'s aten::_flash_attention_forward takes no block_table (seen from "
+                    f"torch {TORCH_BLOCK_TABLE}), so it cannot read a paged KV cache",
+                    f"pip install -U 'torch>={TORCH_BLOCK_TABLE}', or use a contiguous cache")
     return None
 
 
@@ -186,7 +199,12 @@ T.add(
           "does not support alibi.'; observed on torch 2.11.0+cu130 (H100, GPU test alibi_inference)", _torch_bias),
     common.softmax_types(T, ("vanilla",), source="the op has no sink/offset argument"),
     common.no_return_max_logit(T, source="the op returns no max logit"),
-    common.no_kv_cache(T),
+    common.kv_cache(T, contiguous=True, paged=True, page_multiple=256,
+                    source="aten::_flash_attention_forward (varlen: seqused_k for cache rows, block_table for pages); "
+                           "flash-attn flash_api.cpp 'Paged KV cache block size must be divisible by 256'; "
+                           + common.TE_KV_FILTER),
+    check(T, "kv_cache_pages", "a paged KV cache: torch whose op takes block_table", "inference",
+          "aten::_flash_attention_forward schema (block_table)", _paged_needs_block_table),
     common.cp_comm_types(T, ("p2p", "all_gather", "a2a", "a2a+p2p"), source=CP),
 )
 

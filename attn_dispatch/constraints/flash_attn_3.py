@@ -66,7 +66,8 @@ T.add(
     common.softmax_types(T, ("vanilla",),
                          source=TE_UTILS + " (softmax_type other than vanilla disables FlashAttention)"),
     common.no_return_max_logit(T, source=TE_UTILS + " (return_max_logit disables FlashAttention)"),
-    common.no_kv_cache(T),
+    common.kv_cache(T, contiguous=False, paged=False, source=common.TE_KV_FILTER + " (FA3 takes both)",
+                    why_not="FA3's flash_attn_with_kvcache is not wired up in attn-dispatch"),
     common.cp_comm_types(T, ("p2p", "all_gather", "a2a", "a2a+p2p"), source=CP),
 )
 

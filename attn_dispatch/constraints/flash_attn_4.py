@@ -133,7 +133,9 @@ T.add(
           FA4_IFACE + " _flash_attn_bwd: 'SM100 backward with head_dim=256 does not support learnable_sink'",
           _sink_backward),
     common.no_return_max_logit(T, source=FA4_IFACE + " (no max logit output)"),
-    common.no_kv_cache(T),
+    common.kv_cache(T, contiguous=False, paged=False,
+                    source=common.TE_KV_FILTER + " ('Disabling FlashAttention 4 as it does not support KV cache')",
+                    why_not="Transformer Engine does not run flash-attn-4 with a KV cache, nor does attn-dispatch"),
     common.cp_comm_types(T, ("p2p", "all_gather", "a2a", "a2a+p2p"), source=CP),
 )
 

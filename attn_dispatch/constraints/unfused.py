@@ -14,7 +14,8 @@ UNFUSED.add(
     common.env_enabled(UNFUSED),
     common.dtypes(UNFUSED, ("float16", "bfloat16", "float32", "float64"), source=OURS),
     common.no_fp8(UNFUSED, source=OURS),
-    common.no_kv_cache(UNFUSED),
+    common.kv_cache(UNFUSED, contiguous=True, paged=True,
+                    source=OURS + " (gathers each sequence's cached keys; any page size)"),
     common.cp_comm_types(UNFUSED, ("p2p", "all_gather", "a2a", "a2a+p2p"), source="attn_dispatch.context_parallel"),
 )
 

@@ -45,6 +45,8 @@ def features(p: AttentionParams) -> tuple[tuple, dict[str, float], str]:
         span = min(span, left + (right if right >= 0 else 0) + 1)
     mask = "window" if p.has_sliding_window else ("causal" if p.is_causal else "none")
     kind = (p.is_training, mask, p.has_padding)
+    if p.inference_kv_cache:  # a decode/prefill step over a cache: compared only with measured cache steps
+        kind += ("kv-cache paged" if p.kv_cache_paged else "kv-cache",)
     log2 = {"d_qk": math.log2(p.head_dim_qk), "d_v": math.log2(p.head_dim_v), "sq": math.log2(p.max_seqlen_q),
             "skv": math.log2(p.max_seqlen_kv), "span": math.log2(max(1, span)),
             "bh": math.log2(p.batch_size * p.num_heads), "gqa": math.log2(p.gqa_ratio)}
