@@ -24,6 +24,7 @@ ALIBI_SLOPE_SHAPES = ("h", "bh")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DEVICE_TYPES = ("cuda", "cpu")
+FP8_RECIPES = ("delayed", "current")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "fp8")
 DTYPE_ALIASES = {
     "fp16": "float16", "half": "float16", "float16": "float16",
@@ -112,6 +113,8 @@ class AttentionParams:
     is_training: bool = True
     deterministic: bool = False
     fp8: bool = False
+    fp8_recipe: str | None = None     # with fp8: 'delayed' (DelayedScaling) or 'current' (Float8CurrentScaling)
+    fp8_output: bool = False          # with fp8: the output stays in FP8 (fp8_output / recipe fp8_mha)
     cp_size: int = 1
     cp_comm_type: str = "p2p"
     cp_a2a_size: int | None = None  # a2a+p2p: ranks in the a2a group (None: 2)
@@ -155,6 +158,10 @@ class AttentionParams:
             if self.cp_comm_type == "a2a+p2p" and self.cp_size % self.cp_a2a_size:
                 raise ValueError(f"cp_a2a_size={self.cp_a2a_size} must divide cp_size={self.cp_size} "
                                  "(cp_size = a2a group size * p2p group size)")
+        if self.fp8_recipe is not None:
+            _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if (self.fp8_recipe is not None or self.fp8_output) and not self.fp8:
+            raise ValueError("fp8_recipe / fp8_output describe an FP8 call: set fp8=True")
         if (self.kv_cache_paged or self.kv_page_size is not None) and not self.inference_kv_cache:
             raise ValueError("kv_cache_paged / kv_page_size describe a KV cache: set inference_kv_cache=True")
         if self.kv_page_size is not None:
@@ -245,7 +252,8 @@ class AttentionParams:
             extras.append(f"cp={self.cp_size}x{self.cp_comm_type}"
                           + (f"(a2a={self.a2a_size})" if self.cp_comm_type == "a2a+p2p" else ""))
         if self.fp8:
-            extras.append("fp8")
+            extras.append("fp8" + (f"({self.fp8_recipe})" if self.fp8_recipe else "")
+                          + (" fp8-output" if self.fp8_output else ""))
         if self.inference_kv_cache:
             extras.append(("paged" if self.kv_cache_paged else "contiguous") + " kv-cache"
                           + (f"(page={self.kv_page_size})" if self.kv_page_size else ""))

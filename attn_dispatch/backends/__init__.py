@@ -11,6 +11,7 @@ ENGINE_CLASSES: dict[str, str] = {
     "flash_attn_3:interface": "attn_dispatch.backends.flash_attn_3:FlashAttn3Engine",
     "cudnn_fused:frontend": "attn_dispatch.backends.cudnn_fused:CudnnFrontendEngine",
     "cudnn_fused:torch": "attn_dispatch.backends.cudnn_fused:TorchCudnnEngine",
+    "cudnn_fused:fp8": "attn_dispatch.backends.cudnn_fused_fp8:CudnnFP8Engine",
     "flash_attn_2:package": "attn_dispatch.backends.flash_attn_2:FlashAttn2PackageEngine",
     "flash_attn_2:torch": "attn_dispatch.backends.flash_attn_2:TorchFlashEngine",
     "unfused:pytorch": "attn_dispatch.backends.unfused:UnfusedEngine",

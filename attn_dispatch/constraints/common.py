@@ -146,7 +146,8 @@ def no_dropout(table: Table, *, source: str) -> Check:
 def no_fp8(table: Table, *, source: str) -> Check:
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         if p.fp8 or p.dtype == "fp8":
-            return fail(f"FP8 attention is not implemented by {table.id} in attn-dispatch")
+            return fail(f"FP8 attention is not implemented by {table.id} in attn-dispatch",
+                        "FP8 calls run on cudnn_fused:fp8 (cuDNN's FP8 SDPA, Hopper and newer)")
         return None
     return Check(f"{table.family}.fp8", "no FP8", "dtype", source, fn)
 

@@ -626,8 +626,8 @@ def rule_sub_backend_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> F
     if pin is None or pin == "1":
         return None
     if pin == "2":
-        return fail("NVTE_FUSED_ATTN_BACKEND=2 pins the FP8 sub-backend, which attn-dispatch does not implement",
-                    "unset NVTE_FUSED_ATTN_BACKEND or set it to 1")
+        return fail("NVTE_FUSED_ATTN_BACKEND=2 pins the FP8 sub-backend (cudnn_fused:fp8), which runs FP8 calls "
+                    "only", "unset NVTE_FUSED_ATTN_BACKEND or set it to 1; for FP8, run under fp8_autocast")
     problems = max512_problems(p, plat)
     if problems:
         return fail("NVTE_FUSED_ATTN_BACKEND=0 pins F16_max512_seqlen, which needs: " + "; ".join(problems),
@@ -658,7 +658,7 @@ def _cudnn_rules(table: Table) -> None:
     _add(table, "arch_version", "sm80/sm90 (8.9.0+), sm80-sm9x (8.9.3+), Blackwell (9.7.0+)", "platform",
          TE_CPP + " (architecture clause)", rule_arch_version)
     table.add(common.dtypes(table, ("float16", "bfloat16"), source=TE_CPP + "; " + FE_DOCS))
-    table.add(common.no_fp8(table, source=OURS + " (cuDNN's FP8 SDPA, TE sub-backend 2, is not wired up)"))
+    table.add(common.no_fp8(table, source=OURS + " (FP8 calls run on cudnn_fused:fp8, TE's sub-backend 2)"))
     _add(table, "seqlen_multiple_of_64", "cuDNN < 9.0: max_seqlen_q/kv multiples of 64", "seqlen",
          TE_CPP + " ('cudnn < 90000 requires max_seqlen % 64 == 0')", rule_seqlen_multiple_of_64)
     _add(table, "gqa", "GQA/MQA: cuDNN >= 8.9.7", "heads", TE_CPP + "; " + FE_TESTS, rule_gqa)
@@ -925,4 +925,6 @@ def record_rejection(signature: tuple, message: str) -> None:
     clear_cache()  # cached decisions predate what cuDNN just said
 
 
-TABLES = [FRONTEND_TABLE, TORCH_TABLE]
+from .cudnn_fused_fp8 import FP8_TABLE  # noqa: E402 - it builds on the rules above
+
+TABLES = [FRONTEND_TABLE, TORCH_TABLE, FP8_TABLE]

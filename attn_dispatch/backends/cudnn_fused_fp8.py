@@ -1,0 +1,391 @@
+"""cuDNN's per-tensor FP8 attention through cudnn-frontend graphs (`sdpa_fp8`, `sdpa_fp8_backward`): the engine of
+provider `cudnn_fused:fp8`, Transformer Engine's fused-attention sub-backend 2 with `fp8_dpa`.
+
+A call (inside `fp8_autocast` with `fp8_dpa=True`; the module passes its FP8 scaling state in `aux.extra["fp8"]`):
+- forward: q, k, v (bf16/fp16) are quantized to E4M3 with their per-tensor scales (delayed: from the amax
+  history; current: from their own amax now), their amaxes recorded; cuDNN runs attention in FP8, quantizing the
+  softmax probabilities with the S scale and writing O in E4M3 with the O scale, and reports the amaxes of S and O
+  into the history; O comes back dequantized to the input dtype (or as a Float8Output with fp8_output). The
+  forward scales are then updated for the next call.
+- backward: dO is quantized (E5M2 under HYBRID, E4M3 under E4M3); cuDNN computes dQ, dK, dV in that dtype from the
+  saved FP8 q, k, v, O and softmax stats, reporting the amaxes of dQ, dK, dV and of the softmax gradient dP; the
+  gradients come back dequantized. Then the backward scales are updated.
+On Hopper cuDNN 9.19 writes O and dQ, dK, dV only in FP8 (a bf16 output is Blackwell-only: "sdpa fp8 forward with
+HALF/BFLOAT16 output is only supported on Blackwell", seen on the H100), hence the dequantization passes. What
+the autograd graph keeps for backward is the FP8 q, k, v and O (half the bytes of bf16) and the stats.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..fp8 import quantize as fp8q
+from ..fp8.output import Float8Output
+from ..fp8.state import BACKWARD, FORWARD, INDEX, FP8ScalingState
+from . import cudnn_fused as _cd
+from ._cudnn_graph import CudnnGraphError, contiguous_strides
+from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+
+E4M3 = torch.float8_e4m3fn
+GRAPH_CACHE_SIZE = 256
+_FWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+_BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+# the state slot and the scale vector (forward's saved one or backward's) each scalar is read from
+_SCALAR_SOURCE = {"descale_q": ("q", "fwd"), "descale_k": ("k", "fwd"), "descale_v": ("v", "fwd"),
+                  "descale_s": ("s", "fwd"), "scale_s": ("s", "fwd"), "scale_o": ("o", "fwd"),
+                  "descale_o": ("o", "fwd"), "descale_dO": ("do", "bwd"), "descale_dP": ("dp", "bwd"),
+                  "scale_dQ": ("dq", "bwd"), "scale_dK": ("dk", "bwd"), "scale_dV": ("dv", "bwd"),
+                  "scale_dP": ("dp", "bwd")}
+
+
+@dataclass
+class FP8Call:
+    """What the module hands the engine for one FP8 call (aux.extra['fp8'])."""
+    state: FP8ScalingState
+    group: Any = None          # torch.distributed group the amaxes are reduced over (fp8_autocast's fp8_group)
+    output_fp8: bool = False   # return O as a Float8Output
+
+
+@dataclass(frozen=True)
+class _Key:
+    phase: str                 # 'fwd' | 'bwd'
+    device: int
+    b: int
+    h: int
+    hkv: int
+    sq: int
+    skv: int
+    dqk: int
+    dv: int
+    layout: str                # 'bshd' | 'sbhd': the quantized tensors are contiguous in this layout
+    padding: bool
+    causal: bool
+    scale: float
+    deterministic: bool
+    bwd_dtype: torch.dtype     # dO, dQ, dK, dV
+
+
+@dataclass
+class _Built:
+    graph: Any
+    tensors: dict              # name -> graph tensor
+    workspace: int
+
+
+@dataclass
+class _Saved:
+    """What backward needs from forward."""
+    key: _Key
+    call: Any                  # cudnn_fused._Call (lengths of a padded call)
+    q8: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor
+    o8: torch.Tensor
+    stats: torch.Tensor
+    scales: torch.Tensor       # the forward's scale vector [10] and its reciprocal
+    descales: torch.Tensor
+    dtype: torch.dtype         # q's dtype: what the gradients are returned in
+    fp8: FP8Call
+
+
+def _bhsd_strides(layout: str, b: int, s: int, h: int, d: int) -> list[int]:
+    """[b, h, s, d] strides of a tensor contiguous in `layout`."""
+    if layout == "bshd":
+        return [s * h * d, d, h * d, 1]
+    return [h * d, d, b * h * d, 1]  # sbhd
+
+
+def _empty(layout: str, b: int, s: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    shape = (b, s, h, d) if layout == "bshd" else (s, b, h, d)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _fp8_of(aux: AttnAux) -> FP8Call:
+    fp8 = aux.extra.get("fp8")
+    if not isinstance(fp8, FP8Call):
+        raise ValueError("cudnn_fused:fp8 runs FP8 calls only: call the module inside attn_dispatch.fp8_autocast "
+                         "with a recipe whose fp8_dpa=True (aux.extra['fp8'] is missing)")
+    return fp8
+
+
+class CudnnFP8Engine(Engine):
+    family = "cudnn_fused"
+    provider = "fp8"
+
+    def __init__(self) -> None:
+        import cudnn  # noqa: PLC0415 - lazy: the package is optional
+
+        self.cudnn = cudnn
+        self._graphs: OrderedDict[_Key, _Built] = OrderedDict()
+        self._failures: dict[_Key, CudnnGraphError] = {}
+        self._devices: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.stats = {"builds": 0, "hits": 0, "build_seconds": 0.0}
+
+    # --- graphs -----------------------------------------------------------------------------------------
+    def _device(self, index: int):
+        state = self._devices.get(index)
+        if state is None:
+            with self._lock:
+                state = self._devices.get(index) or _cd._DeviceState(self.cudnn, index)
+                self._devices[index] = state
+        return state
+
+    def graph(self, key: _Key, signature: tuple) -> _Built:
+        built = self._graphs.get(key)
+        if built is not None:
+            self.stats["hits"] += 1
+            return built
+        failure = self._failures.get(key)
+        if failure is None:
+            start = time.perf_counter()
+            try:
+                with _cd._on_device(key.device):
+                    built = self._build(key, self._device(key.device).handle)
+            except CudnnGraphError as exc:
+                failure = self._failures[key] = exc
+            else:
+                self.stats["builds"] += 1
+                self.stats["build_seconds"] += time.perf_counter() - start
+                with self._lock:
+                    self._graphs[key] = built
+                    while len(self._graphs) > GRAPH_CACHE_SIZE:
+                        self._graphs.popitem(last=False)
+                return built
+        from ..constraints.cudnn_fused import record_rejection
+
+        record_rejection(signature, failure.cudnn_message)  # the table excludes this signature from now on
+        raise failure
+
+    def _build(self, key: _Key, handle: Any) -> _Built:
+        c = self.cudnn
+        f32, i32 = c.data_type.FLOAT, c.data_type.INT32
+        dt = {E4M3: c.data_type.FP8_E4M3, torch.float8_e5m2: c.data_type.FP8_E5M2}
+        g = c.pygraph(io_data_type=c.data_type.FP8_E4M3, intermediate_data_type=f32, compute_data_type=f32,
+                      handle=handle)
+        tensors: dict[str, Any] = {}
+
+        def operand(name: str, s: int, h: int, d: int, dtype: Any) -> Any:
+            t = g.tensor(name=name, dim=[key.b, h, s, d], stride=_bhsd_strides(key.layout, key.b, s, h, d),
+                         data_type=dtype)
+            tensors[name] = t
+            return t
+
+        def small(name: str, dims: list[int], dtype: Any) -> Any:
+            t = g.tensor(name=name, dim=dims, stride=contiguous_strides(dims), data_type=dtype)
+            tensors[name] = t
+            return t
+
+        def output(name: str, t: Any, s: int, h: int, d: int, dtype: Any) -> None:
+            t.set_output(True).set_dim([key.b, h, s, d]).set_stride(_bhsd_strides(key.layout, key.b, s, h, d)) \
+                .set_data_type(dtype)
+            tensors[name] = t
+
+        def scalar_out(name: str, t: Any) -> None:
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+            tensors[name] = t
+
+        e4m3 = c.data_type.FP8_E4M3
+        q = operand("q", key.sq, key.h, key.dqk, e4m3)
+        k = operand("k", key.skv, key.hkv, key.dqk, e4m3)
+        v = operand("v", key.skv, key.hkv, key.dv, e4m3)
+        kw: dict[str, Any] = {"attn_scale": key.scale}
+        if key.causal:
+            kw["diagonal_alignment"] = c.diagonal_alignment.TOP_LEFT
+            kw["right_bound"] = 0
+        if key.padding:
+            kw["use_padding_mask"] = True
+            kw["seq_len_q"] = small("seq_len_q", [key.b, 1, 1, 1], i32)
+            kw["seq_len_kv"] = small("seq_len_kv", [key.b, 1, 1, 1], i32)
+        stats_dims, stats_strides = [key.b, key.h, key.sq, 1], [key.h * key.sq, key.sq, 1, 1]
+        stage = "graph"
+        try:
+            if key.phase == "fwd":
+                for name in _FWD_SCALARS:
+                    kw[name] = small(name, [1, 1, 1, 1], f32)
+                o, stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, generate_stats=True, name="sdpa_fp8", **kw)
+                output("o", o, key.sq, key.h, key.dv, e4m3)
+                stats.set_output(True).set_dim(stats_dims).set_stride(stats_strides).set_data_type(f32)
+                tensors["stats"] = stats
+                scalar_out("amax_s", amax_s)
+                scalar_out("amax_o", amax_o)
+            else:
+                o = operand("o", key.sq, key.h, key.dv, e4m3)
+                do = operand("do", key.sq, key.h, key.dv, dt[key.bwd_dtype])
+                stats = g.tensor(name="stats", dim=stats_dims, stride=stats_strides, data_type=f32)
+                tensors["stats"] = stats
+                for name in _BWD_SCALARS:
+                    kw[name] = small(name, [1, 1, 1, 1], f32)
+                dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = g.sdpa_fp8_backward(
+                    q=q, k=k, v=v, o=o, dO=do, stats=stats, use_deterministic_algorithm=key.deterministic,
+                    name="sdpa_fp8_backward", **kw)
+                out_dt = dt[key.bwd_dtype]
+                output("dq", dq, key.sq, key.h, key.dqk, out_dt)
+                output("dk", dk, key.skv, key.hkv, key.dqk, out_dt)
+                output("dv", dv, key.skv, key.hkv, key.dv, out_dt)
+                for name, t in (("amax_dq", amax_dq), ("amax_dk", amax_dk), ("amax_dv", amax_dv),
+                                ("amax_dp", amax_dp)):
+                    scalar_out(name, t)
+            stage = "validate"
+            g.validate()
+            stage = "build_operation_graph"
+            g.build_operation_graph()
+            stage = "create_execution_plans"
+            g.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
+            stage = "check_support"
+            g.check_support()
+            stage = "build_plans"
+            g.build_plans()
+            workspace = int(g.get_workspace_size())
+        except Exception as exc:  # noqa: BLE001 - every cuDNN failure becomes one clear error
+            raise CudnnGraphError("FP8 " + key.phase, stage, f"{type(exc).__name__}: {exc}".strip(), key) from exc
+        return _Built(g, tensors, workspace)
+
+    def _run(self, built: _Built, buffers: dict[str, torch.Tensor], device: int) -> None:
+        with _cd._on_device(device):
+            state = self._device(device)
+            stream = _cd._stream(device)
+            state.bind(self.cudnn, stream)
+            ws = state.workspace(stream, built.workspace, device)
+            built.graph.execute({built.tensors[n]: buffers[n] for n in built.tensors}, ws, handle=state.handle)
+
+    # --- the call ---------------------------------------------------------------------------------------
+    def _key(self, phase: str, call: Any, cfg: AttnConfig, device: int, fp8: FP8Call) -> _Key:
+        return _Key(phase, device, call.b, call.h, call.hkv, call.sq, call.skv, call.dqk, call.dv, call.fmt,
+                    call.padding, "causal" in cfg.attn_mask_type, float(cfg.softmax_scale), cfg.deterministic,
+                    fp8.state.dtypes["do"])
+
+    def _signature(self, call: Any, cfg: AttnConfig, dtype: torch.dtype, phase: str, fp8: FP8Call) -> tuple:
+        """The table's rejection signature (constraints.cudnn_fused.rejection_signature) of this call."""
+        from ..constraints.cudnn_fused import rejection_signature
+        from ..params import AttentionParams
+
+        p = AttentionParams(dtype=dtype, qkv_format=call.fmt, batch_size=call.b, num_heads=call.h,
+                            num_gqa_groups=call.hkv, head_dim_qk=call.dqk, head_dim_v=call.dv,
+                            max_seqlen_q=call.max_q, max_seqlen_kv=call.max_kv, attn_mask_type=cfg.attn_mask_type,
+                            window_size=tuple(cfg.window_size), fp8=True, fp8_recipe=fp8.state.recipe.kind)
+        return rejection_signature(p, cfg.deterministic, "fp8_" + phase)
+
+    def _quantize(self, name: str, x: torch.Tensor, st: FP8ScalingState) -> torch.Tensor:
+        dtype = st.dtypes[name]
+        if st.recipe.kind == "current":
+            amax = fp8q.amax(x)
+            st.amax_slot(name).copy_(amax)
+            return fp8q.quantize(x, st.current_scale(name, amax), dtype)
+        return fp8q.quantize(x, st.scale_of(name), dtype, amax_into=st.amax_slot(name))
+
+    @staticmethod
+    def _scalars(names: tuple[str, ...], fwd: tuple[torch.Tensor, torch.Tensor],
+                 bwd: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            slot, which = _SCALAR_SOURCE[name]
+            scales, descales = fwd if which == "fwd" else bwd
+            vector = descales if name.startswith("descale") else scales
+            i = INDEX[slot]
+            out[name] = vector[i:i + 1].view(1, 1, 1, 1)
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        fp8 = _fp8_of(aux)
+        call = _cd._prepare(q, k, v, aux, cfg)
+        if call.fmt == "thd":
+            raise ValueError("cudnn_fused:fp8 takes bshd or sbhd, not thd (its table says so)")
+        st = fp8.state.to(q.device)
+        dev = q.device.index if q.device.index is not None else _cd._current_device()
+        signature = self._signature(call, cfg, q.dtype, "fwd", fp8)
+        key = self._key("fwd", call, cfg, dev, fp8)
+        built = self.graph(key, signature)
+        training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if training:  # a backward cuDNN refuses is reported now, before anything is quantized
+            self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, q.dtype, "bwd", fp8))
+        q8, k8, v8 = (self._quantize(n, x, st) for n, x in (("q", q), ("k", k), ("v", v)))
+        scales = st.scale.clone()
+        descales = scales.reciprocal()
+        o8 = _empty(call.fmt, call.b, call.sq, call.h, call.dv, E4M3, q.device)
+        stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q.device)
+        buffers = {"q": q8, "k": k8, "v": v8, "o": o8, "stats": stats,
+                   "amax_s": st.amax_slot("s").view(1, 1, 1, 1), "amax_o": st.amax_slot("o").view(1, 1, 1, 1)}
+        buffers.update(self._scalars(_FWD_SCALARS, (scales, descales)))
+        if call.padding:
+            buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
+            buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
+        self._run(built, buffers, dev)
+        o_descale = descales[INDEX["o"]:INDEX["o"] + 1]
+        out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
+        st.update(FORWARD, fp8.group)
+        saved = _Saved(key, call, q8, k8, v8, o8, stats, scales, descales, q.dtype, fp8)
+        return FwdResult(out, stats.view(call.b, call.h, call.sq), saved, None)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        if not isinstance(state, _Saved):
+            raise ValueError("cudnn_fused:fp8 backward needs the state its forward returned (FP8 q, k, v, O)")
+        return BwdResult(*self._backward(state, dout, cfg))
+
+    def _backward(self, saved: _Saved, dout: torch.Tensor, cfg: AttnConfig):
+        fp8, call, st = saved.fp8, saved.call, saved.fp8.state
+        dev = saved.key.device
+        key = self._key("bwd", call, cfg, dev, fp8)
+        built = self.graph(key, self._signature(call, cfg, saved.dtype, "bwd", fp8))
+        do8 = self._quantize("do", dout.reshape(saved.o8.shape), st)
+        bscales = st.scale.clone()
+        bdescales = bscales.reciprocal()
+        device = saved.q8.device
+        dq8 = torch.empty(saved.q8.shape, dtype=key.bwd_dtype, device=device)
+        dk8 = torch.empty(saved.k8.shape, dtype=key.bwd_dtype, device=device)
+        dv8 = torch.empty(saved.v8.shape, dtype=key.bwd_dtype, device=device)
+        buffers = {"q": saved.q8, "k": saved.k8, "v": saved.v8, "o": saved.o8, "do": do8, "stats": saved.stats,
+                   "dq": dq8, "dk": dk8, "dv": dv8}
+        for name in ("dq", "dk", "dv", "dp"):
+            buffers["amax_" + name] = st.amax_slot(name).view(1, 1, 1, 1)
+        buffers.update(self._scalars(_BWD_SCALARS, (saved.scales, saved.descales), (bscales, bdescales)))
+        if call.padding:
+            buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
+            buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
+        self._run(built, buffers, dev)
+        grads = tuple(fp8q.dequantize(x, bdescales[INDEX[n]:INDEX[n] + 1], saved.dtype)
+                      for n, x in (("dq", dq8), ("dk", dk8), ("dv", dv8)))
+        st.update(BACKWARD, fp8.group)
+        return grads
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
+                 flatten_heads: bool = False) -> tuple[Any, torch.Tensor, None]:
+        """(out, lse, None): gradients reach q, k, v through the FP8 backward; with an FP8 output none can."""
+        fp8 = _fp8_of(aux)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            if fp8.output_fp8:
+                raise ValueError("fp8_output=True cannot take gradients (the output is a Float8Output); run the "
+                                 "call under torch.no_grad(), or use fp8_output=False for training")
+            out, lse = _FP8Function.apply(self, aux, cfg, flatten_heads, q, k, v)
+            return out, lse, None
+        with torch.no_grad():
+            out, lse, _, _ = self.forward(q, k, v, aux, cfg)
+        return (out.flatten(-2) if flatten_heads else out), lse, None
+
+
+class _FP8Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine: CudnnFP8Engine, aux: AttnAux, cfg: AttnConfig, flatten_heads: bool, q, k, v):
+        out, lse, saved, _ = engine.forward(q, k, v, aux, cfg)
+        ctx.engine, ctx.cfg, ctx.saved = engine, cfg, saved
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return (out.flatten(-2) if flatten_heads else out), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        saved, ctx.saved = ctx.saved, None  # the FP8 tensors are freed once backward has used them
+        if dout is None:
+            return (None,) * 7
+        if saved is None:
+            raise RuntimeError("cudnn_fused:fp8 backward ran twice through the same graph; pass retain_graph=False "
+                               "or run the forward again")
+        dq, dk, dv = ctx.engine._backward(saved, dout, ctx.cfg)
+        return None, None, None, None, dq, dk, dv
