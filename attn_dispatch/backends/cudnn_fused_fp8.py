@@ -293,6 +293,11 @@ class CudnnFP8Engine(Engine):
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return self._forward(q, k, v, aux, cfg, training)
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
+                 training: bool) -> FwdResult:
         fp8 = _fp8_of(aux)
         call = _cd._prepare(q, k, v, aux, cfg)
         if call.fmt == "thd":
@@ -302,7 +307,6 @@ class CudnnFP8Engine(Engine):
         signature = self._signature(call, cfg, q.dtype, "fwd", fp8)
         key = self._key("fwd", call, cfg, dev, fp8)
         built = self.graph(key, signature)
-        training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if training:  # a backward cuDNN refuses is reported now, before anything is quantized
             self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, q.dtype, "bwd", fp8))
         q8, k8, v8 = (self._quantize(n, x, st) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -373,7 +377,7 @@ class CudnnFP8Engine(Engine):
 class _FP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: CudnnFP8Engine, aux: AttnAux, cfg: AttnConfig, flatten_heads: bool, q, k, v):
-        out, lse, saved, _ = engine.forward(q, k, v, aux, cfg)
+        out, lse, saved, _ = engine._forward(q, k, v, aux, cfg, training=True)  # grad mode is off in here
         ctx.engine, ctx.cfg, ctx.saved = engine, cfg, saved
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)

@@ -43,6 +43,8 @@ def _fused(x: torch.Tensor) -> bool:
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 [1] tensor (one read: no |x| temporary)."""
+    if x.dtype == torch.float64:
+        return torch.linalg.vector_norm(x, float("inf")).float().reshape(1)
     return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
 
 

@@ -1,0 +1,355 @@
+"""FP8 attention on the CPU: the recipes' state machine (amax history, scale updates, margins, checkpoints), the
+FP8 engine's plumbing through a stand-in cudnn that executes cuDNN's FP8 semantics (tests/fp8_fake_cudnn.py),
+and the table's explanations. The kernels themselves are checked on the GPU (tests/gpu/test_fp8_gpu.py)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+
+import pytest
+import torch
+
+import fp8_fake_cudnn as fake
+from attn_dispatch import AttentionParams, Platform, explain
+from attn_dispatch.backends import cudnn_fused as cd
+from attn_dispatch.backends.base import AttnAux, AttnConfig
+from attn_dispatch.fp8 import DelayedScaling, Float8CurrentScaling, FP8ScalingState, fp8_autocast
+from attn_dispatch.fp8 import quantize as fp8q
+from attn_dispatch.fp8.autocast import current_region
+from attn_dispatch.fp8.state import BACKWARD, FORWARD, INDEX
+from reference import reference_attention
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes and the scaling state
+# --------------------------------------------------------------------------------------------
+def test_recipes_validate_their_arguments():
+    assert DelayedScaling().fp8_format.value == "HYBRID" and not DelayedScaling().fp8_dpa  # TE's defaults
+    assert DelayedScaling(fp8_format="E4M3").fp8_format.backward_dtype == E4M3
+    assert DelayedScaling().fp8_format.backward_dtype == E5M2
+    for bad, match in ((dict(margin=-1), "margin=-1"), (dict(amax_history_len=0), "amax_history_len=0"),
+                       (dict(amax_compute_algo="mean"), "amax_compute_algo='mean'"),
+                       (dict(fp8_format="E5M2"), "fp8_format='E5M2'"), (dict(fp8_dpa=1), "fp8_dpa=1"),
+                       (dict(fp8_mha=True), "fp8_mha=True needs fp8_dpa=True")):
+        with pytest.raises(ValueError, match=match):
+            DelayedScaling(**bad)
+    with pytest.raises(ValueError, match="fp8_format"):
+        Float8CurrentScaling(fp8_format="bf16")
+
+
+def _record(state: FP8ScalingState, names, values):
+    for name, value in zip(names, values):
+        state.amax_slot(name).fill_(value)
+
+
+def test_delayed_scaling_rolls_the_history_and_takes_its_max():
+    r = DelayedScaling(amax_history_len=3, fp8_dpa=True)
+    st = FP8ScalingState(r)
+    steps = [2.0, 8.0, 1.0, 0.5, 0.25]
+    seen = []
+    for a in steps:
+        _record(st, FORWARD, [a] * 5)
+        st.update(FORWARD)
+        seen.append(float(st.scale_of("q")))
+        assert float(st.amax_history[0, INDEX["q"]]) == 0.0  # row 0 is cleared for the next step
+    # the scale of step i comes from the last 3 amaxes, step i's own included (delayed_scaling.cu's roll)
+    window_max = [max(steps[max(0, i - 2):i + 1]) for i in range(len(steps))]
+    assert window_max[-1] == 1.0 and window_max[3] == 8.0
+    assert seen == pytest.approx([448.0 / m for m in window_max])
+    assert float(st.scale_of("s")) == pytest.approx(448.0 / window_max[-1])
+    assert float(st.scale_of("do")) == 1.0  # backward columns untouched by a forward update
+
+
+def test_most_recent_margin_and_backward_format():
+    st = FP8ScalingState(DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent", margin=2, fp8_dpa=True))
+    for a in (10.0, 3.0):
+        _record(st, BACKWARD, [a] * 5)
+        st.update(BACKWARD)
+    assert float(st.scale_of("do")) == pytest.approx(57344.0 / 3.0 / 4)  # E5M2 max, margin 2 = /4
+    assert float(st.scale_of("q")) == 1.0
+
+
+def test_scale_kept_for_zero_or_nonfinite_amax_and_capped_when_it_overflows():
+    st = FP8ScalingState(DelayedScaling(amax_history_len=1, fp8_dpa=True))
+    _record(st, FORWARD, [4.0, 0.0, float("inf"), float("nan"), 1e-45])
+    st.update(FORWARD)
+    assert float(st.scale_of("q")) == 112.0
+    assert float(st.scale_of("k")) == 1.0 and float(st.scale_of("v")) == 1.0 and float(st.scale_of("s")) == 1.0
+    assert float(st.scale_of("o")) == torch.finfo(torch.float32).max
+
+
+def test_current_scaling_keeps_the_self_quantized_scales_and_delays_the_kernel_outputs():
+    st = FP8ScalingState(Float8CurrentScaling(fp8_dpa=True))
+    assert st.amax_history.shape[0] == 1
+    scale = st.current_scale("q", torch.tensor([7.0]))
+    assert float(scale) == 64.0 and float(st.scale_of("q")) == 64.0
+    _record(st, FORWARD, [100.0, 100.0, 100.0, 1.0, 2.0])
+    st.update(FORWARD)
+    assert float(st.scale_of("q")) == 64.0  # set by the call, not by the update
+    assert float(st.scale_of("o")) == 224.0 and float(st.scale_of("s")) == 448.0
+
+
+def test_state_dict_round_trip_and_adoption():
+    st = FP8ScalingState(DelayedScaling(amax_history_len=5, fp8_dpa=True))
+    _record(st, FORWARD, [3.0, 4.0, 5.0, 1.0, 2.0])
+    st.update(FORWARD)
+    saved = st.state_dict()
+    back = FP8ScalingState.from_state_dict(saved, DelayedScaling(amax_history_len=5, fp8_dpa=True))
+    assert torch.equal(back.scale, st.scale) and torch.equal(back.amax_history, st.amax_history)
+    assert back.steps == 1
+    shorter = st.adopt(DelayedScaling(amax_history_len=2, fp8_dpa=True))
+    assert shorter.amax_history.shape == (2, 10) and torch.equal(shorter.scale, st.scale)
+    with pytest.raises(ValueError, match="amax_history"):
+        FP8ScalingState.from_state_dict({"scale": torch.ones(3)}, DelayedScaling())
+    with pytest.raises(ValueError, match="expected \\[L, 10\\]"):
+        FP8ScalingState.from_state_dict({"amax_history": torch.ones(4), "scale": torch.ones(10)}, DelayedScaling())
+
+
+def test_quantize_saturates_and_tracks_amax():
+    x = torch.randn(257, dtype=torch.float64) * 300
+    x[3] = 5000.0
+    running = torch.tensor([1.0])
+    y = fp8q.quantize(x, torch.tensor([2.0]), E4M3, amax_into=running)
+    assert y.dtype == E4M3 and float(y.float().abs().max()) == 448.0  # saturated, never NaN
+    assert float(running) == 5000.0
+    back = fp8q.dequantize(y, torch.tensor([0.5]), torch.float32)
+    inside = (x.abs() * 2 < 448)
+    assert torch.allclose(back[inside].double(), x[inside], rtol=2 ** -3)  # e4m3: 3 mantissa bits
+    assert float(fp8q.amax(x)) == 5000.0
+    with pytest.raises(ValueError, match="not an FP8 dtype"):
+        fp8q.quantize(x, torch.tensor([1.0]), torch.bfloat16)
+
+
+def test_autocast_regions_nest_and_need_fp8_dpa():
+    assert current_region() is None
+    with fp8_autocast(recipe=DelayedScaling()):
+        assert current_region() is None  # fp8_dpa=False: attention stays in high precision (TE's default)
+    with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)):
+        assert current_region().recipe.kind == "delayed"
+        with fp8_autocast(enabled=False):
+            assert current_region() is None
+        with fp8_autocast(fp8_recipe=Float8CurrentScaling(fp8_dpa=True)):
+            assert current_region().recipe.kind == "current"
+        assert current_region().recipe.kind == "delayed"
+    assert current_region() is None
+    with pytest.raises(ValueError, match="not both"):
+        with fp8_autocast(recipe=DelayedScaling(), fp8_recipe=DelayedScaling()):
+            pass
+    with pytest.raises(ValueError, match="recipe="):
+        with fp8_autocast(recipe="hybrid"):
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+H100 = Platform.parse("h100-cudnn9")
+
+
+def fp8_params(**kw):
+    base = dict(fp8=True, fp8_recipe="delayed", batch_size=2, num_heads=16, head_dim_qk=128, max_seqlen_q=4096,
+                attn_mask_type="causal", is_training=True)
+    base.update(kw)
+    return AttentionParams(**base)
+
+
+def verdict(p, plat=H100):
+    d = explain(p, plat)
+    return next(v for v in d.verdicts if v.backend == "cudnn_fused" and v.provider == "fp8"), d
+
+
+@pytest.mark.parametrize("change, code, words", [
+    (dict(head_dim_qk=64), "cudnn_fused.fp8_head_dim", "head dim 128 only"),
+    (dict(attn_mask_type="causal_bottom_right"), "cudnn_fused.fp8_mask", "bottom-right"),
+    (dict(qkv_format="thd"), "cudnn_fused.fp8_format", "bshd or sbhd"),
+    (dict(window_size=(128, 0)), "cudnn_fused.fp8_window", "sliding window"),
+    (dict(dropout=0.1), "cudnn_fused.dropout", "dropout"),
+    (dict(bias_type="post_scale_bias", bias_shape="1hss"), "cudnn_fused.fp8_bias", "no bias"),
+    (dict(fp8_output=True), "cudnn_fused.fp8_output_training", "Float8Output"),
+    (dict(fp8=False, fp8_recipe=None), "cudnn_fused.fp8_call", "not FP8"),
+])
+def test_fp8_table_refuses_with_the_reason(change, code, words):
+    v, _ = verdict(fp8_params(**change))
+    reasons = {r.code: r for r in v.reasons}
+    assert not v.eligible and code in reasons, [r.code for r in v.reasons]
+    assert words in reasons[code].message and reasons[code].source
+
+
+def test_fp8_explanations_on_other_platforms():
+    v, d = verdict(fp8_params())
+    assert v.eligible and d.chosen == "cudnn_fused:fp8"
+    v, _ = verdict(fp8_params(is_training=False, head_dim_qk=256))  # Hopper forward takes d <= 256
+    assert v.eligible
+    old = Platform.parse("sm90,cudnn=9.5.0,cudnn-frontend=1.32.0")
+    assert verdict(fp8_params(), old)[0].eligible  # 9.2.1-9.6: d 128, lengths % 128, causal
+    v, _ = verdict(fp8_params(max_seqlen_q=4000), old)
+    assert "multiples of 128" in next(r.message for r in v.reasons if r.code == "cudnn_fused.fp8_cudnn")
+    v, _ = verdict(fp8_params(), Platform.parse("a100-cudnn9"))
+    assert "cudnn_fused.compute_capability" in {r.code for r in v.reasons}
+    for provider in ("frontend", "torch"):  # the bf16 providers point at the FP8 one
+        other = next(x for x in d.verdicts if x.backend == "cudnn_fused" and x.provider == provider)
+        assert any("cudnn_fused:fp8" in (r.fix or "") for r in other.reasons)
+
+
+def test_bf16_calls_are_not_fp8_ones():
+    _, d = verdict(fp8_params(fp8=False, fp8_recipe=None))
+    assert d.chosen != "cudnn_fused:fp8"
+
+
+# --------------------------------------------------------------------------------------------
+# The engine, through the stand-in cudnn
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def engine(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cudnn", fake.fake_cudnn())
+    monkeypatch.setattr(cd, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cd, "_current_device", lambda: 0)
+    monkeypatch.setattr(cd, "_stream", lambda device: 0)
+    monkeypatch.setattr(cd, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(cd, "_empty_workspace", lambda size, device: torch.empty(size, dtype=torch.uint8))
+    monkeypatch.setattr(fake.Graph, "refuse", set())
+    from attn_dispatch.backends.cudnn_fused_fp8 import CudnnFP8Engine
+
+    return CudnnFP8Engine()
+
+
+def _inputs(fmt="bshd", b=2, sq=24, skv=24, h=4, hkv=4, d=16, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    shape = lambda s, n: (b, s, n, d) if fmt == "bshd" else (s, b, n, d)  # noqa: E731
+    q = (torch.randn(shape(sq, h), generator=g) * scale).to(torch.bfloat16).requires_grad_()
+    k = (torch.randn(shape(skv, hkv), generator=g) * scale).to(torch.bfloat16).requires_grad_()
+    v = (torch.randn(shape(skv, hkv), generator=g) * scale).to(torch.bfloat16).requires_grad_()
+    return q, k, v
+
+
+def _call(engine, q, k, v, state, mask="causal", fmt="bshd", aux=None, output_fp8=False):
+    from attn_dispatch.backends.cudnn_fused_fp8 import FP8Call
+
+    aux = aux or AttnAux()
+    aux.extra["fp8"] = FP8Call(state, None, output_fp8)
+    cfg = AttnConfig(qkv_format=fmt, attn_mask_type=mask, window_size=(-1, 0) if "causal" in mask else (-1, -1),
+                     softmax_scale=1.0 / math.sqrt(q.shape[-1]))
+    return engine(q, k, v, aux, cfg)
+
+
+def _ref(q, k, v, mask="causal", fmt="bshd", dout=None, **kw):
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out, _ = reference_attention(q64, k64, v64, qkv_format=fmt, attn_mask_type=mask,
+                              window_size=(-1, 0) if "causal" in mask else (-1, -1), **kw)
+    if dout is not None:
+        out.backward(dout.double())
+    return out, q64, k64, v64
+
+
+def _rel(a, b):
+    """Relative L2 error; also asserts Transformer Engine's FP8 criterion (tests/pytorch/attention/test_attention.py
+    test_dpa_fp8_vs_f16 through utils.compare_and_assert: RMSE <= 0.11 x the values' range)."""
+    a, b = a.detach().double(), b.detach().double()
+    rmse = float((a - b).square().mean().sqrt())
+    assert rmse <= 0.11 * float(torch.cat([a.flatten(), b.flatten()]).aminmax()[1] - torch.cat(
+        [a.flatten(), b.flatten()]).aminmax()[0])
+    return float((a - b).norm() / b.norm())
+
+
+FWD_TOL, BWD_TOL = 0.08, 0.12  # relative L2 vs float64 on the un-quantized inputs: E4M3 rounding is 2^-4
+
+
+@pytest.mark.parametrize("fmt, mask, hkv", [("bshd", "causal", 4), ("sbhd", "no_mask", 4), ("bshd", "causal", 2)])
+def test_engine_forward_backward_against_float64(engine, fmt, mask, hkv):
+    """Step 1 runs on the initial scales (1.0, as Transformer Engine); by step 3 the delayed scales fit the tensors
+    and the FP8 result is within FP8's error of the float64 reference on the same (un-quantized) inputs."""
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", amax_history_len=8, fp8_dpa=True))
+    for step in range(3):
+        q, k, v = _inputs(fmt, hkv=hkv, seed=step)
+        out, lse, _ = _call(engine, q, k, v, state, mask, fmt)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(100 + step)).to(torch.bfloat16)
+        out.backward(dout)
+    ref, q64, k64, v64 = _ref(q, k, v, mask, fmt, dout)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert _rel(out, ref) < FWD_TOL
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert _rel(got, want) < BWD_TOL
+    # the history saw what the tensors were: q's amax exactly, the probabilities' max 1
+    last = state.amax_history[-1]
+    assert float(last[INDEX["q"]]) == float(q.detach().float().abs().max())
+    assert float(last[INDEX["s"]]) == pytest.approx(1.0)
+    assert float(last[INDEX["o"]]) == pytest.approx(float(ref.detach().abs().max()), rel=0.05)
+    assert state.steps == 3
+
+
+def test_hybrid_backward_uses_e5m2(engine):
+    state = FP8ScalingState(DelayedScaling(fp8_dpa=True))
+    q, k, v = _inputs()
+    out, _, _ = _call(engine, q, k, v, state)
+    out.sum().backward()
+    bwd = [g for g in engine._graphs if g.phase == "bwd"]
+    assert bwd and all(key.bwd_dtype == E5M2 for key in bwd)
+    assert float(state.amax_history[-1, INDEX["do"]]) == 1.0  # dO of out.sum() is all ones
+
+
+def test_current_scaling_scales_each_input_by_its_own_amax(engine):
+    """q is 400x larger than k (same logits): on its first call delayed scaling quantizes q with the initial scale
+    1 and saturates it at 448; current scaling takes q's own amax."""
+    q, k, v = _inputs()
+    with torch.no_grad():
+        q, k = q * 400, k / 400
+    ref, *_ = _ref(q, k, v)
+    errors = {}
+    for recipe in (Float8CurrentScaling(fp8_format="E4M3", fp8_dpa=True),
+                   DelayedScaling(fp8_format="E4M3", fp8_dpa=True)):
+        state = FP8ScalingState(recipe)
+        with torch.no_grad():
+            out, _, _ = _call(engine, q, k, v, state)
+        errors[recipe.kind] = float((out.double() - ref.detach()).norm() / ref.detach().norm())
+        if recipe.kind == "current":
+            assert float(state.scale_of("q")) == pytest.approx(448.0 / float(q.float().abs().max()))
+            assert _rel(out, ref) < FWD_TOL
+    assert errors["delayed"] > 3 * errors["current"], errors
+
+
+def test_padding_uses_sequence_lengths(engine):
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", fp8_dpa=True))
+    lens = torch.tensor([24, 13], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+    for _ in range(2):
+        q, k, v = _inputs()
+        aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        with torch.no_grad():
+            out, _, _ = _call(engine, q, k, v, state, "padding_causal", aux=aux)
+    ref, *_ = _ref(q, k, v, "padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert _rel(out[1, :13], ref[1, :13]) < FWD_TOL and _rel(out[0], ref[0]) < FWD_TOL
+    assert float(out[1, 13:].float().abs().max()) == 0.0
+
+
+def test_fp8_output_is_returned_as_data_and_scale(engine):
+    from attn_dispatch.fp8 import Float8Output
+
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", fp8_dpa=True))
+    q, k, v = _inputs()
+    with torch.no_grad():
+        _call(engine, q, k, v, state)
+        out, _, _ = _call(engine, q, k, v, state, output_fp8=True)
+    assert isinstance(out, Float8Output) and out.data.dtype == E4M3
+    ref, *_ = _ref(q, k, v)
+    assert _rel(out.dequantize(torch.float32), ref) < FWD_TOL
+    with pytest.raises(ValueError, match="fp8_output=True cannot take gradients"):
+        _call(engine, q, k, v, state, output_fp8=True)
+
+
+def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, monkeypatch):
+    from attn_dispatch.backends._cudnn_graph import CudnnGraphError
+    from attn_dispatch.constraints import cudnn_fused as table
+
+    monkeypatch.setattr(table, "REJECTIONS", {})
+    monkeypatch.setattr(fake.Graph, "refuse", {"bwd"})
+    state = FP8ScalingState(DelayedScaling(fp8_dpa=True))
+    before = (state.scale.clone(), state.amax_history.clone())
+    q, k, v = _inputs()
+    with pytest.raises(CudnnGraphError, match="stand-in refuses the FP8 bwd graph"):
+        _call(engine, q, k, v, state)  # training: the backward graph is built before anything is quantized
+    assert torch.equal(state.scale, before[0]) and torch.equal(state.amax_history, before[1])
+    assert any(sig[-1] == "fp8_bwd" for sig in table.REJECTIONS)
