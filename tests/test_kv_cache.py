@@ -174,8 +174,9 @@ H100 = dataclasses.replace(PROFILES["h100-cudnn9"], torch_version="2.13.0")
 
 
 def _decode(paged: bool, page_size: int | None = None, **kw) -> AttentionParams:
+    kw.setdefault("head_dim_qk", 128)
     return AttentionParams(dtype="bfloat16", qkv_format="thd", batch_size=32, num_heads=32, num_gqa_groups=8,
-                           head_dim_qk=128, max_seqlen_q=1, max_seqlen_kv=8192,
+                           max_seqlen_q=1, max_seqlen_kv=8192,
                            attn_mask_type="padding_causal_bottom_right", is_training=False, inference_kv_cache=True,
                            kv_cache_paged=paged, kv_page_size=page_size, **kw)
 
@@ -189,15 +190,18 @@ def test_explain_kv_cache_on_hopper():
     assert contiguous.verdict("flash_attn_2", "torch").eligible
     assert contiguous.verdict("cudnn_fused", "frontend").eligible
     assert "cudnn_fused.kv_cache" in _reasons(contiguous, "cudnn_fused:torch")
-    assert "flash_attn_4.kv_cache" in _reasons(contiguous, "flash_attn_4:cute")
+    assert contiguous.verdict("flash_attn_4", "cute").eligible
     paged16 = selection.explain(_decode(True, 16), platform=H100)
     fa2 = paged16.verdict("flash_attn_2", "torch")
     assert not fa2.eligible and "page_size=16 is not a multiple of 256" in str(fa2.reasons[0])
     assert "paged KV cache is not supported by cudnn_fused:frontend" in str(
         paged16.verdict("cudnn_fused", "frontend").reasons)
-    assert paged16.chosen == "unfused:pytorch"
+    assert paged16.verdict("flash_attn_4", "cute").eligible  # any page size with head dims that are multiples of 16
+    odd = selection.explain(_decode(True, 16, head_dim_v=72, head_dim_qk=72), platform=H100)
+    assert "irregular head dim" in str(odd.verdict("flash_attn_4", "cute").reasons)
+    assert odd.chosen == "unfused:pytorch"
     paged256 = selection.explain(_decode(True, 256), platform=H100)
-    assert paged256.chosen == "flash_attn_2:torch"
+    assert paged256.verdict("flash_attn_2", "torch").eligible
     old_torch = selection.explain(_decode(True, 256), platform=dataclasses.replace(H100, torch_version="2.11.0"))
     assert "flash_attn_2.kv_cache_pages" in _reasons(old_torch, "flash_attn_2:torch")
 
