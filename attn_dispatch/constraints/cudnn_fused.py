@@ -26,7 +26,7 @@ from packaging.version import Version
 from ..env import EnvFlags
 from ..params import AttentionParams, has_padding
 from ..platform import Platform, parse_version
-from . import common
+from . import common, kv_decode
 from .base import Check, Failure, Table, fail
 
 TE_CPP = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_arbitrary_seqlen)"
@@ -923,6 +923,12 @@ def record_rejection(signature: tuple, message: str) -> None:
     from ..selection import clear_cache
 
     clear_cache()  # cached decisions predate what cuDNN just said
+
+
+@FRONTEND_TABLE.note
+def _kv_decode(p: AttentionParams, plat: Platform) -> str | None:
+    return kv_decode.note(FRONTEND_TABLE.id, p, plat, "cudnn-frontend 1.32 cudnn/sdpa/fwd/kernels (decode kernels "
+                          "for sm100 and newer only); measured by benchmarks/bench_kv_decode.py")
 
 
 TABLES = [FRONTEND_TABLE, TORCH_TABLE]

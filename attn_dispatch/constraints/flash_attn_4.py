@@ -10,7 +10,7 @@ from packaging.version import Version
 from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import parse_version, Platform
-from . import common
+from . import common, kv_decode
 from . import flash_attn_4_sm90 as sm90
 from .base import Failure, Table, fail
 from .flash_common import CP, MASKS, check, gqa, no_padding_between_sequences, top_left_alignment
@@ -203,6 +203,11 @@ def _determinism(p: AttentionParams, plat: Platform) -> str | None:
         return ("deterministic backward: flash-attn-4 4.0.0b36 serialises dQ (and GQA dK/dV) accumulation with "
                 "semaphores on sm90 and sm100/sm110 (earlier releases: sm100/sm110 only)")
     return None
+
+
+@T.note
+def _kv_decode(p: AttentionParams, plat: Platform) -> str | None:
+    return kv_decode.note(T.id, p, plat, kv_decode.FA4_SOURCE)
 
 
 TABLES = [CUTE_TABLE]
