@@ -193,12 +193,12 @@ def test_explain_kv_cache_on_hopper():
     paged16 = selection.explain(_decode(True, 16), platform=H100)
     fa2 = paged16.verdict("flash_attn_2", "torch")
     assert not fa2.eligible and "page_size=16 is not a multiple of 256" in str(fa2.reasons[0])
-    assert "paged KV cache is not supported by cudnn_fused:frontend" in str(
-        paged16.verdict("cudnn_fused", "frontend").reasons)
+    assert paged16.verdict("cudnn_fused", "frontend").eligible  # cuDNN's page tables: any page size
+    assert "paged KV cache is not supported by cudnn_fused:torch" in str(paged16.verdict("cudnn_fused", "torch").reasons)
     assert paged16.verdict("flash_attn_4", "cute").eligible  # any page size with head dims that are multiples of 16
     odd = selection.explain(_decode(True, 16, head_dim_v=72, head_dim_qk=72), platform=H100)
     assert "irregular head dim" in str(odd.verdict("flash_attn_4", "cute").reasons)
-    assert odd.chosen == "unfused:pytorch"
+    assert odd.chosen == "cudnn_fused:frontend"  # not predicted by the decode model, but the only fused engine
     paged256 = selection.explain(_decode(True, 256), platform=H100)
     assert paged256.verdict("flash_attn_2", "torch").eligible
     old_torch = selection.explain(_decode(True, 256), platform=dataclasses.replace(H100, torch_version="2.11.0"))

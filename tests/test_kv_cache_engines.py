@@ -16,30 +16,31 @@ import torch
 import attn_dispatch as ad
 from attn_dispatch.backends.base import AttnConfig
 from attn_dispatch.benchmarking.kv_loop import reference
+from test_cudnn_engine_cpu import engine as cudnn_engine  # noqa: F401 - the stand-in cudnn fixture
 
 H, HKV, D = 8, 2, 32
 
 
-def _filled_cache(paged: bool, page_size: int = 8, lens=(13, 5, 21), step=(1, 3, 1), d: int = D, seed: int = 0):
+def _filled_cache(paged: bool, page_size: int = 8, lens=(13, 5, 21), step=(1, 3, 1), d: int = D, seed: int = 0,
+                  dtype=torch.float64):
     """An InferenceParams holding random history for len(lens) sequences, a step of `step` new tokens appended
     (layer 1), its view, the step's queries and the per-sequence (keys, values) histories. The unused cache
     rows/pages hold random values too."""
     torch.manual_seed(seed)
-    ip = ad.InferenceParams(4, 32, HKV, d, torch.float64, is_paged=paged, page_size=page_size if paged else None,
+    ip = ad.InferenceParams(4, 32, HKV, d, dtype, is_paged=paged, page_size=page_size if paged else None,
                             total_num_pages=16 if paged else None, qkv_format="thd", device="cpu")
     ip.allocate_memory(1)
     for cache in ip._caches[1]:
         cache.normal_()
     prompt = OrderedDict((f"s{i}", n - s) for i, (n, s) in enumerate(zip(lens, step)))
     ip.pre_step(prompt)
-    history = [(torch.randn(n, HKV, d, dtype=torch.float64), torch.randn(n, HKV, d, dtype=torch.float64))
-               for n in prompt.values()]
+    history = [(torch.randn(n, HKV, d, dtype=dtype), torch.randn(n, HKV, d, dtype=dtype)) for n in prompt.values()]
     ip.append(1, torch.cat([k for k, _ in history]), torch.cat([v for _, v in history]))
     ip.pre_step(OrderedDict((s, n) for s, n in zip(prompt, step)))
-    new = [(torch.randn(n, HKV, d, dtype=torch.float64), torch.randn(n, HKV, d, dtype=torch.float64)) for n in step]
+    new = [(torch.randn(n, HKV, d, dtype=dtype), torch.randn(n, HKV, d, dtype=dtype)) for n in step]
     view = ip.append(1, torch.cat([k for k, _ in new]), torch.cat([v for _, v in new]))
     history = [(torch.cat([hk, nk]), torch.cat([hv, nv])) for (hk, hv), (nk, nv) in zip(history, new)]
-    q = torch.randn(sum(step), H, d, dtype=torch.float64)
+    q = torch.randn(sum(step), H, d, dtype=dtype)
     return ip, view, q, history
 
 
@@ -125,3 +126,31 @@ def test_flash_attn_4_refuses_pages_its_row_loader_cannot_take_before_the_kernel
     with pytest.raises(ValueError, match="irregular head dim"):
         engine.forward_kv_cache(q, view, ip.current_step.cu_q, 3, cfg)
     assert not engine._iface.calls
+
+
+# --- cuDNN (cudnn-frontend graphs) -------------------------------------------------------------------------
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("window", [(-1, 0), (6, 0)])
+def test_cudnn_frontend_attends_the_cache_in_place(cudnn_engine, paged, window):  # noqa: F811
+    step = (1, 3, 1)
+    ip, view, q, history = _filled_cache(paged, step=step, dtype=torch.float32)
+    out = cudnn_engine.forward_kv_cache(q, view, ip.current_step.cu_q, max(step), _cfg(window))
+    torch.testing.assert_close(out.double(), _expected(q, history, step, window[0]), rtol=1e-5, atol=1e-5)
+    (key,) = [k for k in cudnn_engine._graphs]
+    strides = dict(key.strides)
+    k_cache = ip._caches[1][0]
+    if paged:  # the pool itself, described as cuDNN's container [pages, h_kv, page, d]
+        assert key.paged == (k_cache.shape[0], 8, 4, ip.page_table.stride(0)) and key.skv == 32
+        assert strides["k"] == (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), 1)
+    else:  # the cache rows, up to the next power of two of the longest sequence
+        assert not key.paged and key.skv == 32 and strides["k"][0] == k_cache.stride(0)
+
+
+def test_a_cudnn_decode_loop_reuses_its_graphs(cudnn_engine):  # noqa: F811
+    ip, view, q, history = _filled_cache(False, lens=(9, 5, 10), step=(1, 1, 1), dtype=torch.float32)
+    for _ in range(6):  # the longest sequence grows from 10 to 16 tokens: one graph for the whole range
+        ip.pre_step(OrderedDict((s, 1) for s in ip.sequences))
+        new = torch.randn(3, HKV, D)
+        view = ip.append(1, new, torch.randn(3, HKV, D))
+        cudnn_engine.forward_kv_cache(torch.randn(3, H, D), view, ip.current_step.cu_q, 1, _cfg())
+    assert cudnn_engine.stats["builds"] == 1 and max(ip.sequences.values()) == 16
