@@ -1,6 +1,8 @@
 """The cuDNN fused-attention tables on what-if platforms (no GPU needed), and the engines' pure helpers."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -278,7 +280,13 @@ def test_context_parallel_fp8_kv_cache_max_logit():
     assert "cudnn_fused.dtype" in codes(FRONTEND, params(dtype="float32"), h100)
     assert "cudnn_fused.kv_cache" not in codes(FRONTEND, params(inference_kv_cache=True, is_training=False), h100)
     paged = params(inference_kv_cache=True, kv_cache_paged=True, kv_page_size=64, is_training=False)
-    assert "cudnn_fused.kv_cache" in codes(FRONTEND, paged, h100)
+    assert not codes(FRONTEND, paged, h100)  # cuDNN 9.19: page tables (>= 9.5), any head dim
+    old = plat("h100-cudnn9")
+    old = dataclasses.replace(old, cudnn_version="9.4.0")
+    assert "cudnn_fused.kv_cache_paged" in codes(FRONTEND, paged, old)
+    wide = params(inference_kv_cache=True, kv_cache_paged=True, kv_page_size=64, is_training=False, head_dim_qk=192,
+                  head_dim_v=192)
+    assert "cudnn_fused.kv_cache_paged" in codes(FRONTEND, wide, dataclasses.replace(old, cudnn_version="9.8.0"))
     assert "cudnn_fused.return_max_logit" in codes(FRONTEND, params(return_max_logit=True), h100)
 
 

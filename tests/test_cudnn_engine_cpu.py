@@ -183,6 +183,14 @@ class FakeGraph:
             (phase == "fwd" and "sink_token" in kw and sq == 1, "decode only mode, i.e. s_q == 1, not supported "
                                                                "with sink_token"),
         ]
+        if "paged_attention_k_table" in kw:  # sdpa_support_surface.h and paged_cache_load.h
+            skv, page = kw["paged_attention_max_seq_len_kv"], k.dim[2]
+            rules += [
+                (not padding, "Paged caches can only be used in combination with padding mask and variable "
+                              "sequence lengths"),
+                (any(kw[f"paged_attention_{s}_table"].dim[2] != -(-skv // page) for s in "kv"),
+                 "Paged cache load: block table size must equal ceil(s_kv/block_size)"),
+            ]
         for broken, message in rules:
             if broken:
                 raise GraphNotSupported(message)
@@ -302,6 +310,9 @@ class FakeGraph:
 
     def _fwd(self, kw, uid_buf):
         q, k, v = (_read(uid_buf[kw[n].uid], kw[n], uid_buf) for n in ("q", "k", "v"))
+        if "paged_attention_k_table" in kw:  # containers [pages, h, page, d] through [b, 1, P, 1] page tables
+            skv = kw["paged_attention_max_seq_len_kv"]
+            k, v = (self._paged(c, uid_buf[kw[f"paged_attention_{s}_table"].uid], skv) for c, s in ((k, "k"), (v, "v")))
         bias = uid_buf[kw["bias"].uid].double() if "bias" in kw else None
         p, stats, vv, lq = self._scores_probs(kw, uid_buf, q, k, v, bias)
         o = torch.einsum("bhqk,bhkd->bhqd", p, vv)
@@ -313,6 +324,11 @@ class FakeGraph:
             stats = stats.masked_fill(pad, float("nan"))
         _write(uid_buf[o_t.uid], o_t, o, uid_buf, lq)
         _write(uid_buf[st_t.uid], st_t, stats, uid_buf, lq)
+
+    @staticmethod
+    def _paged(container, table, skv):
+        pages = container[table.reshape(table.shape[0], -1).long()]           # [b, P, h, page, d]
+        return pages.permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :skv]
 
     def _bwd(self, kw, uid_buf):
         q, k, v = (_read(uid_buf[kw[n].uid], kw[n], uid_buf).requires_grad_() for n in ("q", "k", "v"))

@@ -187,6 +187,13 @@ def test_environment_and_out_of_scope_features(provider):
     if provider == "flash_attn_2:torch":  # reads a contiguous cache in place; pages of 256 only
         assert f"{family}.kv_cache" not in codes(provider, kv, H100_ALL)
         assert f"{family}.kv_cache" in codes(provider, paged, H100_ALL)
+    elif provider == "flash_attn_4:cute":  # reads both in place; odd head dims only with pages of one key tile
+        assert f"{family}.kv_cache" not in codes(provider, kv, H100_ALL)
+        assert f"{family}.kv_cache" not in codes(provider, paged, H100_ALL)
+        odd = paged.replace(head_dim_qk=72, head_dim_v=72)
+        assert f"{family}.kv_cache_page_loader" in codes(provider, odd, H100_ALL)
+        tile = 144  # sm90 forward tile for head dim 72 without a causal mask: 192 x 144
+        assert f"{family}.kv_cache_page_loader" not in codes(provider, odd.replace(kv_page_size=tile), H100_ALL)
     else:
         assert f"{family}.kv_cache" in codes(provider, kv, H100_ALL)
     assert f"{family}.fp8" in codes(provider, BASE.replace(fp8=True), H100_ALL)

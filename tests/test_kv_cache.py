@@ -174,10 +174,10 @@ H100 = dataclasses.replace(PROFILES["h100-cudnn9"], torch_version="2.13.0")
 
 
 def _decode(paged: bool, page_size: int | None = None, **kw) -> AttentionParams:
-    return AttentionParams(dtype="bfloat16", qkv_format="thd", batch_size=32, num_heads=32, num_gqa_groups=8,
-                           head_dim_qk=128, max_seqlen_q=1, max_seqlen_kv=8192,
-                           attn_mask_type="padding_causal_bottom_right", is_training=False, inference_kv_cache=True,
-                           kv_cache_paged=paged, kv_page_size=page_size, **kw)
+    args = dict(dtype="bfloat16", qkv_format="thd", batch_size=32, num_heads=32, num_gqa_groups=8, head_dim_qk=128,
+                max_seqlen_q=1, max_seqlen_kv=8192, attn_mask_type="padding_causal_bottom_right", is_training=False,
+                inference_kv_cache=True, kv_cache_paged=paged, kv_page_size=page_size)
+    return AttentionParams(**{**args, **kw})
 
 
 def _reasons(decision, provider_id):
@@ -189,15 +189,18 @@ def test_explain_kv_cache_on_hopper():
     assert contiguous.verdict("flash_attn_2", "torch").eligible
     assert contiguous.verdict("cudnn_fused", "frontend").eligible
     assert "cudnn_fused.kv_cache" in _reasons(contiguous, "cudnn_fused:torch")
-    assert "flash_attn_4.kv_cache" in _reasons(contiguous, "flash_attn_4:cute")
+    assert contiguous.verdict("flash_attn_4", "cute").eligible
     paged16 = selection.explain(_decode(True, 16), platform=H100)
     fa2 = paged16.verdict("flash_attn_2", "torch")
     assert not fa2.eligible and "page_size=16 is not a multiple of 256" in str(fa2.reasons[0])
-    assert "paged KV cache is not supported by cudnn_fused:frontend" in str(
-        paged16.verdict("cudnn_fused", "frontend").reasons)
-    assert paged16.chosen == "unfused:pytorch"
+    assert paged16.verdict("cudnn_fused", "frontend").eligible  # cuDNN's page tables: any page size
+    assert "paged KV cache is not supported by cudnn_fused:torch" in str(paged16.verdict("cudnn_fused", "torch").reasons)
+    assert paged16.verdict("flash_attn_4", "cute").eligible  # any page size with head dims that are multiples of 16
+    odd = selection.explain(_decode(True, 16, head_dim_v=72, head_dim_qk=72), platform=H100)
+    assert "irregular head dim" in str(odd.verdict("flash_attn_4", "cute").reasons)
+    assert odd.chosen == "cudnn_fused:frontend"  # not predicted by the decode model, but the only fused engine
     paged256 = selection.explain(_decode(True, 256), platform=H100)
-    assert paged256.chosen == "flash_attn_2:torch"
+    assert paged256.verdict("flash_attn_2", "torch").eligible
     old_torch = selection.explain(_decode(True, 256), platform=dataclasses.replace(H100, torch_version="2.11.0"))
     assert "flash_attn_2.kv_cache_pages" in _reasons(old_torch, "flash_attn_2:torch")
 
@@ -210,3 +213,42 @@ def test_module_explain_with_inference_params():
     assert decision.params["inference_kv_cache"]
     assert decision.params["attn_mask_type"] == "padding_causal_bottom_right"
     assert decision.params["max_seqlen_q"] == 1
+
+
+# --- decode: which engine splits the keys, and what the auto policy predicts ---------------------------------
+def _notes(decision, provider_id):
+    return " ".join(decision.verdict(*provider_id.split(":")).notes)
+
+
+def test_small_batch_decode_picks_the_engine_that_splits_the_keys():
+    long = selection.explain(_decode(False, batch_size=1, max_seqlen_kv=32768), platform=H100)
+    assert long.chosen == "flash_attn_2:torch"
+    assert "decode model" in long.policy_reason and "8 blocks split" in long.policy_reason
+    fa2, fa4 = long.estimates["flash_attn_2:torch"], long.estimates["flash_attn_4:cute"]
+    assert fa4 > 5 * fa2, long.estimates  # 8 of 132 SMs stream the cache without split-KV
+    assert "does not split the keys" in _notes(long, "flash_attn_4:cute")
+    assert "split-KV" in _notes(long, "flash_attn_2:torch")
+    assert "cudnn_fused:frontend" in long.policy_reason.split("not predicted")[1]
+
+
+def test_a_full_batch_fills_the_gpu_without_split_kv():
+    full = selection.explain(_decode(False), platform=H100)  # 32 x 8 kv heads = 256 blocks on 132 SMs
+    assert full.estimates["flash_attn_4:cute"] == pytest.approx(full.estimates["flash_attn_2:torch"], rel=0.05)
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(window_size=(1024, 0)), "a sliding window"),
+    (dict(num_gqa_groups=32), "no GQA"),
+])
+def test_torch_fa2_splits_only_the_grouped_unwindowed_single_query_step(change, why):
+    decision = selection.explain(_decode(False, batch_size=1, max_seqlen_kv=32768, **change), platform=H100)
+    note = _notes(decision, "flash_attn_2:torch")
+    assert why in note and "does not split the keys" in note
+
+
+def test_flash_attn_4_splits_on_blackwell_and_chunked_prefill_keeps_the_profile_path():
+    b200 = dataclasses.replace(H100, compute_capability=(10, 0), device_name="NVIDIA B200")
+    decision = selection.explain(_decode(False, batch_size=1, max_seqlen_kv=32768), platform=b200)
+    assert "splits the keys" in _notes(decision, "flash_attn_4:cute")
+    chunk = selection.explain(_decode(False, max_seqlen_q=128), platform=H100)
+    assert "decode model" not in chunk.policy_reason

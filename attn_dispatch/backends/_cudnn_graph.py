@@ -58,6 +58,7 @@ class SdpaKey:
     stats_stride: tuple
     max_total: tuple = (0, 0)  # bwd, thd: token counts bounding the workspace
     rng_dump: bool = False     # tests: dump the dropout keep mask
+    paged: tuple = ()          # fwd over a paged KV cache: (num_pages, page_size, table_pages, table_row_stride)
 
     def stride(self, name: str) -> tuple:
         return dict(self.strides)[name]
@@ -112,6 +113,8 @@ class GraphBuilder:
         heads = k.hkv if name in ("k", "v", "dk", "dv") else k.h
         seq = k.skv if name in ("k", "v", "dk", "dv") else k.sq
         d = k.dv if name in ("v", "dv", "o", "do") else k.dqk
+        if k.paged and name in ("k", "v"):  # the page pool ('container'): [num_pages, h_kv, page_size, d]
+            return [k.paged[0], heads, k.paged[1], d]
         return [k.b, heads, seq, d]
 
     def _offset(self, name: str) -> Any:
@@ -182,6 +185,12 @@ class GraphBuilder:
             kw["dropout"] = (k.dropout, self.small("seed", [1, 1, 1, 1], i64), self.small("offset", [1, 1, 1, 1], i64))
         if k.sink:
             kw["sink_token"] = self.small("sink", [1, k.h, 1, 1], f32)
+        if k.paged:  # cudnn-frontend sdpa: page tables [b, 1, pages per sequence, 1] index the containers
+            _, page_size, pages, row_stride = k.paged
+            for side in ("k", "v"):
+                kw[f"paged_attention_{side}_table"] = self.small(f"page_table_{side}", [k.b, 1, pages, 1], i32,
+                                                                 [row_stride, row_stride, 1, 1])
+            kw["paged_attention_max_seq_len_kv"] = k.skv
         return kw
 
     def build_forward(self) -> Compiled:

@@ -22,6 +22,7 @@ Masks follow Transformer Engine (constraints.cudnn_fused.diagonal_band, shared w
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -35,7 +36,7 @@ import torch
 from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
 from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
-from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView, _thd_positions
 
 __all__ = ["CudnnFrontendEngine", "CudnnGraphError", "SdpaKey", "TorchCudnnEngine", "alibi_bias",
            "alibi_default_slopes", "bhsd"]
@@ -714,6 +715,51 @@ class CudnnFrontendEngine(Engine):
             dsoftmax = dsink.view(call.h).to(aux.softmax_offset.dtype)
         return BwdResult(dq, dk, dv, dbias, dsoftmax)
 
+    # --- KV-cache inference ---
+    def forward_kv_cache(self, q: torch.Tensor, cache: KVCacheView, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                         cfg: AttnConfig) -> torch.Tensor:
+        """The step's queries, padded to [b, s_q, h, d], attend the cache in place through a padded graph whose
+        sequence lengths are the step's: a contiguous cache's rows viewed as k/v, or the page pool as cuDNN's
+        paged 'containers' with the page table (cudnn-frontend sdpa paged_attention_k_table/v_table, cuDNN >=
+        9.5). The graph's extents are powers of two (keys: up to the row or table capacity), so that a decode
+        loop builds a graph a few times per sequence length doubling instead of at every step; cuDNN bounds the
+        work by the sequence-length tensors."""
+        b, t, h = cache.batch, q.shape[0], q.shape[1]
+        sq = _kv_bucket(max_seqlen_q)
+        rows, cols = _thd_positions(cu_seqlens_q, b, max_seqlen_q, t)
+        q4 = q.new_zeros(b, sq, h, q.shape[-1])
+        q4[rows, cols] = q
+        bshd = dataclasses.replace(cfg, qkv_format="bshd")
+        if cache.page_table is None:
+            skv = _kv_bucket(cache.max_seqlen_kv, cache.page_size)
+            aux = AttnAux(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cache.cu_seqlens_kv)
+            out4 = self.forward(q4, cache.k[:b, :skv], cache.v[:b, :skv], aux, bshd).out
+        else:
+            out4 = self._forward_paged(q4, cache, cu_seqlens_q, bshd)
+        return out4[rows, cols]
+
+    def _forward_paged(self, q4: torch.Tensor, cache: KVCacheView, cu_seqlens_q: torch.Tensor,
+                       cfg: AttnConfig) -> torch.Tensor:
+        _require_cuda(q4)
+        b, sq, h, dqk = q4.shape
+        page, table = cache.page_size, cache.page_table
+        pages = -(-_kv_bucket(cache.max_seqlen_kv, table.shape[1] * page) // page)
+        call = _Call("bshd", b, h, cache.k.shape[2], sq, pages * page, dqk, cache.v.shape[-1], True,
+                     _lens(cu_seqlens_q), cache.seqlens_kv.to(torch.int32), max_q=sq, max_kv=cache.max_seqlen_kv)
+        dev = q4.device.index if q4.device.index is not None else _current_device()
+        out = torch.empty(b, sq, h, call.dv, dtype=q4.dtype, device=q4.device)
+        lse = torch.empty(b, h, sq, dtype=torch.float32, device=q4.device)
+        operands = {"q": q4, "k": cache.k, "v": cache.v, "o": out}  # the pool described as [pages, hkv, page, d]
+        key = self._key("fwd", call, cfg, q4.dtype, dev, operands, None, False, False, None,
+                        (h * sq, sq, 1, 1), False)
+        key = dataclasses.replace(key, paged=(cache.k.shape[0], page, pages, table.stride(0)))
+        compiled = self._graph_or_record(key, lambda phase: ("kv-cache paged", phase))
+        buffers = self._aux_buffers(call, key, {n: bhsd(x, "bshd") for n, x in operands.items()}, None, None, None)
+        tables = table[:b, :pages].view(b, 1, pages, 1)
+        buffers.update(stats=lse, page_table_k=tables, page_table_v=tables)
+        self._run(compiled, buffers, dev)
+        return out
+
     def probe(self, params: Any, device: int | None = None) -> str | None:
         """Build the forward (and, for training, backward) graph of an AttentionParams on this GPU without running
         it: None when cuDNN accepts, else cuDNN's message (also recorded for the table's `cudnn_rejected`)."""
@@ -729,6 +775,12 @@ class CudnnFrontendEngine(Engine):
         except CudnnGraphError as exc:
             return exc.cudnn_message
         return None
+
+
+def _kv_bucket(n: int, capacity: int | None = None) -> int:
+    """A KV-cache graph's extent for n tokens: the next power of two, at most the capacity (never below n)."""
+    bucket = 1 << max(0, n - 1).bit_length()
+    return max(n, bucket if capacity is None else min(bucket, capacity))
 
 
 def _padded_row_mask(lens: torch.Tensor, s: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..constraints import flash_attn_4_sm90 as sm90
+from ..constraints.flash_attn_4 import paged_loader_problem
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen
 
 
@@ -94,6 +95,33 @@ class FlashAttn4Engine(FlashEngineBase):
                           max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
         result = self._timed("fwd", self._iface._flash_attn_fwd, q, k, v, **kwargs)
         return result[0], result[1], None
+
+    # --- KV-cache inference: the cache is read in place -------------------------------------------------------
+    def forward_kv_cache(self, q, cache, cu_seqlens_q, max_seqlen_q, cfg):
+        """_flash_attn_fwd reads the cache where it lies: a contiguous cache as k/v [b, rows, h_k, d] with seqused_k
+        live tokens per row, a paged one as the page pool with page_table (and seqused_k; it takes no cu_seqlens_k
+        with a page table). GQA heads are packed into the query tile (pack_gqa). Split-KV: num_splits=0 lets its
+        heuristic split the keys where batch x kv heads leave SMs idle (sm100/sm110); sm90 has no split-KV kernel
+        ('SplitKV not supported on SM 9.0'), so there every step runs one CTA per (sequence, kv head)."""
+        d, dv, window = q.shape[-1], cache.v.shape[-1], tuple(cfg.window_size)
+        sm90_arch = self._is_sm90()
+        if sm90_arch:
+            self._refuse(sm90.forward_problem(d, dv, window))
+        if cache.page_table is not None:
+            problem = paged_loader_problem(cache.page_size, d, dv, window, self._iface._get_device_arch() // 10)
+            if problem is not None:
+                raise ValueError(problem)
+        left, right = _fa4_window(window)
+        kwargs: dict[str, Any] = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                      seqused_k=cache.seqlens_kv, max_seqlen_k=cache.max_seqlen_kv,
+                                      softmax_scale=cfg.softmax_scale, causal=False, window_size_left=left,
+                                      window_size_right=right, num_splits=1 if sm90_arch else 0)
+        if cache.page_table is None:
+            k, v = cache.k[:cache.batch], cache.v[:cache.batch]  # views: sequence i is row i
+        else:
+            k, v = cache.k, cache.v
+            kwargs["page_table"] = cache.page_table
+        return self._timed("fwd", self._iface._flash_attn_fwd, q, k, v, **kwargs)[0]
 
     def _kernel_bwd(self, dout, q, k, v, out, lse, kernel_state, varlen: Varlen | None, call: KernelCall):
         if self._is_sm90():  # the functional path (context parallelism) may run a forward without grad first

@@ -26,7 +26,7 @@ from packaging.version import Version
 from ..env import EnvFlags
 from ..params import AttentionParams, has_padding
 from ..platform import Platform, parse_version
-from . import common
+from . import common, kv_decode
 from .base import Check, Failure, Table, fail
 
 TE_CPP = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_arbitrary_seqlen)"
@@ -708,10 +708,11 @@ def _cudnn_rules(table: Table) -> None:
 def _kv_cache_check(table: Table) -> Check:
     if table.provider == "frontend":
         return common.kv_cache(
-            table, contiguous=True, paged=False,
-            why_not="cuDNN's paged attention (page tables, cuDNN >= 9.5) is not wired up in attn-dispatch",
-            source=TE_KV + " (FusedAttention: non-paged and paged, bshd/sbhd/thd); the contiguous cache runs "
-                   "the padded bshd graph on the cache rows in place")
+            table, contiguous=True, paged=True,
+            source=TE_KV + " (FusedAttention: non-paged and paged, bshd/sbhd/thd); " + OURS + ": a padded bshd "
+                   "graph on the cache rows in place, or on the page pool as cuDNN's paged containers [pages, h_kv, "
+                   "page_size, d] (strides: no copy) with page tables [b, 1, pages, 1] (cudnn-frontend sdpa "
+                   "paged_attention_k_table/v_table/max_seq_len_kv; test/python/sdpa/fp16.py)")
     return common.kv_cache(
         table, contiguous=False, paged=False,
         why_not="aten::_scaled_dot_product_cudnn_attention takes no per-sequence lengths, so it cannot leave a "
@@ -741,6 +742,23 @@ def _thd_ragged_stats(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
     if p.qkv_format == "thd" and c is not None and c < 90600:
         return fail(f"attn-dispatch's thd path returns the log-sum-exp through cuDNN's ragged stats, which need "
                     f"cuDNN >= 9.6.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.6, or use bshd with padding")
+    return None
+
+
+@FRONTEND_TABLE.check("kv_cache_paged", requires="a paged KV cache: cuDNN >= 9.5.0; head dims <= 128 up to cuDNN 9.9",
+                      topic="inference", source=FE_SURFACE + " (validate_sdpa_support_surface: 'For cuDNN version "
+                      "below 9.5.0, paged caches are not supported'; 'Paged attention only supported with d_qk and "
+                      "d_v <= 128 for backend version 9.9 or below'); paged_cache_load.h 'requires cuDNN v9.5.0'")
+def _kv_cache_paged(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    c = cudnn_int(plat)
+    if not p.kv_cache_paged or c is None:
+        return None
+    if c < 90500:
+        return fail(f"cuDNN's paged attention needs cuDNN >= 9.5.0; found {_cudnn_text(plat)}",
+                    "upgrade cuDNN, or use a contiguous cache (InferenceParams(is_paged=False))")
+    if c < 91000 and max(p.head_dim_qk, p.head_dim_v) > 128:
+        return fail(f"cuDNN {_cudnn_text(plat)} runs paged attention with head dims <= 128 only (got "
+                    f"{p.head_dim_qk}, {p.head_dim_v})", "upgrade cuDNN to >= 9.10, or use a contiguous cache")
     return None
 
 
@@ -923,6 +941,12 @@ def record_rejection(signature: tuple, message: str) -> None:
     from ..selection import clear_cache
 
     clear_cache()  # cached decisions predate what cuDNN just said
+
+
+@FRONTEND_TABLE.note
+def _kv_decode(p: AttentionParams, plat: Platform) -> str | None:
+    return kv_decode.note(FRONTEND_TABLE.id, p, plat, "cudnn-frontend 1.32 cudnn/sdpa/fwd/kernels (decode kernels "
+                          "for sm100 and newer only); measured by benchmarks/bench_kv_decode.py")
 
 
 from .cudnn_fused_fp8 import FP8_TABLE  # noqa: E402 - it builds on the rules above

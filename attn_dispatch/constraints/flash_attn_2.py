@@ -6,7 +6,7 @@ from packaging.version import Version
 from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import parse_version, Platform
-from . import common
+from . import common, kv_decode
 from .base import Failure, Table, fail
 from .flash_common import (CONSUMER_SM, CP, FA_CHANGELOG, MASKS, TE_UTILS, check, deterministic_backward, gqa,
                            no_padding_between_sequences, top_left_alignment, version_for)
@@ -224,6 +224,11 @@ def _torch_fa4_registration(p: AttentionParams, plat: Platform) -> str | None:
                 "to flash-attn-4, and fails with flash-attn-4 4.0.0b36 ('too many values to unpack'); attn-dispatch "
                 "leaves it off (flash_attn_4:cute calls flash_attn.cute directly)")
     return None
+
+
+@T.note
+def _kv_decode(p: AttentionParams, plat: Platform) -> str | None:
+    return kv_decode.note(T.id, p, plat, kv_decode.FA2_SOURCE)
 
 
 TABLES = [PACKAGE_TABLE, TORCH_TABLE]

@@ -10,7 +10,7 @@ from packaging.version import Version
 from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import parse_version, Platform
-from . import common
+from . import common, kv_decode
 from . import flash_attn_4_sm90 as sm90
 from .base import Failure, Table, fail
 from .flash_common import CP, MASKS, check, gqa, no_padding_between_sequences, top_left_alignment
@@ -86,6 +86,38 @@ def _sm90_backward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
     return fail(*problem) if problem else None
 
 
+def key_tile(head_dim: int, head_dim_v: int, window: tuple[int, int], sm_major: int) -> int:
+    """The forward's key tile (tile_n): sm90 interface._tile_size_fwd_sm90; sm100/sm110 128
+    (interface._get_fwd_config; its retile of unequal head dims under split-KV aside)."""
+    if sm_major == 9 and all(8 <= d <= 256 for d in (head_dim, head_dim_v)):
+        return sm90.fwd_tile(head_dim, head_dim_v, *sm90.masking(tuple(window)))[1]
+    return 128
+
+
+def paged_loader_problem(page_size: int, head_dim: int, head_dim_v: int, window: tuple[int, int],
+                         sm_major: int) -> str | None:
+    """Why flash-attn-4 cannot load a paged cache of this page size (pages that are not one key tile load row by
+    row, which needs head dims that are multiples of 16), or None. Shared by the table and the engine."""
+    tile = key_tile(head_dim, head_dim_v, window, sm_major)
+    odd = [f"{name}={d}" for name, d in (("head_dim_qk", head_dim), ("head_dim_v", head_dim_v)) if d % 16]
+    if page_size == tile or not odd:
+        return None
+    return (f"page_size={page_size} is not flash-attn-4's key tile ({tile}), so its pages load row by row, which "
+            f"needs head dims that are multiples of 16 ({', '.join(odd)}): 'Paged KV does not support irregular "
+            "head dim'")
+
+
+def _paged_loader(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if not (p.inference_kv_cache and p.kv_cache_paged and p.kv_page_size):
+        return None
+    problem = paged_loader_problem(p.kv_page_size, p.head_dim_qk, p.head_dim_v, p.window_size, plat.sm // 10)
+    if problem is None:
+        return None
+    tile = key_tile(p.head_dim_qk, p.head_dim_v, p.window_size, plat.sm // 10)
+    return fail(problem, f"InferenceParams(page_size={tile}), a contiguous cache, or head dims that are multiples "
+                         "of 16")
+
+
 def _sink_backward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if (p.softmax_type != "vanilla" and p.is_training and plat.sm // 10 in (10, 11)
             and (p.head_dim_qk, p.head_dim_v) == (256, 256)):
@@ -133,9 +165,16 @@ T.add(
           FA4_IFACE + " _flash_attn_bwd: 'SM100 backward with head_dim=256 does not support learnable_sink'",
           _sink_backward),
     common.no_return_max_logit(T, source=FA4_IFACE + " (no max logit output)"),
-    common.kv_cache(T, contiguous=False, paged=False,
-                    source=common.TE_KV_FILTER + " ('Disabling FlashAttention 4 as it does not support KV cache')",
-                    why_not="Transformer Engine does not run flash-attn-4 with a KV cache, nor does attn-dispatch"),
+    common.kv_cache(T, contiguous=True, paged=True,
+                    source=FA4_IFACE + " _flash_attn_fwd: seqused_k [b] with k/v [b, s_k, h_k, d] (a contiguous cache "
+                    "read in place), or page_table [b, pages] int32 with a (num_pages, page_size, h_k, d) pool; "
+                    "'page_table is not supported with cu_seqlens_k'. (Transformer Engine does not run flash-attn-4 "
+                    "with a KV cache: " + common.TE_KV_FILTER + ")"),
+    check(T, "kv_cache_page_loader", "a paged KV cache whose page_size is not the forward's key tile (128 for head "
+          "dims <= 128) is loaded row by row: both head dims multiples of 16", "inference",
+          FA4_IFACE + " (paged_kv_non_tma=page_size not in [None, tile_n]); flash_fwd_sm90.py / flash_fwd_sm100.py "
+          "__init__: 'Paged KV does not support irregular head dim' (flash_fwd.py pads head dims to 16)",
+          _paged_loader),
     common.cp_comm_types(T, ("p2p", "all_gather", "a2a", "a2a+p2p"), source=CP),
 )
 
@@ -164,6 +203,11 @@ def _determinism(p: AttentionParams, plat: Platform) -> str | None:
         return ("deterministic backward: flash-attn-4 4.0.0b36 serialises dQ (and GQA dK/dV) accumulation with "
                 "semaphores on sm90 and sm100/sm110 (earlier releases: sm100/sm110 only)")
     return None
+
+
+@T.note
+def _kv_decode(p: AttentionParams, plat: Platform) -> str | None:
+    return kv_decode.note(T.id, p, plat, kv_decode.FA4_SOURCE)
 
 
 TABLES = [CUTE_TABLE]

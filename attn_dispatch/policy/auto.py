@@ -1,11 +1,13 @@
 """The default policy: the fastest eligible provider by the performance profile shipped for the platform's
 architecture, with no timing at run time. A bucket the measured policy has tuned on this machine overrides the
 profile (local timings beat a prediction); without a profile for the architecture, Transformer Engine's order
-decides, and the reason says so."""
+decides, and the reason says so. KV-cache decode steps are predicted by the memory-bound model of
+policy/decode.py instead (the profile has no decode rows)."""
 from __future__ import annotations
 
 from ..params import AttentionParams
 from ..platform import Platform
+from . import decode
 from .base import Choice
 from .profile import PROFILE_DIR, Profile, arch_of, profile_for
 
@@ -25,6 +27,9 @@ class AutoPolicy:
         if local is not None:
             return local
         profile = profile_for(platform, self.directory)
+        if decode.applies(params, platform):  # the profile has no decode rows, nor the right model for them
+            host = {p: profile.host_ms.get((p, False), 0.0) for p in eligible} if profile is not None else {}
+            return decode.choose(params, platform, eligible, host)
         if profile is None:
             arch = arch_of(platform) or platform.device_type
             shipped = ", ".join(sorted(p.stem for p in self.directory.glob("*.json"))) or "none"

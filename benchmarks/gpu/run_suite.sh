@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call, several stages: bash benchmarks/gpu/run_suite.sh STAGE [STAGE ...]
-# Stages: tests-cudnn tests-flash tests-unfused bench-cudnn bench-flash bench-memory probe policy policy-grid hotpath
+# Stages: tests-cudnn tests-flash tests-unfused tests-kv bench-cudnn bench-flash bench-memory probe policy policy-grid hotpath kv-decode
 # Source the wheel bundles first (../shared/device/README.md); logs and JSON go to $OUT.
 # A failing stage does not stop the next; a short summary is printed last.
 set -u
@@ -27,6 +27,8 @@ for s in "$@"; do
     policy) TAIL=60 stage $s 540 python3 benchmarks/bench_policy.py --out "$OUT/policy.json" ;;
     policy-grid) TAIL=80 stage $s 570 python3 benchmarks/bench_policy.py --skip hotpath,graph,compile --out "$OUT/policy_grid.json" ;;
     hotpath) TAIL=20 stage $s 200 python3 benchmarks/bench_policy.py --skip grid --out "$OUT/hotpath.json" ;;
+    tests-kv) stage $s 300 python3 -m pytest -m gpu tests/gpu/test_kv_cache_gpu.py -q -p no:cacheprovider -rf ;;
+    kv-decode) TAIL=60 stage $s 480 python3 benchmarks/bench_kv_decode.py ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
