@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -20,6 +20,9 @@ from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
 from .backends.base import AttnAux, AttnConfig, Engine
 from .decision import Decision
 from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
+
+if TYPE_CHECKING:
+    from .call_args import CallArgs
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHOW = 8  # list elements shown in error messages
@@ -290,9 +293,12 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, attention_mask: Any,
-                  cu_q: Any, cu_kv: Any, cu_q_p: Any, cu_kv_p: Any, max_q: Any, max_kv: Any,
-                  pad_between_seqs: Any) -> SeqInfo:
+def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, args: CallArgs) -> SeqInfo:
+    """The call's sequence facts from its lengths (cu_seqlens, max_seqlen, a padding attention_mask)."""
+    attention_mask, pad_between_seqs = args.attention_mask, args.pad_between_seqs
+    cu_q, cu_kv, cu_q_p, cu_kv_p = args.cu_seqlens_q, args.cu_seqlens_kv, args.cu_seqlens_q_padded, \
+        args.cu_seqlens_kv_padded
+    max_q, max_kv = args.max_seqlen_q, args.max_seqlen_kv
     if fmt == "thd":
         tensors = tuple(t for t in (cu_q, cu_kv, cu_q_p, cu_kv_p) if t is not None)
 
@@ -513,8 +519,10 @@ def default_alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq: SeqInfo,
-                 bias_type: str, bias: Any, alibi_slopes: Any, attention_mask: Any, training: bool) -> AttentionParams:
+                 args: CallArgs, training: bool) -> AttentionParams:
     """Validates the static facts of a call and describes it."""
+    bias_type, bias, alibi_slopes = args.core_attention_bias_type, args.core_attention_bias, args.alibi_slopes
+    attention_mask = args.attention_mask
     check_qkv(spec, fmt, q, k, v)
     check_attention_mask(mask_type, attention_mask, q, seq.batch, seq.max_q, seq.max_kv)
     bias_shape, alibi_shape = check_bias(bias_type, bias, alibi_slopes, q, seq.batch, seq.max_q, seq.max_kv)

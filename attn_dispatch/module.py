@@ -7,7 +7,11 @@ attention_mask must put padding after the real tokens,
 and is not accepted together with cu_seqlens; a window (-1, 0) on a non-causal mask is a real window
 (Transformer Engine resets it to (-1, -1)); with thd and no max_seqlen the exact longest sequence is used
 (Transformer Engine rounds up to a multiple of 64); in eval mode the call is described with dropout 0.
-What is not built yet (context parallelism, FP8 output, KV-cache inference) raises NotImplementedError.
+FP8 output is not built yet: fp8_output=True raises NotImplementedError.
+
+forward's keywords travel as one value (attn_dispatch.call_args.CallArgs) to every path: selection's
+(_dispatch/_prepare), explain(), the KV cache and context parallelism; _check_args is where each call's
+arguments are checked before any of them acts.
 """
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
-from . import inputs
+from . import call_args, inputs
 from .backends._cudnn_graph import CudnnGraphError
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
+from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .env import FAMILIES, EnvFlags
 from .selection import _GENERATION
@@ -274,71 +279,67 @@ class DotProductAttention(torch.nn.Module):
                 alibi_slopes: torch.Tensor | None = None, fast_zero_fill: bool = True, inference_params: Any = None,
                 pad_between_seqs: bool | None = None, fp8_output: bool = False):
         # fast_zero_fill only picks how Transformer Engine zero-initialises outputs; results are the same.
-        if self._fast and attention_mask is None and qkv_format is None and cu_seqlens_q is None \
-                and cu_seqlens_kv is None and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None \
-                and max_seqlen_q is None and max_seqlen_kv is None and attn_mask_type is None and window_size is None \
+        if attention_mask is None and qkv_format is None and cu_seqlens_q is None and cu_seqlens_kv is None \
+                and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None and max_seqlen_q is None \
+                and max_seqlen_kv is None and attn_mask_type is None and window_size is None \
                 and not checkpoint_core_attention and core_attention_bias_type == "no_bias" \
                 and core_attention_bias is None and alibi_slopes is None and inference_params is None \
-                and pad_between_seqs is None and not fp8_output and not _is_compiling():
-            result = self._fast_forward(query_layer, key_layer, value_layer)
-            if result is not _MISS:
-                return result
-        _reject_unbuilt(fp8_output)
-        if inference_params is not None:
+                and pad_between_seqs is None and not fp8_output:
+            if self._fast and not _is_compiling():
+                result = self._fast_forward(query_layer, key_layer, value_layer)
+                if result is not _MISS:
+                    return result
+            args = QKV_ONLY
+        else:
+            args = CallArgs(attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                            checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes,
+                            inference_params, pad_between_seqs, fp8_output)
+        return self._forward_args(query_layer, key_layer, value_layer, args)
+
+    def _forward_args(self, q, k, v, args: CallArgs):
+        """forward past the fast path: check the arguments, then the path that serves them."""
+        self._check_args(args)
+        if args.inference_params is not None:
             from .kv_cache import attend
 
-            return attend.forward(
-                self, query_layer, key_layer, value_layer, inference_params, qkv_format=qkv_format,
-                attn_mask_type=attn_mask_type, window_size=window_size, attention_mask=attention_mask,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
-                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
+            return attend.forward(self, q, k, v, args)
         if self.cp_group is not None:
             from .context_parallel import module_glue
 
-            return module_glue.forward(
-                self, query_layer, key_layer, value_layer, attention_mask=attention_mask, qkv_format=qkv_format,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                attn_mask_type=attn_mask_type, window_size=window_size,
-                checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
-                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, pad_between_seqs=pad_between_seqs)
+            return module_glue.forward(self, q, k, v, args)
         # Under torch.compile the dispatcher stays out of the graph: selection, caches and engines run eagerly, so a
         # compiled model neither traces the decision nor recompiles per call. Eagerly, the disabling wrapper (a few
         # microseconds) is skipped.
         dispatch = self._dispatch_opaque if torch.compiler.is_compiling() else self._dispatch
-        return dispatch(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                        cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type,
-                        window_size, checkpoint_core_attention, core_attention_bias_type, core_attention_bias,
-                        alibi_slopes, pad_between_seqs)
+        return dispatch(q, k, v, args)
+
+    def _check_args(self, args: CallArgs) -> None:
+        """The checks every call's arguments pass before any path (KV cache, context parallel, selection) acts on
+        them; forward and explain both run it. What depends on the tensors is checked when a signature is first
+        planned (_describe / _prepare)."""
+        _reject_unbuilt(args.fp8_output)
 
     def _refused(self, q, k, v):
         """cuDNN refused a cached plan's graph at run time: select again (see _dispatch)."""
         self._forget_plans()
-        return self._dispatch(q, k, v, None, None, None, None, None, None, None, None, None, None, False, "no_bias",
-                              None, None, None)
+        return self._dispatch(q, k, v, QKV_ONLY)
 
-    def _dispatch(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                  cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                  checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes,
-                  pad_between_seqs):
-        args = (query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs)
-        plan, aux = self._prepare(*args)
+    def _dispatch(self, q, k, v, args: CallArgs):
+        plan, aux = self._prepare(q, k, v, args)
         self.__dict__["last_decision"] = plan.decision
+        checkpoint_core_attention = args.checkpoint_core_attention
         try:
-            out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
+            out, max_logit = self._run(plan, aux, q, k, v, checkpoint_core_attention)
         except CudnnGraphError:
             # cuDNN refused a graph the table let through: the engine recorded cuDNN's message (the table's
             # cudnn_rejected check now reports it) and cleared the decision cache, so selecting again moves on.
             self._forget_plans()
-            plan, aux = self._prepare(*args)
+            plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision
-            out, max_logit = self._run(plan, aux, query_layer, key_layer, value_layer, checkpoint_core_attention)
-        if _only_qkv(args) and not checkpoint_core_attention and self.cp_group is None:
-            self._remember_fast(plan, aux, query_layer, key_layer, value_layer)
+            out, max_logit = self._run(plan, aux, q, k, v, checkpoint_core_attention)
+        if args is QKV_ONLY and self.cp_group is None:
+            self._remember_fast(plan, aux, q, k, v)
         return (out, max_logit) if self.return_max_logit else out
 
     def _remember_fast(self, plan: inputs.Plan, aux: AttnAux, q, k, v) -> None:
@@ -368,8 +369,8 @@ class DotProductAttention(torch.nn.Module):
             self._generation = _GENERATION[0]
 
     @torch.compiler.disable
-    def _dispatch_opaque(self, *args):
-        return self._dispatch(*args)
+    def _dispatch_opaque(self, q, k, v, args: CallArgs):
+        return self._dispatch(q, k, v, args)
 
     def explain(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 **kwargs: Any) -> Decision:
@@ -377,37 +378,34 @@ class DotProductAttention(torch.nn.Module):
         Never raises for 'nothing qualifies': the Decision lists every backend's reasons."""
         from . import selection
 
-        plan_kwargs = {k: kwargs.pop(k, None) for k in _PREPARE_KEYS}
-        plan_kwargs["core_attention_bias_type"] = plan_kwargs["core_attention_bias_type"] or "no_bias"
-        _reject_unbuilt(kwargs.pop("fp8_output", False))
-        inference_params = kwargs.pop("inference_params", None)
-        checkpoint_core_attention = kwargs.pop("checkpoint_core_attention", False)
+        unexpected = {k: v for k, v in kwargs.items() if k not in call_args.KEYWORDS}
+        if unexpected:
+            raise ValueError(f"explain() got unexpected arguments {sorted(unexpected)}; it takes forward's keywords")
         kwargs.pop("fast_zero_fill", None)
-        if kwargs:
-            raise ValueError(f"explain() got unexpected arguments {sorted(kwargs)}; it takes forward's keywords")
-        if inference_params is not None:
+        if kwargs.get("core_attention_bias_type") is None:
+            kwargs["core_attention_bias_type"] = "no_bias"
+        args = CallArgs(**kwargs)
+        self._check_args(args)
+        if args.inference_params is not None:
             from .kv_cache import attend
 
-            return attend.explain(self, query_layer, key_layer, value_layer, inference_params,
-                                  checkpoint_core_attention=checkpoint_core_attention, **plan_kwargs)
-        params, _ = self._describe(query_layer, key_layer, value_layer, **plan_kwargs)
+            return attend.explain(self, query_layer, key_layer, value_layer, args)
+        params, _ = self._describe(query_layer, key_layer, value_layer, args)
         return selection.explain(params, force=self.backend)
 
     # ------------------------------------------------------------------------------------------
-    def _describe(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                  cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                  core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
-        """Validated (params, signature pieces) for a call; the slow path, also used by explain()."""
-        fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
+    def _describe(self, q, k, v, args: CallArgs):
+        """Validated (params, signature pieces) for a call; the slow path, also used by explain() and context
+        parallelism (with its per-rank lengths)."""
+        fmt, mask_type, window = self._resolve(args)
         _guard_ranks(fmt, q, k, v)
-        seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
-                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
-                                   pad_between_seqs)
-        params = inputs.build_params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
-                                     core_attention_bias, alibi_slopes, attention_mask, self.training)
+        seq = inputs.sequence_info(fmt, mask_type, q, k, args)
+        params = inputs.build_params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, args, self.training)
         return params, seq
 
-    def _resolve(self, qkv_format, attn_mask_type, window_size):
+    def _resolve(self, args: CallArgs) -> tuple[str, str, tuple[int, int]]:
+        """(qkv_format, mask type, window) of a call: its own, or the module's."""
+        qkv_format, attn_mask_type, window_size = args.qkv_format, args.attn_mask_type, args.window_size
         fmt = self.qkv_format if qkv_format is None else qkv_format
         if fmt not in _FORMAT_RANK:
             raise ValueError(f"qkv_format={fmt!r} is not supported; expected one of {', '.join(QKV_FORMATS)}")
@@ -421,39 +419,27 @@ class DotProductAttention(torch.nn.Module):
             window = inputs.check_window(self._window_arg if window_size is None else window_size, mask_type)
         return fmt, mask_type, window
 
-    def _prepare(self, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                 cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-                 core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
+    def _prepare(self, q, k, v, args: CallArgs):
         """(Plan, AttnAux) for a call. The raw arguments' static facts key a cache entry, so a repeated call
         skips validation; tensor contents (cu_seqlens, padding masks) are re-checked, cached on the tensors."""
-        if isinstance(window_size, list):
-            window_size = tuple(window_size)
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            _guard_ranks(self._resolve(qkv_format, attn_mask_type, window_size)[0], q, k, v)  # raises ValueError
-        key = (qkv_format, attn_mask_type, window_size, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, max_seqlen_q, max_seqlen_kv, cu_seqlens_q is None, cu_seqlens_kv is None,
-               cu_seqlens_q_padded is None, cu_seqlens_kv_padded is None, pad_between_seqs,
-               inputs.arg_signature(attention_mask), core_attention_bias_type,
-               None if core_attention_bias is None else inputs.arg_signature(core_attention_bias, grad=True),
-               inputs.arg_signature(alibi_slopes), self.training, _deterministic_now())
+            _guard_ranks(self._resolve(args)[0], q, k, v)  # raises ValueError
+        key = args.plan_key(q, k, v, self.training, _deterministic_now())
         self._check_generation()
         entry = self._entries.get(key)
         if entry is None:
-            fmt, mask_type, window = self._resolve(qkv_format, attn_mask_type, window_size)
+            fmt, mask_type, window = self._resolve(args)
             _guard_ranks(fmt, q, k, v)
             entry = inputs.Entry(fmt, mask_type, window, dynamic=fmt == "thd" or has_padding(mask_type))
         if entry.dynamic or entry.seq is None:
-            seq = inputs.sequence_info(entry.fmt, entry.mask_type, q, k, attention_mask, cu_seqlens_q, cu_seqlens_kv,
-                                       cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
-                                       pad_between_seqs)
+            seq = inputs.sequence_info(entry.fmt, entry.mask_type, q, k, args)
         else:
             seq = entry.seq
         seq_key = (seq.max_q, seq.max_kv, seq.pad_between_seqs)
         plan = entry.plans.get(seq_key)
         if plan is None:
             spec = self._spec_now()
-            params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq,
-                                         core_attention_bias_type, core_attention_bias, alibi_slopes, attention_mask,
+            params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
                                          self.training)
             if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
                 entry.plans.clear()
@@ -463,10 +449,11 @@ class DotProductAttention(torch.nn.Module):
             if not entry.dynamic:
                 entry.seq = seq
             self._entries[key] = entry
-        if core_attention_bias_type == "alibi":
+        alibi_slopes = args.alibi_slopes
+        if args.core_attention_bias_type == "alibi":
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
-        return plan, inputs.make_aux(seq, entry.mask_type, attention_mask, core_attention_bias, alibi_slopes,
-                                     self.softmax_offset)
+        return plan, inputs.make_aux(seq, entry.mask_type, args.attention_mask, args.core_attention_bias,
+                                     alibi_slopes, self.softmax_offset)
 
     def _alibi_slopes(self, slopes: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         if slopes is not None:
@@ -480,10 +467,10 @@ class DotProductAttention(torch.nn.Module):
                          core_attention_bias_type: str = "no_bias", core_attention_bias=None):
         """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
         merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways."""
-        args = (q, k, v, attention_mask, None, None, None, None, None, None, None, attn_mask_type, None,
-                core_attention_bias_type, core_attention_bias, None, None)
+        args = CallArgs(attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+                        core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias)
         for attempt in (0, 1):
-            plan, aux = self._prepare(*args)
+            plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision
             with self._dropout_ctx():
                 if plan.cfg.dropout_p > 0.0:
@@ -515,16 +502,6 @@ _deterministic_now = torch.are_deterministic_algorithms_enabled
 def _fast_key(q, k, v, training: bool) -> tuple:
     """What a q, k, v-only call's plan depends on; looked up when the last plan's tensor guard misses."""
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training)
-
-
-def _only_qkv(args: tuple) -> bool:
-    """_dispatch's arguments hold forward's defaults after q, k, v: what the fast path takes."""
-    return all(a is None for a in args[3:13]) and args[13] == "no_bias" and all(a is None for a in args[14:])
-
-
-_PREPARE_KEYS = ("attention_mask", "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
-                 "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "window_size",
-                 "core_attention_bias_type", "core_attention_bias", "alibi_slopes", "pad_between_seqs")
 
 
 def _reject_unbuilt(fp8_output: Any) -> None:

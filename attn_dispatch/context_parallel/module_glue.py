@@ -14,23 +14,17 @@ import torch
 import torch.distributed as dist
 
 from .. import inputs
+from ..call_args import CallArgs
 from .api import attention, fail_collectively
 from .engines import SelectedPerBlock
 from .sharding import cp_size_of, local_cu_seqlens
 
 
-def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask=None, qkv_format=None,
-            cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-            max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None, window_size=None,
-            checkpoint_core_attention: bool = False, core_attention_bias_type: str = "no_bias",
-            core_attention_bias=None, alibi_slopes=None, pad_between_seqs=None) -> Any:
+def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs) -> Any:
     """The module's output ([s, b, h*dv] / [b, s, h*dv] / [t, h*dv]) for this rank's shard."""
     group = module.cp_group
     try:
-        plan, aux = _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                             cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type,
-                             window_size, checkpoint_core_attention, core_attention_bias_type, core_attention_bias,
-                             alibi_slopes, pad_between_seqs)
+        plan, aux = _prepare(module, q, k, v, args)
     except Exception as exc:  # noqa: BLE001 - any error here would leave the other ranks waiting in attention()
         fail_collectively(exc, cp_group=group, cp_global_ranks=module.cp_global_ranks,
                           cp_comm_type=module.cp_comm_type, device=q.device)
@@ -40,31 +34,23 @@ def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attent
     return out.reshape(*out.shape[:-2], -1)
 
 
-def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-             cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
-             checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes, pad_between_seqs):
+def _prepare(module, q, k, v, args: CallArgs):
     cp_size = cp_size_of(module.cp_group)
-    fmt, mask_type, window = module._resolve(qkv_format, attn_mask_type, window_size)
-    if checkpoint_core_attention:
+    fmt, mask_type, window = module._resolve(args)
+    if args.checkpoint_core_attention:
         raise ValueError("checkpoint_core_attention=True is not supported under context parallelism; the ring "
                          "already recomputes nothing it does not need (pass False)")
     thd = fmt == "thd"
     # The module's checks see this rank's tensors: for thd, the per-rank cu_seqlens (global / cp_size).
-    local = {}
+    local = args
     if thd:
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
-                         ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
-            local[name] = _local_cu(name, cu, cp_size)
-        local["max_seqlen_q"] = None if max_seqlen_q is None else max(1, max_seqlen_q // cp_size)
-        local["max_seqlen_kv"] = None if max_seqlen_kv is None else max(1, max_seqlen_kv // cp_size)
-    else:
-        local = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                     cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
-    seq = inputs.sequence_info(fmt, mask_type, q, k, attention_mask, local["cu_seqlens_q"], local["cu_seqlens_kv"],
-                               local["cu_seqlens_q_padded"], local["cu_seqlens_kv_padded"], local["max_seqlen_q"],
-                               local["max_seqlen_kv"], pad_between_seqs)
-    params = inputs.build_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, core_attention_bias_type,
-                                 core_attention_bias, alibi_slopes, attention_mask, module.training)
+        local = args.replace(
+            **{name: _local_cu(name, getattr(args, name), cp_size)
+               for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")},
+            max_seqlen_q=None if args.max_seqlen_q is None else max(1, args.max_seqlen_q // cp_size),
+            max_seqlen_kv=None if args.max_seqlen_kv is None else max(1, args.max_seqlen_kv // cp_size))
+    seq = inputs.sequence_info(fmt, mask_type, q, k, local)
+    params = inputs.build_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, local, module.training)
     a2a_size = dist.get_world_size(module.cp_group[0]) if module.cp_comm_type == "a2a+p2p" else None
     params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type, cp_a2a_size=a2a_size)
     module._check_generation()
@@ -74,10 +60,12 @@ def _prepare(module, q, k, v, attention_mask, qkv_format, cu_seqlens_q, cu_seqle
         if len(plans) >= 64:
             plans.clear()
         plan = plans[params] = _plan(module._spec_now(), params, module.cp_group)
-    aux = inputs.make_aux(seq, mask_type, attention_mask, core_attention_bias, alibi_slopes, module.softmax_offset)
+    aux = inputs.make_aux(seq, mask_type, args.attention_mask, args.core_attention_bias, args.alibi_slopes,
+                          module.softmax_offset)
     if thd:  # attention() takes the whole-sequence cu_seqlens
-        aux = dataclasses.replace(aux, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                  cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+        aux = dataclasses.replace(aux, cu_seqlens_q=args.cu_seqlens_q, cu_seqlens_kv=args.cu_seqlens_kv,
+                                  cu_seqlens_q_padded=args.cu_seqlens_q_padded,
+                                  cu_seqlens_kv_padded=args.cu_seqlens_kv_padded,
                                   max_seqlen_q=seq.max_q * cp_size, max_seqlen_kv=seq.max_kv * cp_size)
     return plan, aux
 

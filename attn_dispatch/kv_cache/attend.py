@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..call_args import CallArgs
 from ..inputs import check_window, make_plan, normalize_mask_type
 from ..params import AttentionParams, is_causal
 from .inference_params import InferenceParams, KVCacheError
@@ -33,7 +34,8 @@ def _bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _resolve(module: "DotProductAttention", qkv_format, attn_mask_type, window_size) -> tuple[str, str, tuple]:
+def _resolve(module: "DotProductAttention", args: CallArgs) -> tuple[str, str, tuple]:
+    qkv_format, attn_mask_type, window_size = args.qkv_format, args.attn_mask_type, args.window_size
     fmt = module.qkv_format if qkv_format is None else qkv_format
     if fmt not in ("bshd", "sbhd", "thd"):
         raise ValueError(f"qkv_format={fmt!r} is not supported; expected one of 'bshd', 'sbhd', 'thd'")
@@ -51,16 +53,16 @@ def _resolve(module: "DotProductAttention", qkv_format, attn_mask_type, window_s
 
 
 def _check_call(module: "DotProductAttention", ip: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fmt: str, extras: dict[str, Any]) -> None:
+                fmt: str, args: CallArgs) -> None:
     if not isinstance(ip, InferenceParams):
         raise TypeError(f"inference_params must be an attn_dispatch.InferenceParams; got {type(ip).__name__}")
     for name, allowed in _UNSUPPORTED.items():
-        value = extras.pop(name, allowed)
+        value = getattr(args, name)
         if not (value is allowed or (not isinstance(value, torch.Tensor) and value == allowed)
                 or (name == "pad_between_seqs" and value is False)):
             shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
             raise KVCacheError(f"{name}={shown} is not supported with inference_params; leave it at {allowed!r}")
-    _check_lengths(ip, extras)
+    _check_lengths(ip, args)
     if module.cp_group is not None:
         raise KVCacheError("inference_params under context parallelism is not supported (nor by Transformer "
                            "Engine): call set_context_parallel_group(None, None, None) for generation")
@@ -105,12 +107,12 @@ def _check_call(module: "DotProductAttention", ip: Any, q: torch.Tensor, k: torc
         raise KVCacheError(f"query_layer is {q.dtype}, the cache is {ip.dtype} (InferenceParams dtype)")
 
 
-def _check_lengths(ip: InferenceParams, extras: dict[str, Any]) -> None:
+def _check_lengths(ip: InferenceParams, args: CallArgs) -> None:
     """cu_seqlens_q/kv and max_seqlen_q/kv come from inference_params (as in Transformer Engine); passed anyway,
     they must agree with the step (cu_seqlens_kv counting the cached tokens after it)."""
     step = ip.current_step
     for name, expected in (("cu_seqlens_q", step.cu_q), ("cu_seqlens_kv", step.cu_kv)):
-        given = extras.pop(name, None)
+        given = getattr(args, name)
         if given is None:
             continue
         given = given[:step.batch + 1] if isinstance(given, torch.Tensor) else given
@@ -119,11 +121,9 @@ def _check_lengths(ip: InferenceParams, extras: dict[str, Any]) -> None:
             raise KVCacheError(f"{name}={given!r} disagrees with inference_params' step ({expected.tolist()}); "
                                "leave it out: the step's lengths come from pre_step")
     for name, limit in (("max_seqlen_q", step.max_q), ("max_seqlen_kv", step.max_kv)):
-        given = extras.pop(name, None)
+        given = getattr(args, name)
         if given is not None and (not isinstance(given, int) or given < limit):
             raise KVCacheError(f"{name}={given!r} is below the step's {limit}; leave it out")
-    if extras:
-        raise TypeError(f"unexpected arguments {sorted(extras)}")
 
 
 def params_for(module: "DotProductAttention", ip: InferenceParams, q: torch.Tensor, k: torch.Tensor,
@@ -140,10 +140,12 @@ def params_for(module: "DotProductAttention", ip: InferenceParams, q: torch.Tens
         inference_kv_cache=True, kv_cache_paged=ip.is_paged, kv_page_size=ip.page_size if ip.is_paged else None)
 
 
-def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ip: Any, *,
-            qkv_format: str | None, attn_mask_type: str | None, window_size: Any, **extras: Any) -> torch.Tensor:
-    fmt, mask, window = _resolve(module, qkv_format, attn_mask_type, window_size)
-    _check_call(module, ip, q, k, v, fmt, extras)
+def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            args: CallArgs) -> torch.Tensor:
+    """The step's output, heads merged as forward returns it; args.inference_params is the cache."""
+    ip = args.inference_params
+    fmt, mask, window = _resolve(module, args)
+    _check_call(module, ip, q, k, v, fmt, args)
     layer = module.layer_number
     ip.check_layer_free(layer)
     step = ip.current_step
@@ -157,13 +159,13 @@ def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: 
     return ip.scatter_out(out.flatten(-2), fmt, q)
 
 
-def explain(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ip: Any, *,
-            qkv_format: str | None = None, attn_mask_type: str | None = None, window_size: Any = None,
-            **extras: Any) -> "Decision":
+def explain(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            args: CallArgs) -> "Decision":
     from .. import selection
 
-    fmt, mask, window = _resolve(module, qkv_format, attn_mask_type, window_size)
-    _check_call(module, ip, q, k, v, fmt, extras)
+    ip = args.inference_params
+    fmt, mask, window = _resolve(module, args)
+    _check_call(module, ip, q, k, v, fmt, args)
     return selection.explain(params_for(module, ip, q, k, v, mask, window), force=module.backend)
 
 
