@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionParams", "Decision", "DotProductAttention", "EnvFlags", "InferenceParams", "KVCacheError",
     "NoBackendAvailableError", "Platform",
-    "Reason", "Verdict", "clear_cache", "explain", "explain_sdpa", "preference_order", "scaled_dot_product_attention",
+    "Reason", "Verdict", "clear_cache", "explain", "explain_sdpa", "fp8_autocast", "preference_order",
+    "scaled_dot_product_attention",
     "select", "__version__",
 ]
 
@@ -26,6 +27,10 @@ def __getattr__(name: str):  # the module imports torch; keep `import attn_dispa
         from . import kv_cache
 
         return getattr(kv_cache, name)
+    if name == "fp8_autocast":
+        from .fp8 import fp8_autocast
+
+        return fp8_autocast
     if name in ("scaled_dot_product_attention", "explain_sdpa"):
         from . import sdpa
 

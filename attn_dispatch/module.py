@@ -7,7 +7,8 @@ attention_mask must put padding after the real tokens,
 and is not accepted together with cu_seqlens; a window (-1, 0) on a non-causal mask is a real window
 (Transformer Engine resets it to (-1, -1)); with thd and no max_seqlen the exact longest sequence is used
 (Transformer Engine rounds up to a multiple of 64); in eval mode the call is described with dropout 0.
-FP8 output is not built yet: fp8_output=True raises NotImplementedError.
+FP8 attention runs inside `attn_dispatch.fp8_autocast` with a recipe whose `fp8_dpa=True` (cudnn_fused:fp8); the
+scaling state lives on the module (`fp8_state`) and checkpoints in its state_dict (`_extra_state`).
 
 forward's keywords travel as one value (attn_dispatch.call_args.CallArgs) to every path: selection's
 (_dispatch/_prepare), explain(), the KV cache and context parallelism; _check_args is where each call's
@@ -30,6 +31,7 @@ from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
+from .fp8 import autocast as _fp8_autocast
 from .env import FAMILIES, EnvFlags
 from .selection import _GENERATION
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
@@ -241,7 +243,7 @@ class DotProductAttention(torch.nn.Module):
     def _fast_forward(self, query_layer, key_layer, value_layer):
         """The cached path for a call passing only q, k, v: _MISS unless this signature was validated before
         (dynamo never traces it: both callers check first)."""
-        if self.cp_group is not None:
+        if self.cp_group is not None or _FP8_REGIONS[0]:  # an FP8 region open somewhere: plan under it
             return _MISS
         guard, training, hit = self._fast_last
         if guard is None or training is not self.training or not guard(query_layer, key_layer, value_layer):
@@ -300,6 +302,15 @@ class DotProductAttention(torch.nn.Module):
     def _forward_args(self, q, k, v, args: CallArgs):
         """forward past the fast path: check the arguments, then the path that serves them."""
         self._check_args(args)
+        fp8 = self._fp8_context(args)
+        if fp8 is not None:
+            if args.inference_params is not None or self.cp_group is not None:
+                what = "a KV cache (inference_params)" if args.inference_params is not None else \
+                    "context parallelism"
+                raise ValueError(f"FP8 attention with {what} is not supported by attn-dispatch (Transformer Engine "
+                                 "also runs no fused FP8 attention with a KV cache); run this call outside "
+                                 "fp8_autocast, or with a recipe whose fp8_dpa=False")
+            return self._dispatch(q, k, v, args, fp8)
         if args.inference_params is not None:
             from .kv_cache import attend
 
@@ -318,15 +329,71 @@ class DotProductAttention(torch.nn.Module):
         """The checks every call's arguments pass before any path (KV cache, context parallel, selection) acts on
         them; forward and explain both run it. What depends on the tensors is checked when a signature is first
         planned (_describe / _prepare)."""
-        _reject_unbuilt(args.fp8_output)
+        if not isinstance(args.fp8_output, bool):
+            raise ValueError(f"fp8_output={args.fp8_output!r} must be True or False")
+
+    # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------
+    def _fp8_context(self, args: CallArgs) -> tuple | None:
+        """(region, output in FP8) when this call runs in FP8: inside fp8_autocast with fp8_dpa; None otherwise."""
+        region = _fp8_autocast.current_region()
+        if region is None:
+            if args.fp8_output:
+                raise ValueError("fp8_output=True needs FP8 attention: call the module inside "
+                                 "attn_dispatch.fp8_autocast(recipe=DelayedScaling(fp8_dpa=True))")
+            return None
+        return region, bool(args.fp8_output or region.recipe.fp8_mha)
+
+    def _fp8_call(self, fp8: tuple, device: torch.device):
+        """The engine's FP8 data for this call: the module's scaling state (made, or fitted to a new recipe)."""
+        from .backends.cudnn_fused_fp8 import FP8Call
+        from .fp8 import FP8ScalingState
+
+        region, output_fp8 = fp8
+        state = self.__dict__.get("_fp8_state")
+        if state is None:
+            state = FP8ScalingState(region.recipe, device)
+        elif not state.matches(region.recipe):
+            state = state.adopt(region.recipe)
+        state.recipe = region.recipe
+        self.__dict__["_fp8_state"] = state.to(device)
+        return FP8Call(state, region.group, output_fp8)
+
+    @property
+    def fp8_state(self):
+        """The FP8 scaling state (scales, amax histories) of this module's FP8 calls; None before the first."""
+        return self.__dict__.get("_fp8_state")
+
+    def get_extra_state(self) -> Any:
+        """What a checkpoint keeps besides tensors: the FP8 scaling state (Transformer Engine keeps its FP8
+        metadata in `_extra_state` too); None for a module that never ran in FP8."""
+        state = self.__dict__.get("_fp8_state")
+        return None if state is None else state.state_dict()
+
+    def set_extra_state(self, state: Any) -> None:
+        from .fp8 import FP8ScalingState
+        from .fp8.recipe import DelayedScaling, Float8CurrentScaling
+
+        if state is None:
+            self.__dict__.pop("_fp8_state", None)
+            return
+        if not isinstance(state, dict) or state.get("recipe") not in ("DelayedScaling", "Float8CurrentScaling"):
+            raise ValueError(f"extra state {type(state).__name__} is not an FP8 scaling state saved by "
+                             "attn_dispatch.DotProductAttention")
+        history = state.get("amax_history")
+        recipe = (DelayedScaling(fp8_format=state.get("fp8_format", "HYBRID"), fp8_dpa=True,
+                                 amax_history_len=int(history.shape[0]) if isinstance(history, torch.Tensor) else 1)
+                  if state["recipe"] == "DelayedScaling" else
+                  Float8CurrentScaling(fp8_format=state.get("fp8_format", "HYBRID"), fp8_dpa=True))
+        device = self._fp8_state.scale.device if self.__dict__.get("_fp8_state") is not None else "cpu"
+        self.__dict__["_fp8_state"] = FP8ScalingState.from_state_dict(state, recipe, device)
 
     def _refused(self, q, k, v):
         """cuDNN refused a cached plan's graph at run time: select again (see _dispatch)."""
         self._forget_plans()
         return self._dispatch(q, k, v, QKV_ONLY)
 
-    def _dispatch(self, q, k, v, args: CallArgs):
-        plan, aux = self._prepare(q, k, v, args)
+    def _dispatch(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
+        plan, aux = self._prepare(q, k, v, args, fp8)
         self.__dict__["last_decision"] = plan.decision
         checkpoint_core_attention = args.checkpoint_core_attention
         try:
@@ -335,10 +402,10 @@ class DotProductAttention(torch.nn.Module):
             # cuDNN refused a graph the table let through: the engine recorded cuDNN's message (the table's
             # cudnn_rejected check now reports it) and cleared the decision cache, so selecting again moves on.
             self._forget_plans()
-            plan, aux = self._prepare(q, k, v, args)
+            plan, aux = self._prepare(q, k, v, args, fp8)
             self.__dict__["last_decision"] = plan.decision
             out, max_logit = self._run(plan, aux, q, k, v, checkpoint_core_attention)
-        if args is QKV_ONLY and self.cp_group is None:
+        if args is QKV_ONLY and self.cp_group is None and fp8 is None:
             self._remember_fast(plan, aux, q, k, v)
         return (out, max_logit) if self.return_max_logit else out
 
@@ -386,11 +453,14 @@ class DotProductAttention(torch.nn.Module):
             kwargs["core_attention_bias_type"] = "no_bias"
         args = CallArgs(**kwargs)
         self._check_args(args)
-        if args.inference_params is not None:
+        fp8 = self._fp8_context(args)
+        if args.inference_params is not None and fp8 is None:
             from .kv_cache import attend
 
             return attend.explain(self, query_layer, key_layer, value_layer, args)
         params, _ = self._describe(query_layer, key_layer, value_layer, args)
+        if fp8 is not None:
+            params = _fp8_params(params, fp8)
         return selection.explain(params, force=self.backend)
 
     # ------------------------------------------------------------------------------------------
@@ -419,12 +489,15 @@ class DotProductAttention(torch.nn.Module):
             window = inputs.check_window(self._window_arg if window_size is None else window_size, mask_type)
         return fmt, mask_type, window
 
-    def _prepare(self, q, k, v, args: CallArgs):
+    def _prepare(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
         """(Plan, AttnAux) for a call. The raw arguments' static facts key a cache entry, so a repeated call
-        skips validation; tensor contents (cu_seqlens, padding masks) are re-checked, cached on the tensors."""
+        skips validation; tensor contents (cu_seqlens, padding masks) are re-checked, cached on the tensors.
+        fp8: (region, output in FP8) of an FP8 call (see _fp8_context)."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             _guard_ranks(self._resolve(args)[0], q, k, v)  # raises ValueError
         key = args.plan_key(q, k, v, self.training, _deterministic_now())
+        if fp8 is not None:
+            key += (fp8[0].recipe.kind, fp8[1])
         self._check_generation()
         entry = self._entries.get(key)
         if entry is None:
@@ -441,6 +514,8 @@ class DotProductAttention(torch.nn.Module):
             spec = self._spec_now()
             params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
                                          self.training)
+            if fp8 is not None:
+                params = _fp8_params(params, fp8)
             if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
                 entry.plans.clear()
             plan = entry.plans[seq_key] = inputs.make_plan(spec, params)
@@ -452,8 +527,11 @@ class DotProductAttention(torch.nn.Module):
         alibi_slopes = args.alibi_slopes
         if args.core_attention_bias_type == "alibi":
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
-        return plan, inputs.make_aux(seq, entry.mask_type, args.attention_mask, args.core_attention_bias,
-                                     alibi_slopes, self.softmax_offset)
+        aux = inputs.make_aux(seq, entry.mask_type, args.attention_mask, args.core_attention_bias, alibi_slopes,
+                              self.softmax_offset)
+        if fp8 is not None:
+            aux.extra["fp8"] = self._fp8_call(fp8, q.device)
+        return plan, aux
 
     def _alibi_slopes(self, slopes: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         if slopes is not None:
@@ -504,10 +582,12 @@ def _fast_key(q, k, v, training: bool) -> tuple:
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training)
 
 
-def _reject_unbuilt(fp8_output: Any) -> None:
-    if fp8_output:
-        raise NotImplementedError(f"fp8_output={fp8_output!r}: FP8 attention is not supported by attn_dispatch yet; "
-                                  "pass fp8_output=False")
+_FP8_REGIONS = _fp8_autocast.ACTIVE
+
+
+def _fp8_params(params, fp8: tuple):
+    region, output_fp8 = fp8
+    return params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
 
 
 def _guard_ranks(fmt: str, q, k, v) -> None:

@@ -353,3 +353,57 @@ def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, mo
         _call(engine, q, k, v, state)  # training: the backward graph is built before anything is quantized
     assert torch.equal(state.scale, before[0]) and torch.equal(state.amax_history, before[1])
     assert any(sig[-1] == "fp8_bwd" for sig in table.REJECTIONS)
+
+
+# --------------------------------------------------------------------------------------------
+# The module
+# --------------------------------------------------------------------------------------------
+def test_module_fp8_call_on_cpu_is_refused_with_every_reason_and_creates_no_state():
+    from attn_dispatch import DotProductAttention, NoBackendAvailableError
+
+    m = DotProductAttention(4, 16, qkv_format="bshd", attn_mask_type="causal")
+    q, k, v = _inputs()
+    m(q, k, v)  # a bf16 call first: its cached fast path must not serve the FP8 call below
+    with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)):
+        with pytest.raises(NoBackendAvailableError) as info:
+            m(q, k, v)
+        decision = m.explain(q, k, v)
+    assert "cudnn_fused:fp8" in str(info.value) and "needs a CUDA GPU" in str(info.value)
+    assert decision.params["fp8"] and decision.params["fp8_recipe"] == "delayed"
+    assert "FP8 attention is not implemented by unfused:pytorch" in str(info.value)
+    assert m.fp8_state is None
+    with fp8_autocast(recipe=DelayedScaling()):  # fp8_dpa=False: attention stays in bf16, as in TE
+        assert m(q, k, v).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8_output=True needs FP8 attention"):
+        m(q, k, v, fp8_output=True)
+    with pytest.raises(ValueError, match="fp8_output='yes' must be True or False"):
+        m(q, k, v, fp8_output="yes")
+
+
+def test_module_checkpoints_its_fp8_state():
+    from attn_dispatch import DotProductAttention
+
+    m = DotProductAttention(4, 16)
+    assert m.state_dict()["_extra_state"] is None
+    st = FP8ScalingState(DelayedScaling(amax_history_len=4, fp8_format="E4M3", fp8_dpa=True))
+    _record(st, FORWARD, [3.0, 4.0, 5.0, 1.0, 2.0])
+    st.update(FORWARD)
+    m.set_extra_state(st.state_dict())
+    fresh = DotProductAttention(4, 16)
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(fresh.fp8_state.scale, st.scale) and fresh.fp8_state.amax_history.shape == (4, 10)
+    assert fresh.fp8_state.recipe.fp8_format.value == "E4M3" and fresh.fp8_state.steps == 1
+    with pytest.raises(ValueError, match="not an FP8 scaling state"):
+        fresh.set_extra_state({"something": 1})
+    assert torch.equal(fresh.fp8_state.scale, st.scale)  # a rejected load leaves the state as it was
+
+
+def test_fp8_with_a_kv_cache_is_refused():
+    from attn_dispatch import DotProductAttention, InferenceParams
+
+    m = DotProductAttention(4, 16, qkv_format="bshd", attn_mask_type="causal").eval()
+    ip = InferenceParams(2, 32, num_heads_kv=4, head_dim_k=16, dtype=torch.bfloat16)
+    ip.pre_step({0: 4, 1: 4})
+    q, k, v = (x.detach()[:, :4] for x in _inputs())
+    with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)), pytest.raises(ValueError, match="KV cache"):
+        m(q, k, v, inference_params=ip)

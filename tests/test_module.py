@@ -290,7 +290,7 @@ def test_pad_between_sequences_is_inferred_for_thd():
 def test_unbuilt_features_raise_naming_the_argument():
     q, k, v = qkv()
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd")
-    with pytest.raises(NotImplementedError, match="fp8_output"):
+    with pytest.raises(ValueError, match="fp8_output=True needs FP8 attention"):
         dpa(q, k, v, fp8_output=True)
     with pytest.raises(TypeError, match="inference_params must be an attn_dispatch.InferenceParams"):
         dpa(q, k, v, inference_params=object())
