@@ -137,8 +137,7 @@ class Graph:
         skv = k.shape[2]
         s = torch.einsum("bhqd,bhkd->bhqk", q, k) * kw["attn_scale"]
         mask = torch.zeros(b, 1, sq, skv, dtype=torch.bool)
-        if kw.get("diagonal_alignment") is not None:
-            assert kw["diagonal_alignment"] == Align.TOP_LEFT and kw.get("right_bound") == 0
+        if kw.get("use_causal_mask"):
             mask |= torch.ones(sq, skv, dtype=torch.bool).triu(1)
         rows_pad = torch.zeros(b, 1, sq, 1, dtype=torch.bool)
         if kw.get("use_padding_mask"):
@@ -158,7 +157,7 @@ class Graph:
             o_t, stats_t, amax_s_t, amax_o_t = self.outs
             write(o_t, o * scalar("scale_o"))
             write(stats_t, (m + torch.log(l_sum)).masked_fill(rows_pad, float("-inf")))
-            write(amax_s_t, p.amax().reshape(1, 1, 1, 1))
+            write(amax_s_t, (p / l_sum.clamp(min=1e-300)).amax().reshape(1, 1, 1, 1))  # normalised, as cuDNN 9.19
             write(amax_o_t, o.abs().amax().reshape(1, 1, 1, 1))
             return
         o = read(kw["o"]) * scalar("descale_o")

@@ -59,7 +59,7 @@ def test_delayed_scaling_rolls_the_history_and_takes_its_max():
     window_max = [max(steps[max(0, i - 2):i + 1]) for i in range(len(steps))]
     assert window_max[-1] == 1.0 and window_max[3] == 8.0
     assert seen == pytest.approx([448.0 / m for m in window_max])
-    assert float(st.scale_of("s")) == pytest.approx(448.0 / window_max[-1])
+    assert float(st.scale_of("s")) == 448.0  # S: the bound of what cuDNN quantizes (state.S_AMAX_BOUND)
     assert float(st.scale_of("do")) == 1.0  # backward columns untouched by a forward update
 
 
@@ -77,7 +77,7 @@ def test_scale_kept_for_zero_or_nonfinite_amax_and_capped_when_it_overflows():
     _record(st, FORWARD, [4.0, 0.0, float("inf"), float("nan"), 1e-45])
     st.update(FORWARD)
     assert float(st.scale_of("q")) == 112.0
-    assert float(st.scale_of("k")) == 1.0 and float(st.scale_of("v")) == 1.0 and float(st.scale_of("s")) == 1.0
+    assert float(st.scale_of("k")) == 1.0 and float(st.scale_of("v")) == 1.0
     assert float(st.scale_of("o")) == torch.finfo(torch.float32).max
 
 
@@ -276,7 +276,9 @@ def test_engine_forward_backward_against_float64(engine, fmt, mask, hkv):
     # the history saw what the tensors were: q's amax exactly, the probabilities' max 1
     last = state.amax_history[-1]
     assert float(last[INDEX["q"]]) == float(q.detach().float().abs().max())
-    assert float(last[INDEX["s"]]) == pytest.approx(1.0)
+    # cuDNN reports the normalised probabilities' amax (< 1 without a causal mask); the S scale stays at the bound
+    # of what it quantizes, 448 / 1 (scaled from that amax it would saturate P, and the error above would show it)
+    assert 0.0 < float(last[INDEX["s"]]) <= 1.0 and float(state.scale_of("s")) == 448.0
     assert float(last[INDEX["o"]]) == pytest.approx(float(ref.detach().abs().max()), rel=0.05)
     assert state.steps == 3
 

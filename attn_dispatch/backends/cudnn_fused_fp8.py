@@ -197,8 +197,7 @@ class CudnnFP8Engine(Engine):
         v = operand("v", key.skv, key.hkv, key.dv, e4m3)
         kw: dict[str, Any] = {"attn_scale": key.scale}
         if key.causal:
-            kw["diagonal_alignment"] = c.diagonal_alignment.TOP_LEFT
-            kw["right_bound"] = 0
+            kw["use_causal_mask"] = True
         if key.padding:
             kw["use_padding_mask"] = True
             kw["seq_len_q"] = small("seq_len_q", [key.b, 1, 1, 1], i32)

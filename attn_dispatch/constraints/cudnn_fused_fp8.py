@@ -153,9 +153,9 @@ def _kv_cache(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | No
 
 def _fp8_output_training(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if p.fp8_output and p.is_training:
-        return fail("an FP8 output (fp8_output=True / recipe fp8_mha=True) cannot take gradients in attn-dispatch: "
-                    "it is returned as attn_dispatch.fp8.Float8Output, which autograd cannot differentiate",
-                    "train with bf16 outputs (fp8_mha=False); FP8 outputs are for inference")
+        return fail("an FP8 output (fp8_output=True / recipe fp8_mha=True) with the module in training mode: it is "
+                    "returned as attn_dispatch.fp8.Float8Output, which autograd cannot differentiate",
+                    "call module.eval() for inference with FP8 outputs; train with bf16 outputs (fp8_mha=False)")
     return None
 
 

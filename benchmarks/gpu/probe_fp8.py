@@ -151,10 +151,11 @@ def run_case(cudnn, handle, c: Case, check=True):
     kw = dict(q=tensor("q", q8), k=tensor("k", k8), v=tensor("v", v8), descale_q=scalar("dq_"), descale_k=scalar("dk_"),
               descale_v=scalar("dv_"), descale_s=scalar("ds_"), scale_s=scalar("ss_"), scale_o=scalar("so_"),
               attn_scale=scale, generate_stats=True)
-    if c.causal:
-        kw["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT if c.bottom_right else \
-            cudnn.diagonal_alignment.TOP_LEFT
+    if c.causal and c.bottom_right:
+        kw["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
         kw["right_bound"] = 0
+    elif c.causal:
+        kw["use_causal_mask"] = True
     if lens is not None:
         kw["use_padding_mask"] = True
         kw["seq_len_q"] = tensor("lq", dims=[c.b, 1, 1, 1], strides=[1, 1, 1, 1], dtype=i32)
@@ -243,10 +244,11 @@ def _backward(cudnn, handle, c, env, check):
               descale_dP=scalar2("ddp_"), scale_s=scalar2("ss_"), scale_dQ=scalar2("sdq_"),
               scale_dK=scalar2("sdk_"), scale_dV=scalar2("sdv_"), scale_dP=scalar2("sdp_"), attn_scale=scale,
               use_deterministic_algorithm=c.deterministic)
-    if c.causal:
-        kw["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT if c.bottom_right else \
-            cudnn.diagonal_alignment.TOP_LEFT
+    if c.causal and c.bottom_right:
+        kw["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
         kw["right_bound"] = 0
+    elif c.causal:
+        kw["use_causal_mask"] = True
     if lens is not None:
         kw["use_padding_mask"] = True
         kw["seq_len_q"] = tensor2("lq", dims=[c.b, 1, 1, 1], strides=[1, 1, 1, 1], dtype=i32)
@@ -310,7 +312,7 @@ def bf16_graphs(cudnn, handle, b, h, s, d, causal):
     tq, tk, tv = (F.tensor(name=n, dim=dims, stride=strides, data_type=bf) for n in "qkv")
     kw = dict(attn_scale=1.0 / math.sqrt(d), generate_stats=True)
     if causal:
-        kw.update(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, right_bound=0)
+        kw.update(use_causal_mask=True)
     to, ts = F.sdpa(q=tq, k=tk, v=tv, **kw)
     to.set_output(True).set_dim(dims).set_stride(strides).set_data_type(bf)
     ts.set_output(True).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1]).set_data_type(f32)
@@ -322,7 +324,7 @@ def bf16_graphs(cudnn, handle, b, h, s, d, causal):
     bs = B.tensor(name="stats", dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=f32)
     kw = dict(attn_scale=1.0 / math.sqrt(d))
     if causal:
-        kw.update(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, right_bound=0)
+        kw.update(use_causal_mask=True)
     gq, gk, gv = B.sdpa_backward(q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bs, **kw)
     for t in (gq, gk, gv):
         t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(bf)

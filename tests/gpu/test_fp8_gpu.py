@@ -58,7 +58,7 @@ def test_fp8_module_forward_backward(recipe, mask, hkv):
     for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         assert _te_close(got, want) < 0.2
-    assert m.fp8_state.steps == 3 and float(m.fp8_state.amax_history.abs().sum()) > 0
+    assert m.fp8_state.steps == 3 and bool((m.fp8_state.scale != 1).all())  # every slot's scale was set
 
 
 def test_fp8_state_checkpoints_with_the_module():
@@ -78,7 +78,7 @@ def test_fp8_state_checkpoints_with_the_module():
 
 
 def test_fp8_output_for_inference_and_refusals_with_reasons():
-    m = DotProductAttention(8, 128, qkv_format="bshd", attn_mask_type="causal")
+    m = DotProductAttention(8, 128, qkv_format="bshd", attn_mask_type="causal").eval()
     q, k, v = (x.detach() for x in _qkv())
     recipe = DelayedScaling(fp8_dpa=True, fp8_mha=True)
     with torch.no_grad(), fp8_autocast(recipe=recipe):
