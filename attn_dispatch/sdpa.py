@@ -7,11 +7,15 @@ Translation to Transformer Engine's terms (the module's forward):
 - `is_causal` is SDPA's top-left diagonal: Transformer Engine's 'causal'.
 - A float `attn_mask` is added to the scaled scores: a post-scale bias [1|b, 1|h, sq, skv] (cuDNN fuses it).
 - A bool `attn_mask` (True = take part, the opposite of Transformer Engine's convention) that is exactly a causal
-  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type, and one packed row
-  whose mask is causal within consecutive segments (what a flattening collator gives) runs as thd with those
-  segments' cu_seqlens ('padding_causal'), so the fused engines take both; any other bool mask is 'arbitrary'
-  (True = masked out, inverted here), which the Decision explains. Recognising the pattern compares the mask with a triangle on its device (one small kernel and a
-  host sync); the verdict is cached per mask tensor and version, and `recognize_masks=False` skips it.
+  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type; one packed row whose
+  mask is causal within consecutive segments (what a flattening collator gives) runs as thd with those segments'
+  cu_seqlens ('padding_causal'); a padding pattern (attn_dispatch.mask_patterns: key padding, with or without a
+  causal diagonal, right or left padded, decode steps over a padded cache) runs as 'padding' /
+  'padding_causal' / 'padding_causal_bottom_right' with its lengths (bshd; thd views with offsets where keys start
+  inside the row), exact on every row. So the fused engines take them. Any other bool mask is 'arbitrary'
+  (True = masked out, inverted here), and explain_sdpa's `notes` say why. Recognising a pattern runs a few
+  reductions over the mask on its device and one host sync; the verdict is cached per mask tensor and version,
+  and `recognize_masks=False` skips it.
 - A row every key of which is masked out returns 0, as torch's SDPA does.
 """
 from __future__ import annotations
