@@ -43,23 +43,27 @@ class PaddingLayout:
     mask_type: str
     cu_seqlens_q: torch.Tensor | None = None   # int32 [b + 1], query rows per sequence (None: no padding at all)
     cu_seqlens_kv: torch.Tensor | None = None  # int32 [b + 1], keys per sequence
-    cu_seqlens_q_padded: torch.Tensor | None = None  # thd only
+    cu_seqlens_q_padded: torch.Tensor | None = None  # thd with gaps between sequences only
     cu_seqlens_kv_padded: torch.Tensor | None = None
     q_skip: int = 0
     kv_skip: int = 0
+    thd_view: bool = False  # run as thd views of the rows (else bshd with cu_seqlens)
 
     @property
     def thd(self) -> bool:
-        return self.cu_seqlens_q_padded is not None
+        return self.thd_view
 
     def describe(self) -> str:
         if self.cu_seqlens_q is None:
             return f"{self.mask_type!r} (no padding)"
         text = (f"{self.mask_type!r} with query lengths {self.cu_seqlens_q.diff().tolist()} and key lengths "
                 f"{self.cu_seqlens_kv.diff().tolist()}")
-        if self.thd:
+        if self.cu_seqlens_q_padded is not None:
             text += (f", as thd views of the rows with offsets (queries at {self.cu_seqlens_q_padded.tolist()} + "
                      f"{self.q_skip}, keys at {self.cu_seqlens_kv_padded.tolist()} + {self.kv_skip})")
+        elif self.thd:
+            text += (f", as thd views of the rows from query row {self.q_skip} and key row {self.kv_skip} on "
+                     "(back to back)")
         return text
 
 
@@ -151,19 +155,26 @@ def _layout(mask_type: str, b: int, sq: int, skv: int, q_starts: list[int], kv_s
     q_skip, kv_skip = q_starts[0], kv_starts[0]
     q_offsets = [i * sq + s - q_skip for i, s in enumerate(q_starts)] + [b * sq - q_skip]
     kv_offsets = [i * skv + s - kv_skip for i, s in enumerate(kv_starts)] + [b * skv - kv_skip]
+    if q_offsets[:-1] == _running(q_lens)[:-1] and kv_offsets[:-1] == _running(kv_lens)[:-1]:
+        # back to back once the first rows are dropped (only the first sequence padded): plain thd, no gaps
+        return PaddingLayout(mask_type, cu_q, cu_kv, None, None, q_skip, kv_skip, thd_view=True)
     return PaddingLayout(mask_type, cu_q, cu_kv, _tensor(q_offsets, device), _tensor(kv_offsets, device),
-                         q_skip, kv_skip)
+                         q_skip, kv_skip, thd_view=True)
 
 
 _UNPADDED = {"padding": "no_mask", "padding_causal": "causal", "padding_causal_bottom_right": "causal_bottom_right"}
 
 
-def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+def _running(lengths: list[int]) -> list[int]:
     total, out = 0, [0]
     for n in lengths:
         total += n
         out.append(total)
-    return _tensor(out, device)
+    return out
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return _tensor(_running(lengths), device)
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
