@@ -9,8 +9,9 @@ Translation to Transformer Engine's terms (the module's forward):
 - A bool `attn_mask` (True = take part, the opposite of Transformer Engine's convention) that is exactly a causal
   pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type; one packed row whose
   mask is causal within consecutive segments (what a flattening collator gives) runs as thd with those segments'
-  cu_seqlens ('padding_causal'); a padding pattern (attn_dispatch.mask_patterns: key padding, with or without a
-  causal diagonal, right or left padded, decode steps over a padded cache) runs as 'padding' /
+  cu_seqlens ('padding_causal'); a padding or sliding-window pattern (attn_dispatch.mask_patterns: key padding,
+  with or without a causal diagonal and a sliding window, right or left padded, decode steps over a padded cache)
+  runs as 'padding' /
   'padding_causal' / 'padding_causal_bottom_right' with its lengths (bshd; thd views with offsets where keys start
   inside the row), exact on every row. So the fused engines take them. Any other bool mask is 'arbitrary'
   (True = masked out, inverted here), and explain_sdpa's `notes` say why. Recognising a pattern runs a few
@@ -103,7 +104,7 @@ def _thd_views(query, key, value, layout: PaddingLayout):
 def _thd_kwargs(layout: PaddingLayout) -> dict[str, Any]:
     return {"attn_mask_type": layout.mask_type, "cu_seqlens_q": layout.cu_seqlens_q,
             "cu_seqlens_kv": layout.cu_seqlens_kv, "cu_seqlens_q_padded": layout.cu_seqlens_q_padded,
-            "cu_seqlens_kv_padded": layout.cu_seqlens_kv_padded}
+            "cu_seqlens_kv_padded": layout.cu_seqlens_kv_padded, "window_size": layout.window}
 
 
 def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
@@ -192,12 +193,14 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
             return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4,
                     "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}"}
         note = lambda: f"bool attn_mask recognised as {layout.describe()}"  # noqa: E731 - read by explain only
-        if layout.cu_seqlens_q is None:
-            return {"attn_mask_type": layout.mask_type, "mask_note": note}
         if layout.thd:
             return {"padding_layout": layout, "mask_note": note}
-        return {"attn_mask_type": layout.mask_type, "cu_seqlens_q": layout.cu_seqlens_q,
-                "cu_seqlens_kv": layout.cu_seqlens_kv, "mask_note": note}
+        kwargs = {"attn_mask_type": layout.mask_type, "mask_note": note}
+        if layout.cu_seqlens_q is not None:
+            kwargs.update(cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_kv=layout.cu_seqlens_kv)
+        if layout.window is not None:
+            kwargs["window_size"] = layout.window
+        return kwargs
     if not mask.dtype.is_floating_point:
         raise ValueError(f"attn_mask has dtype {mask.dtype}; it must be bool or a float dtype")
     return {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": mask4}

@@ -24,17 +24,20 @@ def tensors(b, h, hkv, sq, skv, d, seed):
                                                                                 dtype=torch.float64)
 
 
-def padding_mask(kind: str, ranges: list[tuple[int, int]], sq: int, skv: int) -> torch.Tensor:
-    """[b, 1, sq, skv], True = take part: keys [start, end) of each batch element, cut by the diagonal."""
+def padding_mask(kind: str, ranges: list[tuple[int, int]], sq: int, skv: int, window: int | None = None
+                 ) -> torch.Tensor:
+    """[b, 1, sq, skv], True = take part: keys [start, end) of each batch element, cut by the diagonal and, with a
+    window, to the `window` keys before it (transformers' sliding window is window + 1 keys, the query's own)."""
     j = torch.arange(skv).view(1, skv)
     i = torch.arange(sq).view(sq, 1)
     rows = []
     for start, end in ranges:
         keep = (j >= start) & (j < end)
-        if kind == "top_left":
-            keep = keep & (j <= i)
-        elif kind == "bottom_right":
-            keep = keep & (j <= i + skv - sq)
+        diagonal = {"top_left": i, "bottom_right": i + skv - sq}.get(kind)
+        if diagonal is not None:
+            keep = keep & (j <= diagonal)
+            if window is not None:
+                keep = keep & (j >= diagonal - window)
         rows.append(keep.expand(sq, skv))
     return torch.stack(rows)[:, None]
 
@@ -59,18 +62,19 @@ def lengths(decision, side: str) -> list[int]:
 @settings(max_examples=60, deadline=None)
 @given(b=st.integers(1, 3), hkv=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), sq=st.integers(1, 9),
        extra=st.sampled_from([0, 0, 1, 4]), kind=st.sampled_from(KINDS), side=st.sampled_from(["right", "left", "mixed"]),
-       broadcast=st.booleans(), per_head=st.booleans(), data=st.data(), seed=st.integers(0, 10_000))
+       broadcast=st.booleans(), per_head=st.booleans(), window=st.sampled_from([None, None, 0, 2]), data=st.data(),
+       seed=st.integers(0, 10_000))
 def test_recognised_padding_equals_torch_sdpa_on_every_row(b, hkv, groups, sq, extra, kind, side, broadcast, per_head,
-                                                            data, seed):
+                                                            window, data, seed):
     skv = sq + extra if data.draw(st.booleans()) else max(1, sq - extra)
     ranges = []
     for i in range(1 if broadcast else b):
         cut = data.draw(st.integers(0, skv - 1))
         pick = side if side != "mixed" else ("right", "left")[i % 2]
         ranges.append((0, skv - cut) if pick == "right" else (cut, skv))
-    mask = padding_mask(kind, ranges, sq, skv)
+    mask = padding_mask(kind, ranges, sq, skv, window)
     if broadcast:
-        mask = mask[:1]
+        mask = mask[:1] if data.draw(st.booleans()) else mask[:1].expand(b, -1, -1, -1)  # as transformers expands
     h = hkv * groups
     if per_head:
         mask = mask.expand(-1, h, -1, -1).contiguous()
@@ -81,6 +85,25 @@ def test_recognised_padding_equals_torch_sdpa_on_every_row(b, hkv, groups, sq, e
     if expressible and not some_row_sees_nothing_at_all:
         assert decision.params["attn_mask_type"] != "arbitrary", decision.notes
     check(q, k, v, dout, mask, groups > 1)
+
+
+def test_sliding_windows_are_recognised_with_and_without_padding():
+    """transformers' sliding-window layers (Mistral, Gemma 2/3): causal and a window, padded or not."""
+    q, k, v, dout = tensors(3, 4, 2, 10, 10, 8, seed=11)
+    plain = padding_mask("top_left", [(0, 10)], 10, 10, window=3).expand(3, -1, -1, -1)
+    d = explain_sdpa(q, k, v, attn_mask=plain, enable_gqa=True)
+    assert (d.params["attn_mask_type"], tuple(d.params["window_size"])) == ("causal", (3, 0))
+    check(q, k, v, dout, plain, True)
+    right = padding_mask("top_left", [(0, 10), (0, 6), (0, 2)], 10, 10, window=3)
+    d = explain_sdpa(q, k, v, attn_mask=right, enable_gqa=True)
+    assert (d.params["attn_mask_type"], d.params["qkv_format"]) == ("padding_causal", "bshd")
+    # rows past a sequence's last key + 3 see nothing through the window: they leave the sequence (0, as SDPA's)
+    assert lengths(d, "query") == [10, 9, 5] and lengths(d, "key") == [10, 6, 2]
+    check(q, k, v, dout, right, True)
+    left = padding_mask("top_left", [(0, 10), (4, 10), (7, 10)], 10, 10, window=3)
+    d = explain_sdpa(q, k, v, attn_mask=left, enable_gqa=True)
+    assert (d.params["attn_mask_type"], d.params["qkv_format"]) == ("padding_causal", "thd")
+    check(q, k, v, dout, left, True)
 
 
 def test_right_padded_causal_batch_runs_as_padding_causal_with_every_query_row():

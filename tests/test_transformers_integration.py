@@ -112,14 +112,21 @@ def test_logits_loss_and_gradients_match_sdpa(name, batch):
 
 @pytest.mark.parametrize("batch", [padded_batch, right_padded_batch, left_padded_batch],
                          ids=["padded", "right_padded", "left_padded"])
-def test_padded_batches_reach_padding_mask_types_not_arbitrary(batch):
-    """transformers' bool masks for a padded batch are padding patterns: the fused engines' mask types."""
-    model = build("llama")
-    sdpa._MODULES.clear()
-    run(model, "attn_dispatch", **batch())
-    used = {(m.last_decision.params["attn_mask_type"], m.last_decision.params["qkv_format"])
-            for m in sdpa._MODULES.values() if m.last_decision is not None}
-    assert used and all(mask == "padding_causal" for mask, _ in used), used
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])  # the last two: sliding-window layers
+def test_padded_batches_reach_padding_mask_types_not_arbitrary(name, batch):
+    """transformers' bool masks for a padded batch (sliding windows included) are padding patterns: the fused
+    engines' mask types; the same batch unpadded is plain causal."""
+    model = build(name)
+    data = batch()
+    for padded in (True, False):
+        sdpa._MODULES.clear()
+        run(model, "attn_dispatch", **(data if padded else dict(input_ids=data["input_ids"],
+                                                                  labels=data["input_ids"])))
+        used = {(m.last_decision.params["attn_mask_type"], tuple(m.last_decision.params["window_size"]))
+                for m in sdpa._MODULES.values() if m.last_decision is not None}
+        assert used and {mask for mask, _ in used} == {"padding_causal" if padded else "causal"}, used
+        if name != "llama":
+            assert {window for _, window in used} == {(5, 0)}, used  # sliding_window=6: the query and 5 before
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])

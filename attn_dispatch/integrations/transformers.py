@@ -10,8 +10,8 @@ as 'no_mask'; a packed row from a flattening collator (`cu_seq_lens_q`, or, wher
 FlashAttention path treats it; sliding windows kept); padded batches carry a bool mask that the SDPA function
 recognises as a padding pattern (attn_dispatch.mask_patterns: right padding as bshd 'padding_causal' with every
 query row real, left padding and decode steps over a padded cache as thd views with offsets), exact on every row
-as transformers' SDPA path is, so they reach cuDNN on a GPU; sliding-window masks still run as 'arbitrary'
-(explain_sdpa's notes say why). Attention logit softcapping (Gemma 2's) runs on the engines that implement it
+as transformers' SDPA path is, so they reach cuDNN on a GPU; sliding-window masks are recognised as causal with
+a window (padded or not). A mask that is no such pattern runs as 'arbitrary' (explain_sdpa's notes say why). Attention logit softcapping (Gemma 2's) runs on the engines that implement it
 (the unfused one, and flash-attn-4 where its table takes it; the others refuse it with the reason). Whatever the interface passes that no engine here can do is
 refused with the reason (attention weights as output, position_bias).
 """
