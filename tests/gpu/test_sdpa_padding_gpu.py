@@ -17,17 +17,19 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-def padding_mask(kind: str, ranges, sq: int, skv: int) -> torch.Tensor:
-    """[b, 1, sq, skv] bool (True = take part): keys [start, end) of each batch element, cut by the diagonal."""
+def padding_mask(kind: str, ranges, sq: int, skv: int, window: int | None = None) -> torch.Tensor:
+    """[b, 1, sq, skv] bool (True = take part): keys [start, end) of each batch element, cut by the diagonal and,
+    with a window, to `window` keys before it."""
     j = torch.arange(skv, device="cuda").view(1, skv)
     i = torch.arange(sq, device="cuda").view(sq, 1)
     rows = []
     for start, end in ranges:
         keep = (j >= start) & (j < end)
-        if kind == "top_left":
-            keep = keep & (j <= i)
-        elif kind == "bottom_right":
-            keep = keep & (j <= i + skv - sq)
+        diagonal = {"top_left": i, "bottom_right": i + skv - sq}.get(kind)
+        if diagonal is not None:
+            keep = keep & (j <= diagonal)
+            if window is not None:
+                keep = keep & (j >= diagonal - window)
         rows.append(keep.expand(sq, skv))
     return torch.stack(rows)[:, None]
 
@@ -48,7 +50,7 @@ def reference(q, k, v, mask=None, softcap=0.0, causal=False):
     return p @ v
 
 
-CASES = [  # name, kind, ranges per batch element, sq, skv, h, hkv, engine family expected
+CASES = [  # name, kind, ranges per batch element, sq, skv, h, hkv, engine family expected, window
     ("right_padded_causal (HF training)", "top_left", [(0, 256), (0, 200), (0, 97)], 256, 256, 8, 2, "cudnn_fused"),
     ("left_padded_causal (HF prefill)", "top_left", [(0, 256), (56, 256), (159, 256)], 256, 256, 8, 2,
      "cudnn_fused"),
@@ -57,17 +59,21 @@ CASES = [  # name, kind, ranges per batch element, sq, skv, h, hkv, engine famil
     ("decode_left_padded (q_len 1)", "keys", [(0, 320), (77, 320), (300, 320)], 1, 320, 8, 2, "cudnn_fused"),
     ("chunk_left_padded (q_len 4, bottom-right)", "bottom_right", [(0, 320), (64, 320)], 4, 320, 8, 2,
      "cudnn_fused"),
+    ("sliding_window (Mistral layer)", "top_left", [(0, 384), (0, 384)], 384, 384, 8, 2, None, 127),
+    ("sliding_window_right_padded", "top_left", [(0, 384), (0, 150)], 384, 384, 8, 2, "cudnn_fused", 127),
+    ("sliding_window_left_padded", "top_left", [(0, 384), (200, 384)], 384, 384, 8, 2, "cudnn_fused", 127),
 ]
+CASES = [c if len(c) == 9 else c + (None,) for c in CASES]
 
 
-@pytest.mark.parametrize("name, kind, ranges, sq, skv, h, hkv, family", CASES, ids=[c[0] for c in CASES])
-def test_recognised_mask_runs_fused_and_matches_the_reference(name, kind, ranges, sq, skv, h, hkv, family):
+@pytest.mark.parametrize("name, kind, ranges, sq, skv, h, hkv, family, window", CASES, ids=[c[0] for c in CASES])
+def test_recognised_mask_runs_fused_and_matches_the_reference(name, kind, ranges, sq, skv, h, hkv, family, window):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, d = len(ranges), 128
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g).bfloat16().requires_grad_()  # noqa: E731
     q, k, v = rnd(b, h, sq, d), rnd(b, hkv, skv, d), rnd(b, hkv, skv, d)
     dout = torch.randn(b, h, sq, d, device="cuda", generator=g).bfloat16()
-    mask = padding_mask(kind, ranges, sq, skv)
+    mask = padding_mask(kind, ranges, sq, skv, window)
     decision = explain_sdpa(q, k, v, attn_mask=mask, enable_gqa=hkv != h)
     assert decision.params["attn_mask_type"] != "arbitrary", decision.notes
     assert decision.backend != "unfused", decision.summary()
