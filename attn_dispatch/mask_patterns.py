@@ -174,17 +174,18 @@ def _layout(mask_type: str, b: int, sq: int, skv: int, q_starts: list[int], q_en
         return PaddingLayout(_UNPADDED[mask_type], window=window)  # every row and key: no lengths needed
     q_lens = [e - s for s, e in zip(q_starts, q_ends)]
     kv_lens = [e - s for s, e in zip(kv_starts, kv_ends)]
-    cu_q, cu_kv = _cumulative(q_lens, device), _cumulative(kv_lens, device)
+    cu_q, cu_kv = _running(q_lens), _running(kv_lens)
     if not any(q_starts) and not any(kv_starts):
-        return PaddingLayout(mask_type, cu_q, cu_kv, window=window)
+        return PaddingLayout(mask_type, *_tensors(device, cu_q, cu_kv), window=window)
     q_skip, kv_skip = q_starts[0], kv_starts[0]
     q_offsets = [i * sq + s - q_skip for i, s in enumerate(q_starts)] + [b * sq - q_skip]
     kv_offsets = [i * skv + s - kv_skip for i, s in enumerate(kv_starts)] + [b * skv - kv_skip]
-    if q_offsets == _running(q_lens) and kv_offsets == _running(kv_lens):
+    if q_offsets == cu_q and kv_offsets == cu_kv:
         # back to back once the first rows are dropped (only the first sequence padded): plain thd, no gaps
-        return PaddingLayout(mask_type, cu_q, cu_kv, None, None, q_skip, kv_skip, thd_view=True, window=window)
-    return PaddingLayout(mask_type, cu_q, cu_kv, _tensor(q_offsets, device), _tensor(kv_offsets, device),
-                         q_skip, kv_skip, thd_view=True, window=window)
+        return PaddingLayout(mask_type, *_tensors(device, cu_q, cu_kv), None, None, q_skip, kv_skip, thd_view=True,
+                             window=window)
+    return PaddingLayout(mask_type, *_tensors(device, cu_q, cu_kv, q_offsets, kv_offsets), q_skip, kv_skip,
+                         thd_view=True, window=window)
 
 
 _UNPADDED = {"padding": "no_mask", "padding_causal": "causal", "padding_causal_bottom_right": "causal_bottom_right"}
@@ -198,9 +199,7 @@ def _running(lengths: list[int]) -> list[int]:
     return out
 
 
-def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
-    return _tensor(_running(lengths), device)
-
-
-def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+def _tensors(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """int32 tensors on the device, one copy for all of them (views of one buffer)."""
+    flat = torch.tensor([x for values in lists for x in values], dtype=torch.int32).to(device)
+    return list(flat.split([len(values) for values in lists]))
