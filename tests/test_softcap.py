@@ -63,6 +63,8 @@ def test_flash_attn_4_takes_softcap_and_every_other_fused_engine_refuses_it_with
     assert explain(hd256, b200).verdict("flash_attn_4").has("flash_attn_4.softcap")  # dedicated hd256 backward
     assert explain(hd256.replace(is_training=False), b200).verdict("flash_attn_4").eligible
     assert explain(hd256, Platform.parse("h100-cudnn9")).verdict("flash_attn_4").eligible
+    cached = params.replace(inference_kv_cache=True, is_training=False, attn_mask_type="padding_causal_bottom_right")
+    assert explain(cached, Platform.parse("h100-cudnn9")).verdict("flash_attn_4").has("flash_attn_4.softcap")
 
 
 @pytest.mark.parametrize("value", [-1.0, float("inf"), True, "50"])
