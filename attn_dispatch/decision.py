@@ -52,6 +52,7 @@ class Decision(BaseModel):
     platform: dict[str, Any] = Field(default_factory=dict)
     params_text: str = ""
     platform_text: str = ""
+    notes: tuple[str, ...] = ()  # how the caller's arguments were read (e.g. the SDPA function's bool mask)
 
     @property
     def backend(self) -> str | None:

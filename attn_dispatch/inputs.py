@@ -92,7 +92,8 @@ MAX_DYNAMIC_PLANS = 16
 @dataclass
 class Entry:
     """What one raw call signature resolved to. Sequence facts that depend on tensor contents (thd, padding
-    masks) are 'dynamic': re-derived per call, with one Plan per (max_seqlen_q, max_seqlen_kv, pad_between_seqs)."""
+    masks) are 'dynamic': re-derived per call, with one Plan per (max_seqlen_q, max_seqlen_kv, pad_between_seqs,
+    lengths_differ)."""
 
     fmt: str
     mask_type: str
@@ -170,6 +171,7 @@ class SeqInfo:
     max_kv: int
     batch: int
     pad_between_seqs: bool
+    lengths_differ: bool = False  # some sequence has a different number of query and key tokens
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,7 +352,7 @@ def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, ar
             raise ValueError(f"attention_mask is a single tensor but sq={sq} != skv={skv}; for cross attention pass a "
                              "pair (query mask [b, 1, 1, sq], key/value mask [b, 1, 1, skv])")
         cu_q = cu_kv = _padding_mask_to_cu("attention_mask", attention_mask, batch, sq, q.device)
-    return SeqInfo(cu_q, cu_kv, None, None, sq, skv, batch, False)
+    return SeqInfo(cu_q, cu_kv, None, None, sq, skv, batch, False, _lengths_differ(cu_q, cu_kv))
 
 
 def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
@@ -381,11 +383,19 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
         limits.append(value)
     if pad_between_seqs is None:
         pad_between_seqs = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
-    return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs))
+    return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs),
+                   _lengths_differ(cu_q, cu_kv))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or bool(torch.equal(a, b))
+
+
+def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:
+    """Validated cu_seqlens (both start at 0) give some sequence different query and key lengths; cached."""
+    if cu_q is cu_kv:
+        return False
+    return _cached_on((cu_q, cu_kv), ("lengths_differ",), lambda: not _same(cu_q, cu_kv))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,6 +544,7 @@ def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, 
         dropout=spec.attention_dropout if training else 0.0, softmax_type=spec.softmax_type,
         return_max_logit=spec.return_max_logit, is_training=training, deterministic=spec.deterministic,
         cp_size=1, cp_comm_type=spec.cp_comm_type, pad_between_seqs=seq.pad_between_seqs,
+        seqlens_differ=seq.lengths_differ,
         device_type="cuda" if q.device.type == "cuda" else q.device.type, softcap=spec.softcap,
     )
 

@@ -508,7 +508,7 @@ class DotProductAttention(torch.nn.Module):
             seq = inputs.sequence_info(entry.fmt, entry.mask_type, q, k, args)
         else:
             seq = entry.seq
-        seq_key = (seq.max_q, seq.max_kv, seq.pad_between_seqs)
+        seq_key = (seq.max_q, seq.max_kv, seq.pad_between_seqs, seq.lengths_differ)
         plan = entry.plans.get(seq_key)
         if plan is None:
             spec = self._spec_now()
@@ -542,11 +542,13 @@ class DotProductAttention(torch.nn.Module):
         return cached
 
     def _attend_unmerged(self, q, k, v, attention_mask=None, attn_mask_type=None,
-                         core_attention_bias_type: str = "no_bias", core_attention_bias=None):
+                         core_attention_bias_type: str = "no_bias", core_attention_bias=None, cu_seqlens_q=None,
+                         cu_seqlens_kv=None, window_size=None):
         """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
         merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways."""
         args = CallArgs(attention_mask=attention_mask, attn_mask_type=attn_mask_type,
-                        core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias)
+                        core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, window_size=window_size)
         for attempt in (0, 1):
             plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision

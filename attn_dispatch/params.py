@@ -119,6 +119,9 @@ class AttentionParams:
     cp_comm_type: str = "p2p"
     cp_a2a_size: int | None = None  # a2a+p2p: ranks in the a2a group (None: 2)
     pad_between_seqs: bool = False
+    # padding/thd: some sequence has a different number of query and key tokens (read from cu_seqlens), so a
+    # top-left diagonal differs from a bottom-right one even where max_seqlen_q == max_seqlen_kv
+    seqlens_differ: bool = False
     inference_kv_cache: bool = False  # attends a KV cache (InferenceParams): q is the step's new tokens
     kv_cache_paged: bool = False      # the cache is a page pool with a page table
     kv_page_size: int | None = None   # tokens per page (paged) or per row (contiguous: max_sequence_length)

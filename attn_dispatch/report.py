@@ -14,6 +14,8 @@ def render_decision(decision: "Decision", *, width: int = 100) -> str:
         lines.append(f"forced:   {decision.forced} (by {decision.forced_by})")
     lines.append(f"policy:   {decision.policy}; order: {' > '.join(decision.order)} ({decision.order_reason})")
     lines.append(f"chosen:   {decision.chosen or 'NONE - no backend qualifies'}")
+    for note in decision.notes:
+        lines.extend(textwrap.wrap(f"note:     {note}", width, subsequent_indent=" " * 10))
     if decision.policy_reason:
         lines.extend(textwrap.wrap(f"why:      {decision.policy_reason}", width, subsequent_indent=" " * 10))
     lines.append("")

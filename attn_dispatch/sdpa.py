@@ -7,11 +7,16 @@ Translation to Transformer Engine's terms (the module's forward):
 - `is_causal` is SDPA's top-left diagonal: Transformer Engine's 'causal'.
 - A float `attn_mask` is added to the scaled scores: a post-scale bias [1|b, 1|h, sq, skv] (cuDNN fuses it).
 - A bool `attn_mask` (True = take part, the opposite of Transformer Engine's convention) that is exactly a causal
-  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type, and one packed row
-  whose mask is causal within consecutive segments (what a flattening collator gives) runs as thd with those
-  segments' cu_seqlens ('padding_causal'), so the fused engines take both; any other bool mask is 'arbitrary'
-  (True = masked out, inverted here), which the Decision explains. Recognising the pattern compares the mask with a triangle on its device (one small kernel and a
-  host sync); the verdict is cached per mask tensor and version, and `recognize_masks=False` skips it.
+  pattern (top-left or bottom-right, shared by every batch and head) runs as that mask type; one packed row whose
+  mask is causal within consecutive segments (what a flattening collator gives) runs as thd with those segments'
+  cu_seqlens ('padding_causal'); a padding or sliding-window pattern (attn_dispatch.mask_patterns: key padding,
+  with or without a causal diagonal and a sliding window, right or left padded, decode steps over a padded cache)
+  runs as 'padding' /
+  'padding_causal' / 'padding_causal_bottom_right' with its lengths (bshd; thd views with offsets where keys start
+  inside the row), exact on every row. So the fused engines take them. Any other bool mask is 'arbitrary'
+  (True = masked out, inverted here), and explain_sdpa's `notes` say why. Recognising a pattern runs a few
+  reductions over the mask on its device and one host sync; the verdict is cached per mask tensor and version,
+  and `recognize_masks=False` skips it.
 - A row every key of which is masked out returns 0, as torch's SDPA does.
 """
 from __future__ import annotations
@@ -20,9 +25,11 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .decision import Decision
 from .inputs import _cached_on
+from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
 
 _MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap) -> DotProductAttention
 
@@ -35,9 +42,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     extension, 0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks, softcap)
-    if "cu_seqlens_q" in kwargs:  # one packed row: thd with the sequences' own lengths (fused engines take it)
-        return varlen_attention(query, key, value, kwargs["cu_seqlens_q"], dropout_p, scale, enable_gqa,
-                                softcap=softcap)
+    kwargs.pop("mask_note", None)
+    packed = kwargs.pop("packed_cu_seqlens", None)
+    if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
+        return varlen_attention(query, key, value, packed, dropout_p, scale, enable_gqa, softcap=softcap)
+    layout = kwargs.pop("padding_layout", None)
+    if layout is not None:  # keys (and queries) starting inside the row: thd views with offsets
+        q, k, v = _thd_views(query, key, value, layout)
+        out = module(q, k, v, qkv_format="thd", **_thd_kwargs(layout))  # [t, h * d_v], t = b * sq - q_skip
+        if layout.q_skip:
+            out = F.pad(out, (0, 0, layout.q_skip, 0))  # rows before the first sequence: fully masked, 0
+        b, h, sq = query.shape[:3]
+        return out.view(b, sq, h, -1).transpose(1, 2)
     out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
     return out.transpose(1, 2)  # [b, h, sq, d_v]: no copy where the engine wrote that order
 
@@ -57,13 +73,38 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False, *, recognize_masks: bool = True) -> Decision:
-    """The Decision scaled_dot_product_attention would act on for these arguments, without running it."""
+                 enable_gqa: bool = False, *, recognize_masks: bool = True, softcap: float = 0.0) -> Decision:
+    """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
+    say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                recognize_masks)
-    if "cu_seqlens_q" in kwargs:
-        return module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd", **kwargs)
-    return module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+                                recognize_masks, softcap)
+    note = kwargs.pop("mask_note", None)
+    packed = kwargs.pop("packed_cu_seqlens", None)
+    layout = kwargs.pop("padding_layout", None)
+    if packed is not None:
+        decision = module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd",
+                                  attn_mask_type="padding_causal", cu_seqlens_q=packed, cu_seqlens_kv=packed)
+    elif layout is not None:
+        decision = module.explain(*_thd_views(query, key, value, layout), qkv_format="thd", **_thd_kwargs(layout))
+    else:
+        decision = module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+    return decision if note is None else decision.model_copy(update={"notes": decision.notes + (note(),)})
+
+
+def _thd_views(query, key, value, layout: PaddingLayout):
+    """[b, h, s, d] -> the [b * s, h, d] token rows (a view where the memory allows, else a copy), less the rows
+    before the first sequence (so that the offsets start at 0)."""
+    b, h, sq, d = query.shape
+    skv = key.shape[2]
+    q = query.transpose(1, 2).reshape(b * sq, h, d)[layout.q_skip:]
+    k, v = (x.transpose(1, 2).reshape(b * skv, x.shape[1], x.shape[3])[layout.kv_skip:] for x in (key, value))
+    return q, k, v
+
+
+def _thd_kwargs(layout: PaddingLayout) -> dict[str, Any]:
+    return {"attn_mask_type": layout.mask_type, "cu_seqlens_q": layout.cu_seqlens_q,
+            "cu_seqlens_kv": layout.cu_seqlens_kv, "cu_seqlens_q_padded": layout.cu_seqlens_q_padded,
+            "cu_seqlens_kv_padded": layout.cu_seqlens_kv_padded, "window_size": layout.window}
 
 
 def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
@@ -135,15 +176,31 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
         raise ValueError(f"attn_mask is on {mask.device} but query is on {device}")
     mask4 = _as_4d(mask, b, h, sq, skv)
     if mask.dtype == torch.bool:
-        if recognize and mask4.shape[0] == 1 and mask4.shape[1] == 1:
+        if not recognize:
+            return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4,
+                    "mask_note": lambda: "bool attn_mask taken as 'arbitrary': recognize_masks=False"}
+        if mask4.shape[0] == 1 and mask4.shape[1] == 1:
             pattern = _pattern(mask, mask4[0, 0], sq, skv)
             if pattern is not None:
-                return {"attn_mask_type": pattern}
+                return {"attn_mask_type": pattern, "mask_note": lambda: f"bool attn_mask recognised as {pattern!r}"}
             if b == 1 and sq == skv:
                 cu = _packed_segments(mask, mask4[0, 0])
                 if cu is not None:
-                    return {"attn_mask_type": "padding_causal", "cu_seqlens_q": cu, "cu_seqlens_kv": cu}
-        return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4}
+                    return {"packed_cu_seqlens": cu, "mask_note": lambda: "bool attn_mask recognised as packed "
+                            f"causal sequences: thd 'padding_causal' with cu_seqlens {cu.tolist()}"}
+        layout = recognise_padding(mask, mask4, b, sq, skv)
+        if isinstance(layout, NotRecognised):
+            return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4,
+                    "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}"}
+        note = lambda: f"bool attn_mask recognised as {layout.describe()}"  # noqa: E731 - read by explain only
+        if layout.thd:
+            return {"padding_layout": layout, "mask_note": note}
+        kwargs = {"attn_mask_type": layout.mask_type, "mask_note": note}
+        if layout.cu_seqlens_q is not None:
+            kwargs.update(cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_kv=layout.cu_seqlens_kv)
+        if layout.window is not None:
+            kwargs["window_size"] = layout.window
+        return kwargs
     if not mask.dtype.is_floating_point:
         raise ValueError(f"attn_mask has dtype {mask.dtype}; it must be bool or a float dtype")
     return {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": mask4}

@@ -7,6 +7,7 @@ packing, thd tails, top-left checks, lse conventions, sink gradients - is compar
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -377,3 +378,64 @@ def test_torch_fa2_refuses_alibi_with_the_reason():
         q.requires_grad_(train)
         with pytest.raises(ValueError, match="does not support alibi"):
             engine(q, k, v, aux, cfg)
+
+
+class _SoftcapFa4Interface(_FakeFa4Interface):
+    """flash-attn-4's two entry points on bshd tensors, computed densely in float64 with logit soft-capping after
+    the scale (interface.py: create_softcap_scoremod[_bwd]); records the softcap each call was given."""
+
+    def __init__(self):
+        self.fwd_softcap, self.bwd_softcap = [], []
+
+    @staticmethod
+    def _attend(q, k, v, scale, softcap):
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        lse = torch.logsumexp(s, dim=-1)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v), lse
+
+    def _flash_attn_fwd(self, q, k, v, softmax_scale, softcap, out, **kwargs):
+        self.fwd_softcap.append(softcap)
+        o, lse = self._attend(q, k, v, softmax_scale, softcap or 0.0)
+        out.copy_(o)
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, scale, causal, softcap, **kwargs):
+        self.bwd_softcap.append(softcap)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            o, _ = self._attend(*leaves, scale, softcap)
+            return torch.autograd.grad(o, leaves, dout)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 0.7])
+def test_flash_attn_4_passes_softcap_to_forward_and_backward(softcap):
+    from attn_dispatch.backends.flash_attn_4 import FlashAttn4Engine
+    from attn_dispatch.backends.unfused import UnfusedEngine
+
+    engine = FlashAttn4Engine.__new__(FlashAttn4Engine)
+    engine._iface, engine.jit_events = _SoftcapFa4Interface(), []
+    q, k, v, aux, cfg = make_case(d=32, dv=32)
+    cfg = dataclasses.replace(cfg, softcap=softcap)
+    dout = torch.randn(q.shape[:-1] + (32,), generator=torch.Generator().manual_seed(5), dtype=F64)
+    out, _, _ = engine(q, k, v, aux, cfg)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want, _, _ = UnfusedEngine()(q, k, v, aux, cfg)  # soft-capping as the unfused engine (checked vs eager) has it
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert engine._iface.fwd_softcap == [softcap or None] and engine._iface.bwd_softcap == [softcap]
+    if softcap:  # the cap is real: without it the result differs
+        uncapped = UnfusedEngine()(q, k, v, aux, dataclasses.replace(cfg, softcap=0.0))[0]
+        assert (out - uncapped).abs().max() > 1e-3
+
+
+def test_flash_engines_without_softcap_refuse_it_before_the_kernel():
+    from attn_dispatch.backends.flash_attn_2 import TorchFlashEngine
+
+    engine = TorchFlashEngine.__new__(TorchFlashEngine)
+    q, k, v, aux, cfg = make_case()
+    with pytest.raises(ValueError, match="softcap=0.5 is not supported by flash_attn_2:torch"):
+        engine(q, k, v, aux, dataclasses.replace(cfg, softcap=0.5))

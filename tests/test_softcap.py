@@ -48,14 +48,23 @@ def test_unfused_softcap_matches_reference(causal, with_bias):
     assert attn.last_decision.params["softcap"] == 2.5
 
 
-def test_other_engines_refuse_softcap_with_a_reason():
-    params = AttentionParams(dtype="bfloat16", batch_size=2, max_seqlen_q=1024, head_dim_qk=128, softcap=50.0)
+def test_flash_attn_4_takes_softcap_and_every_other_fused_engine_refuses_it_with_a_reason():
+    params = AttentionParams(dtype="bfloat16", batch_size=2, max_seqlen_q=1024, head_dim_qk=128, softcap=50.0,
+                             attn_mask_type="causal")
     decision = explain(params, Platform.parse("h100-cudnn9"))
-    assert decision.chosen == "unfused:pytorch"
+    assert decision.verdict("flash_attn_4").eligible and decision.verdict("unfused").eligible
+    assert decision.chosen == "flash_attn_4:cute"
     for verdict in decision.verdicts:
-        if verdict.backend != "unfused":
+        if verdict.backend not in ("unfused", "flash_attn_4"):
             assert verdict.has(f"{verdict.backend}.softcap"), verdict.id
-    assert not explain(params.replace(softcap=0.0), Platform.parse("h100-cudnn9")).chosen.startswith("unfused")
+    b200 = Platform.parse("b200-cudnn9")
+    assert explain(params, b200).verdict("flash_attn_4").eligible
+    hd256 = params.replace(head_dim_qk=256, head_dim_v=256)
+    assert explain(hd256, b200).verdict("flash_attn_4").has("flash_attn_4.softcap")  # dedicated hd256 backward
+    assert explain(hd256.replace(is_training=False), b200).verdict("flash_attn_4").eligible
+    assert explain(hd256, Platform.parse("h100-cudnn9")).verdict("flash_attn_4").eligible
+    cached = params.replace(inference_kv_cache=True, is_training=False, attn_mask_type="padding_causal_bottom_right")
+    assert explain(cached, Platform.parse("h100-cudnn9")).verdict("flash_attn_4").has("flash_attn_4.softcap")
 
 
 @pytest.mark.parametrize("value", [-1.0, float("inf"), True, "50"])

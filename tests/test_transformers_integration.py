@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from attn_dispatch import sdpa  # noqa: E402
 from attn_dispatch.integrations.transformers import register  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -52,6 +53,30 @@ def padded_batch():
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
+def one_sided_batch(side: str):
+    """Every padded row padded on one side: HF's training collators pad right, generation pads left."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 97, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    for row, pad in ((1, 4), (2, 7)):
+        if side == "right":
+            mask[row, 12 - pad:] = 0
+        else:
+            mask[row, :pad] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if side == "left":
+        labels[1, 4] = labels[2, 7] = -100  # predicted from a padded position (eager and SDPA differ there)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def right_padded_batch():
+    return one_sided_batch("right")
+
+
+def left_padded_batch():
+    return one_sided_batch("left")
+
+
 def packed_batch():
     """What DataCollatorWithFlattening hands a model: one row, position_ids restarting at each sequence."""
     g = torch.Generator().manual_seed(2)
@@ -69,7 +94,8 @@ def _registered():
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
-@pytest.mark.parametrize("batch", [padded_batch], ids=["padded"])
+@pytest.mark.parametrize("batch", [padded_batch, right_padded_batch, left_padded_batch],
+                         ids=["padded", "right_padded", "left_padded"])
 def test_logits_loss_and_gradients_match_sdpa(name, batch):
     model = build(name)
     data = batch()
@@ -84,6 +110,25 @@ def test_logits_loss_and_gradients_match_sdpa(name, batch):
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("batch", [padded_batch, right_padded_batch, left_padded_batch],
+                         ids=["padded", "right_padded", "left_padded"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])  # the last two: sliding-window layers
+def test_padded_batches_reach_padding_mask_types_not_arbitrary(name, batch):
+    """transformers' bool masks for a padded batch (sliding windows included) are padding patterns: the fused
+    engines' mask types; the same batch unpadded is plain causal."""
+    model = build(name)
+    data = batch()
+    for padded in (True, False):
+        sdpa._MODULES.clear()
+        run(model, "attn_dispatch", **(data if padded else dict(input_ids=data["input_ids"],
+                                                                  labels=data["input_ids"])))
+        used = {(m.last_decision.params["attn_mask_type"], tuple(m.last_decision.params["window_size"]))
+                for m in sdpa._MODULES.values() if m.last_decision is not None}
+        assert used and {mask for mask, _ in used} == {"padding_causal" if padded else "causal"}, used
+        if name != "llama":
+            assert {window for _, window in used} == {(5, 0)}, used  # sliding_window=6: the query and 5 before
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
 def test_greedy_generation_matches_sdpa(name):
     model = build(name).eval()
@@ -92,11 +137,15 @@ def test_greedy_generation_matches_sdpa(name):
     mask = torch.ones_like(prompt)
     mask[0, :2] = 0
     outs = []
+    sdpa._MODULES.clear()
     for impl in ("sdpa", "attn_dispatch"):
         model.set_attn_implementation(impl)
         outs.append(model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                    min_new_tokens=20, pad_token_id=0))
     assert outs[0].shape[1] == 27 and torch.equal(outs[0], outs[1])
+    if name == "llama":  # the last decode step over the left-padded cache: key padding, not an arbitrary mask
+        last = {m.last_decision.params["attn_mask_type"] for m in sdpa._MODULES.values() if m.last_decision}
+        assert last == {"padding"}, last
 
 
 def test_softcapping_runs_and_matches_eager():

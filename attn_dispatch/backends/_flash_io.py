@@ -50,6 +50,7 @@ class KernelCall:
     sink: torch.Tensor | None  # per-head sink logit (natural-log units), float32 [h]
     sink_learnable: bool
     deterministic: bool
+    softcap: float = 0.0  # logit soft-capping after the scale; 0 is off (only engines with supports_softcap)
 
     @property
     def causal(self) -> bool:
@@ -234,6 +235,7 @@ class FlashEngineBase(Engine):
     supports_alibi = False
     no_alibi_why = ""                  # why a provider without ALiBi has none (appended to the refusal)
     supports_sink = False
+    supports_softcap = False           # the kernels take logit soft-capping (flash-attn-4)
     same_head_dims = False             # q, k, v must share one head dim (FA2)
     takes_out_buffer = False           # the kernel writes into a caller-provided output
     empty_rows_lse_positive_inf = False  # FA2 writes +inf as an empty row's lse
@@ -257,6 +259,9 @@ class FlashEngineBase(Engine):
             raise ValueError(f"dropout_p={cfg.dropout_p} is not supported by {name}: it has no dropout")
         if cfg.softmax_type != "vanilla" and not self.supports_sink:
             raise ValueError(f"softmax_type={cfg.softmax_type!r} is not supported by {name}; use 'vanilla'")
+        if cfg.softcap and not self.supports_softcap:
+            raise ValueError(f"softcap={cfg.softcap:g} is not supported by {name}; use softcap=0, or flash_attn_4 / "
+                             "the unfused engine")
         if cfg.dropout_p > 0 and aux.dropout_generator is not None:
             default = torch.cuda.default_generators[q.device.index or 0] if q.is_cuda else None
             if aux.dropout_generator is not default:
@@ -276,7 +281,8 @@ class FlashEngineBase(Engine):
                     "Use causal_bottom_right.")
         return KernelCall(scale=float(cfg.softmax_scale), window=tuple(cfg.window_size), dropout_p=float(cfg.dropout_p),
                           alibi_slopes=self._alibi(q, aux, cfg), sink=self._sink(q, aux, cfg),
-                          sink_learnable=cfg.softmax_type == "learnable", deterministic=bool(cfg.deterministic))
+                          sink_learnable=cfg.softmax_type == "learnable", deterministic=bool(cfg.deterministic),
+                          softcap=float(cfg.softcap))
 
     def _alibi(self, q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> torch.Tensor | None:
         if cfg.bias_type != "alibi":

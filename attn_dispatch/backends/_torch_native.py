@@ -29,7 +29,7 @@ def static_ok(cfg: AttnConfig, *, allow_bottom_right: bool) -> bool:
     """What the call's config alone decides (cached per config by the engines)."""
     if cfg.qkv_format not in ("bshd", "sbhd") or tuple(cfg.window_size) not in _NO_WINDOW:
         return False
-    if cfg.bias_type != "no_bias" or cfg.softmax_type != "vanilla" or cfg.return_max_logit:
+    if cfg.bias_type != "no_bias" or cfg.softmax_type != "vanilla" or cfg.return_max_logit or cfg.softcap:
         return False
     masks = ("no_mask", "causal", "causal_bottom_right") if allow_bottom_right else ("no_mask", "causal")
     if cfg.attn_mask_type not in masks:

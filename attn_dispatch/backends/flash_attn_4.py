@@ -12,6 +12,8 @@ Written against flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py):
   (mask.py: causal_row_offset = seqlen_k - seqlen_q); an empty row gets lse -inf (or the sink) and out 0.
 - `_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left=, ..., cu_seqlens_q=,
   ..., deterministic=, learnable_sink=)` returns (dq, dk, dv) or (dq, dk, dv, dsink) with a sink.
+- `softcap` (both): logit soft-capping, applied after the softmax scale (a score_mod pair, utils.py
+  create_softcap_scoremod[_bwd]); forward takes None for off, backward 0.0.
 - `learnable_sink`: [h] float16/bfloat16/float32, a logit in natural-log units not multiplied by the softmax
   scale: exp(S_i) / (exp(sink) + sum exp(S)), Transformer Engine's 'learnable' softmax.
 Importing flash_attn.cute takes ~10 s (done on the engine's first use); each new kernel configuration is
@@ -39,6 +41,7 @@ class FlashAttn4Engine(FlashEngineBase):
     family = "flash_attn_4"
     provider = "cute"
     supports_sink = True
+    supports_softcap = True
     takes_out_buffer = True
 
     def __init__(self) -> None:
@@ -87,9 +90,9 @@ class FlashAttn4Engine(FlashEngineBase):
     # --- kernels -------------------------------------------------------------------------------------------
     def _kernel_fwd(self, q, k, v, varlen: Varlen | None, call: KernelCall, out: torch.Tensor | None):
         left, right = _fa4_window(call.window)
-        kwargs: dict[str, Any] = dict(softmax_scale=call.scale, causal=False, window_size_left=left,
-                                      window_size_right=right, learnable_sink=call.sink, num_splits=1,
-                                      return_lse=True, out=out)
+        kwargs: dict[str, Any] = dict(softmax_scale=call.scale, causal=False, softcap=call.softcap or None,
+                                      window_size_left=left, window_size_right=right, learnable_sink=call.sink,
+                                      num_splits=1, return_lse=True, out=out)
         if varlen is not None:
             kwargs.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
                           max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
@@ -135,6 +138,6 @@ class FlashAttn4Engine(FlashEngineBase):
                           max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         result = self._timed("bwd", self._iface._flash_attn_bwd, q, k, v, out, dout, lse.contiguous(),
-                             call.scale, False, 0.0, **kwargs)
+                             call.scale, False, call.softcap, **kwargs)
         dsink = result[3] if call.sink is not None and len(result) > 3 else None
         return result[0], result[1], result[2], dsink

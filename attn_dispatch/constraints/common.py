@@ -250,12 +250,12 @@ def context_parallel(table: Table) -> Check:
 
 
 def no_softcap(table: Table) -> Check:
-    """Logit soft-capping is passed to no engine but the unfused one (added by the registry to every table that
-    declares no softcap check of its own)."""
+    """Logit soft-capping is passed only to the engines whose tables declare a softcap check of their own (unfused,
+    flash_attn_4); the registry adds this refusal to every other table."""
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         if p.softcap:
             return fail(f"softcap={p.softcap:g} (logit soft-capping) is not passed to {table.id} by attn-dispatch",
-                        "the unfused engine supports it")
+                        "the unfused engine supports it, and flash_attn_4 (sm90/sm100)")
         return None
     return Check(f"{table.family}.softcap", "no logit soft-capping (softcap=0)", "softmax",
-                 "attn-dispatch scope: only the unfused engine implements softcap", fn)
+                 "attn-dispatch scope: only the unfused and flash_attn_4 engines are given softcap", fn)

@@ -118,6 +118,20 @@ def _paged_loader(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure 
                          "of 16")
 
 
+def _softcap(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    """interface.py _flash_attn_fwd(softcap=) and _flash_attn_bwd(softcap) turn it into a score_mod pair
+    (utils.create_softcap_scoremod / _bwd) that the sm90 and sm100/sm110 kernels apply after the softmax scale; the
+    dedicated sm100 hd256 backward asserts softcap == 0."""
+    if p.softcap and p.inference_kv_cache:
+        return fail(f"softcap={p.softcap:g} with a KV cache: attn-dispatch's flash-attn-4 KV-cache path "
+                    "(forward_kv_cache) does not pass softcap yet", "use the unfused engine for soft-capped decoding")
+    if (p.softcap and p.is_training and plat.sm // 10 in (10, 11)
+            and (p.head_dim_qk, p.head_dim_v) == (256, 256)):
+        return fail(f"softcap={p.softcap:g} training with head dims (256, 256) on sm{plat.sm}: flash-attn-4's "
+                    "dedicated hd256 backward has no soft-capping", "use head dims <= 128, or run inference")
+    return None
+
+
 def _sink_backward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if (p.softmax_type != "vanilla" and p.is_training and plat.sm // 10 in (10, 11)
             and (p.head_dim_qk, p.head_dim_v) == (256, 256)):
@@ -161,6 +175,12 @@ T.add(
     common.no_dropout(T, source=FA4_IFACE + " (no dropout argument)"),
     common.softmax_types(T, ("vanilla", "off-by-one", "learnable"),
                          source=FA4_IFACE + " learnable_sink [h] (softmax.py apply_learnable_sink; dsink in backward)"),
+    check(T, "softcap", "logit soft-capping (Gemma 2) forward and backward; not with a KV cache (not wired there), "
+          "nor training with head dims (256, 256) on sm100/sm110", "softmax",
+          FA4_IFACE + " _flash_attn_fwd(softcap=) L855/L1102-1104 and _flash_attn_bwd(softcap) L2579-2584 "
+          "(score_mod pair from utils.create_softcap_scoremod[_bwd], applied after softmax_scale: "
+          "utils.compute_softmax_scale_log2), passed to FlashAttentionBackwardSm90/Sm100; L2958 'SM100 backward "
+          "with head_dim=256 does not support softcap'", _softcap),
     check(T, "sink_backward", "a sink with head dims (256, 256) on sm100/sm110: inference only", "softmax",
           FA4_IFACE + " _flash_attn_bwd: 'SM100 backward with head_dim=256 does not support learnable_sink'",
           _sink_backward),

@@ -38,16 +38,23 @@ def why_deterministic(p: AttentionParams) -> str:
 def top_left_alignment(table: Table, *, source: str) -> Check:
     """Transformer Engine's 'causal'/'padding_causal' are top-left; FlashAttention is bottom-right (since 2.1)."""
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-        if p.attn_mask_type in TOP_LEFT_MASKS and p.max_seqlen_q != p.max_seqlen_kv:
+        if p.attn_mask_type not in TOP_LEFT_MASKS:
+            return None
+        fix = f"use attn_mask_type={p.attn_mask_type + '_bottom_right'!r} if a bottom-right diagonal is meant"
+        if p.max_seqlen_q != p.max_seqlen_kv:
             return fail(f"attn_mask_type={p.attn_mask_type!r} aligns the diagonal top-left, but {table.id} aligns it "
                         f"bottom-right; the two agree only when max_seqlen_q == max_seqlen_kv (got {p.max_seqlen_q} "
-                        f"and {p.max_seqlen_kv})",
-                        f"use attn_mask_type={p.attn_mask_type + '_bottom_right'!r} if a bottom-right diagonal "
-                        "is meant")
+                        f"and {p.max_seqlen_kv})", fix)
+        if p.seqlens_differ:
+            return fail(f"attn_mask_type={p.attn_mask_type!r} aligns the diagonal top-left, but {table.id} aligns it "
+                        "bottom-right per sequence; the two agree only where each sequence has as many query as key "
+                        "tokens, and here cu_seqlens_q and cu_seqlens_kv give some sequence different lengths "
+                        "(e.g. a padded causal batch whose padded query rows still attend, as torch's SDPA has them)",
+                        fix + ", or equal query and key lengths per sequence")
         return None
     return Check(f"{table.family}.causal_alignment",
-                 "top-left causal masks need max_seqlen_q == max_seqlen_kv (per sequence for thd/padding: checked "
-                 "at run time); bottom-right masks and windows any lengths", "mask", source, fn)
+                 "top-left causal masks need equal query and key lengths: max_seqlen_q == max_seqlen_kv, and per "
+                 "sequence with padding/thd; bottom-right masks and windows any lengths", "mask", source, fn)
 
 
 def no_padding_between_sequences(table: Table) -> Check:
