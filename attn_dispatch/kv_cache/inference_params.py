@@ -122,6 +122,8 @@ class InferenceParams:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # 'cuda' means the current device, as tensors say
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.cache_qkv_format = "bshd"
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._serial = 0
