@@ -292,7 +292,7 @@ class DotProductAttention(torch.nn.Module):
                 if result is not _MISS:
                     return result
             args = QKV_ONLY
-        else:
+        else:  # in field order, positionally (keywords cost ~0.6 us a call); tests/test_call_args.py checks it
             args = CallArgs(attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                             cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                             checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes,

@@ -1,6 +1,13 @@
 """The module's own host overhead, without kernel time: DotProductAttention.forward (cached path) against the
-chosen engine called directly through Engine.__call__, with a trivial engine whose forward hands back
-preallocated tensors. Runs on CPU (no GPU needed); min over repeats, because the machine may be shared.
+chosen engine called directly through Engine.__call__. Two stand-in engines, on CPU (no GPU needed); min over
+repeats, because the machine may be shared:
+- trivial: an Engine whose forward hands back preallocated tensors (the autograd-Function path the cuDNN frontend
+  and flash-attn engines take);
+- native: the torch providers' native-op path (backends/_torch_native.flash_call, what flash_attn_2:torch runs
+  for dense calls) with a clone of q standing in for the CUDA op: the same Python code around it, and like the op
+  one C++ autograd node and an output in [b, h, s, d] order over bshd memory (torch's CPU flash kernel would do
+  too, but its run time varies by more than the host time measured here), at a tiny shape (the views' host
+  time does not depend on it; the clone's does).
 
     python3 benchmarks/bench_hotpath_cpu.py                 # table, us/call
     python3 benchmarks/bench_hotpath_cpu.py --profile       # plus cProfile of the module's cached path
@@ -25,11 +32,13 @@ from typing import Any, Callable
 import torch
 
 from attn_dispatch import backends
+from attn_dispatch.backends import _torch_native
 from attn_dispatch.backends.base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 from attn_dispatch.module import DotProductAttention
 
 SHAPE = dict(batch=1, seqlen=128, heads=16, head_dim=64)
-PROVIDER = "unfused:pytorch"  # the id the trivial engine stands in for (the module forces this family)
+NATIVE_SHAPE = dict(batch=1, seqlen=8, heads=2, head_dim=16)
+PROVIDER = "unfused:pytorch"  # the id the stand-in engines take (the module forces this family)
 
 
 class TrivialEngine(Engine):
@@ -56,6 +65,16 @@ class TrivialEngine(Engine):
         return BwdResult(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
 
 
+class NativeStandIn(_torch_native.NativeOpPath, TrivialEngine):
+    """flash_attn_2:torch's dense path (NativeOpPath -> flash_call), its aten op replaced by flash_op."""
+
+    native_call = staticmethod(_torch_native.flash_call)
+
+    def flash_op(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
+        """aten::_scaled_dot_product_flash_attention's signature; q [b, h, s, d] is a view of bshd memory."""
+        return q.clone(), self.lse
+
+
 def _time(fns: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[str, float]:
     for fn in fns.values():
         for _ in range(200):
@@ -70,11 +89,15 @@ def _time(fns: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[s
     return best
 
 
-def measure(training: bool, calls: int = 2000, repeats: int = 15, profile: bool = False) -> dict[str, float]:
-    b, s, h, d = SHAPE["batch"], SHAPE["seqlen"], SHAPE["heads"], SHAPE["head_dim"]
+def measure(training: bool, calls: int = 2000, repeats: int = 15, profile: bool = False,
+            stand_in: str = "trivial") -> dict[str, float]:
+    shape = NATIVE_SHAPE if stand_in == "native" else SHAPE
+    b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16).requires_grad_(training) for _ in range(3))
-    saved = backends._INSTANCES.get(PROVIDER)
-    engine = backends._INSTANCES[PROVIDER] = TrivialEngine(q, v)
+    saved, saved_flash = backends._INSTANCES.get(PROVIDER), _torch_native._FLASH
+    engine = backends._INSTANCES[PROVIDER] = (NativeStandIn if stand_in == "native" else TrivialEngine)(q, v)
+    if stand_in == "native":
+        _torch_native._FLASH = engine.flash_op
     try:
         module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", backend="unfused")
         module.train(training)
@@ -84,18 +107,21 @@ def measure(training: bool, calls: int = 2000, repeats: int = 15, profile: bool 
         with torch.set_grad_enabled(training):
             module(q, k, v)
             assert module.last_decision.chosen == PROVIDER, module.last_decision.chosen
-            result = _time({"module": lambda: module(q, k, v), "engine_call": lambda: engine(q, k, v, aux, cfg),
-                            "engine_forward": lambda: engine.forward(q, k, v, aux, cfg),
-                            "module_keywords": lambda: module(q, k, v, attn_mask_type="no_mask")}, calls, repeats)
+            fns = {"module": lambda: module(q, k, v), "engine_call": lambda: engine(q, k, v, aux, cfg),
+                   "module_keywords": lambda: module(q, k, v, attn_mask_type="no_mask")}
+            if stand_in == "trivial":  # the native stand-in's own forward is not what the native path runs
+                fns["engine_forward"] = lambda: engine.forward(q, k, v, aux, cfg)
+            result = _time(fns, calls, repeats)
             if profile:
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(calls):
                     module(q, k, v)
                 prof.disable()
-                print(f"--- cProfile, module cached path, {'training' if training else 'inference'} ---")
+                print(f"--- cProfile, module cached path, {'training' if training else 'inference'}, {stand_in} ---")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     finally:
+        _torch_native._FLASH = saved_flash
         if saved is None:
             backends._INSTANCES.pop(PROVIDER, None)
         else:
@@ -112,16 +138,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = {mode: measure(mode == "training", args.calls, args.repeats, args.profile)
-               for mode in ("inference", "training")}
-    print(f"{'mode':<10} {'module':>8} {'engine()':>9} {'engine.fwd':>11} {'module-engine':>14} "
+    results = {f"{mode}/{stand_in}": measure(mode == "training", args.calls, args.repeats, args.profile, stand_in)
+               for stand_in in ("trivial", "native") for mode in ("inference", "training")}
+    print(f"{'mode/engine':<18} {'module':>8} {'engine()':>9} {'engine.fwd':>11} {'module-engine':>14} "
           f"{'module(kw)-engine':>18}   (us/call, min)")
     for mode, r in results.items():
-        print(f"{mode:<10} {r['module']:8.2f} {r['engine_call']:9.2f} {r['engine_forward']:11.2f} "
+        print(f"{mode:<18} {r['module']:8.2f} {r['engine_call']:9.2f} {r.get('engine_forward', float('nan')):11.2f} "
               f"{r['module_minus_engine']:14.2f} {r['module_keywords_minus_engine']:18.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": SHAPE, "torch": torch.__version__, "results_us": results}, fh, indent=1)
+            json.dump({"shape": SHAPE, "native_shape": NATIVE_SHAPE, "torch": torch.__version__,
+                       "results_us": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,15 @@ def hotpath_section(run: Run, device: torch.device, dtype: torch.dtype, args: ar
     hot = run.result["hot_path"] = {"target_added_us": 5.0}
     hot["inference"] = hotpath.overhead(device, dtype, **kw)
     hot["training"] = hotpath.overhead(device, dtype, grad=True, **kw)
+    if device.type == "cuda" and not args.quick:
+        # The default picks differ by mode (cuDNN frontend in inference, torch's FA2 in training on the H100): each
+        # engine in the other mode too, to tell what grad costs the module from what the engine's path costs it.
+        for name, provider, grad in (("training_cudnn_frontend", "cudnn_fused:frontend", True),
+                                     ("inference_flash_attn_2_torch", "flash_attn_2:torch", False)):
+            try:
+                hot[name] = hotpath.overhead(device, dtype, backend=provider, grad=grad)
+            except Exception as exc:  # noqa: BLE001 - a provider missing here is reported, not fatal
+                hot[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     previous = os.environ.get("ATTN_DISPATCH_POLICY")
     selection.set_policy("measured", MeasuredPolicy(directory=tempfile.mkdtemp(prefix="attn-dispatch-hot-"),
                                                     settings=QUICK if args.quick else TUNING_SETTINGS))
@@ -147,6 +156,8 @@ def summary_lines(result: dict) -> list[str]:
                          f"rows over {s['target']}" + (f"; {s['unrated']} rows unrated (pick not timed)"
                                                        if s.get("unrated") else ""))
     for name, hot in result.get("hot_path", {}).items():
+        if isinstance(hot, dict) and "error" in hot:
+            lines.append(f"hot path [{name}]: FAILED {hot['error']}")
         if isinstance(hot, dict) and "module_over_engine_us" in hot:
             added = hot["module_over_engine_us"]
             engine = hot["results_us"]["engine_call"]

@@ -38,13 +38,15 @@ def static_ok(cfg: AttnConfig, *, allow_bottom_right: bool) -> bool:
     return not cfg.deterministic
 
 
+# Each view below is an autograd node when grad is recorded (~1.5 us of host time apiece on a CPU stand-in):
+# bshd takes transpose (cheaper to parse than permute), and heads merge by flatten(-2), not reshape(*shape, -1).
 def _bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    return x.permute(0, 2, 1, 3) if fmt == "bshd" else x.permute(1, 2, 0, 3)
+    return x.transpose(1, 2) if fmt == "bshd" else x.permute(1, 2, 0, 3)
 
 
 def _from_bhsd(out4: torch.Tensor, fmt: str, flatten_heads: bool) -> torch.Tensor:
-    out = out4.permute(0, 2, 1, 3) if fmt == "bshd" else out4.permute(2, 0, 1, 3)
-    return out.reshape(*out.shape[:2], -1) if flatten_heads else out
+    out = out4.transpose(1, 2) if fmt == "bshd" else out4.permute(2, 0, 1, 3)
+    return out.flatten(-2) if flatten_heads else out
 
 
 def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
