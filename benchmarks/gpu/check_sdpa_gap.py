@@ -29,6 +29,7 @@ CALLS = [  # (label, b, s, h, d, causal, train)
     ("gpt2 d64 s1536 b16 h12 causal fwd+bwd", 16, 1536, 12, 64, True, True),
     ("small d128 s256 b8 h16 causal fwd", 8, 256, 16, 128, True, False),
     ("tiny d128 s128 b4 h32 causal fwd", 4, 128, 32, 128, True, False),
+    ("long d128 s16384 b1 h16 no_mask fwd+bwd", 1, 16384, 16, 128, False, True),  # the fit grid's 1.07-1.12 rows
 ]
 
 
