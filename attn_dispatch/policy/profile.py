@@ -97,10 +97,12 @@ class Profile:
         # Host floors per (provider, training, packed) and per (provider, training): the two least times with their
         # calls (so that leave-one-out can leave a call out of the floor too). Packed (thd) calls cost more per call.
         self._floors: dict[tuple, list[tuple[float, str]]] = {}
+        self.host_ms: dict[tuple[str, bool], float] = {}  # (provider, training): the least time of any call
         for e in self.entries:
             for provider, ms in e.times_ms.items():
                 for key in ((provider, e.kind[0], e.kind[2]), (provider, e.kind[0], None)):
                     self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.label)])[:2]
+                self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
         # Per kind of call, (entry, its log2 sizes in _FEATURES order): a fresh decision compares only these.
         self._by_kind: dict[tuple, list[tuple[Entry, tuple[float, ...]]]] = {}
         for e in self.entries:
