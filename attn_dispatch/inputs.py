@@ -113,6 +113,7 @@ class FastHit:
     max_kv: int
     deterministic: bool  # torch.are_deterministic_algorithms_enabled() when planned: a change misses
     guard: Callable[..., bool] | None = None  # tensor_guard of the q, k, v that were validated
+    call: Callable[..., Any] | None = None  # the engine's bind_fast for them: (q, k, v) -> out, under the guard
 
 
 def tensor_guard(*tensors: torch.Tensor) -> Callable[..., bool] | None:

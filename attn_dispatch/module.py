@@ -255,12 +255,16 @@ class DotProductAttention(torch.nn.Module):
             if hit is None:
                 return _MISS
             self._fast_last = (hit.guard, self.training, hit)
+            if hit.call is not None and not hit.guard(query_layer, key_layer, value_layer):
+                hit = dataclasses.replace(hit, call=None)  # other strides: the bound call does not apply
         plan = hit.plan
         if plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic:
             return _MISS  # decisions were cleared, or torch's determinism flag changed: plan again
         plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
+        if hit.call is not None:  # the engine's call specialised to these tensors (never a max logit or cuDNN graph)
+            return hit.call(query_layer, key_layer, value_layer)
         aux = hit.aux
         if aux is None:  # a sink offset: read per call, since .to() replaces buffers
             aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
@@ -417,8 +421,11 @@ class DotProductAttention(torch.nn.Module):
             return
         if len(self._fast) >= 64:
             self._fast.clear()
+        guard = inputs.tensor_guard(q, k, v)
+        bound = plan.engine.bind_fast(q, k, v, aux, plan.cfg) if guard is not None and not self.return_max_logit \
+            else None  # without the guard a later call could differ in strides or requires_grad
         hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
-                             _deterministic_now(), inputs.tensor_guard(q, k, v))
+                             _deterministic_now(), guard, bound)
         self._fast[_fast_key(q, k, v, self.training)] = hit
         self._fast_last = (hit.guard, self.training, hit)
 
@@ -580,8 +587,11 @@ _deterministic_now = torch.are_deterministic_algorithms_enabled
 
 
 def _fast_key(q, k, v, training: bool) -> tuple:
-    """What a q, k, v-only call's plan depends on; looked up when the last plan's tensor guard misses."""
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training)
+    """What a q, k, v-only call's plan depends on; looked up when the last plan's tensor guard misses.
+    requires_grad is part of it: a module called under no_grad and then in training keeps one plan (and one bound
+    call, whose lse depends on it) for each."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training,
+            q.requires_grad, k.requires_grad, v.requires_grad)
 
 
 _FP8_REGIONS = _fp8_autocast.ACTIVE

@@ -5,6 +5,9 @@ __call__, autograd, forward then backward into the leaf tensors' .grad in traini
 inference). For every eligible provider a module is built with that provider forced; beside them run
   - `default`: the module with nothing forced (the default policy's pick), and `order` (ATTN_DISPATCH_POLICY=order
     semantics: Transformer Engine's order) when --policies asks for them;
+  - `measured` (--measured): a module deciding under ATTN_DISPATCH_POLICY=measured (it times the candidates on its
+    first call, into a tuning cache of its own; the default module reads an empty one, so that the profile alone
+    decides there);
   - `sdpa`: torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] views of the same tensors, with its
     output brought back to the module's [.., h*d] layout, wherever SDPA can express the call (not thd, not
     padding, not sliding windows, not bottom-right causal with sq != skv).
@@ -13,14 +16,20 @@ CUDA events, a warm period, rotated order, median). JSON is rewritten after ever
 
     python3 benchmarks/bench_user_step.py --grid fit --out $OUT/fit.json            # profile measurements
     python3 benchmarks/bench_user_step.py --grid eval --policies --out $OUT/eval.json # held-out check
+    python3 benchmarks/bench_user_step.py --grid eval-fresh --policies --measured --out $OUT/fresh.json
+--tag stock checks that neither cudnn-frontend nor flash-attn-4 can be imported (a stock `pip install torch`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.util
 import json
+import os
 import platform as py_platform
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -113,7 +122,23 @@ def step_fn(call, q, k, v, dout, kwargs, train: bool):
     return infer
 
 
-def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, device: torch.device) -> dict:
+@contextlib.contextmanager
+def environment_set(**values: str):
+    """os.environ with these values for the block (the policy and its cache are read when a module decides)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, device: torch.device,
+             measured_cache: str | None = None) -> dict:
     q, k, v, dout, kwargs = make_tensors(case, device, seed)
     default = module_for(case, None, device)
     t0 = time.perf_counter()
@@ -132,6 +157,19 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     if policies:
         fns["default"] = step_fn(default, q, k, v, dout, kwargs, case.train)
         order_pick = selection.explain(selection_params(decision), policy="order").chosen
+    measured = None
+    if measured_cache is not None:
+        # Decided (and tuned) on its first call, with the very tensors it is then timed on: later calls take the
+        # module's cached plan, so restoring the environment afterwards leaves its pick in place.
+        with environment_set(ATTN_DISPATCH_POLICY="measured", ATTN_DISPATCH_CACHE_DIR=measured_cache):
+            selection.clear_cache()
+            module = module_for(case, None, device)
+            fns["measured"] = step_fn(module, q, k, v, dout, kwargs, case.train)
+            t0 = time.perf_counter()
+            fns["measured"]()
+            measured = (module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
+        selection.clear_cache()
+        q.grad = k.grad = v.grad = None
     sdpa = sdpa_fn(case)
     if sdpa is not None:
         fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
@@ -156,6 +194,8 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     if policies:
         row["order_pick"] = order_pick
         row["default_reason"] = decision.policy_reason
+    if measured is not None:
+        row["measured_pick"], row["measured_first_ms"] = measured
     return row
 
 
@@ -163,6 +203,13 @@ def selection_params(decision):
     from attn_dispatch.params import AttentionParams
 
     return AttentionParams(**decision.params)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def environment() -> dict:
@@ -188,12 +235,24 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--policies", action="store_true", help="also time the default module (and record order's pick)")
     ap.add_argument("--providers", default=None, help="comma list: time only these providers")
-    ap.add_argument("--tag", default="", help="a label for this stack (e.g. 'stock' without extra engines)")
+    ap.add_argument("--tag", default="", help="a label for this stack ('stock': checked to lack the extra engines)")
+    ap.add_argument("--measured", action="store_true",
+                    help="also time a module under ATTN_DISPATCH_POLICY=measured (tuned on its first call)")
     ap.add_argument("--max-seconds", type=float, default=540.0, help="stop starting new rows after this")
     ap.add_argument("--start", type=int, default=0, help="skip the first N cases")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the harness")
     args = ap.parse_args()
+    if args.tag == "stock":
+        extra = [m for m in ("cudnn", "flash_attn.cute") if _importable(m)]
+        if extra:
+            sys.exit(f"--tag stock, but {', '.join(extra)} can be imported here: run without the wheel bundles on "
+                     "PYTHONPATH")
+    measured_cache = None
+    if args.measured:
+        # The default module must not read the measured module's tunings (auto prefers a bucket tuned here).
+        os.environ["ATTN_DISPATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-dispatch-auto-")
+        measured_cache = tempfile.mkdtemp(prefix="attn-dispatch-measured-")
     cases = CASE_GRIDS[args.grid]()[args.start:]
     only = set(args.providers.split(",")) if args.providers else None
     result = {"grid": args.grid, "tag": args.tag, "settings": SETTINGS.to_dict(), "environment": environment(),
@@ -205,16 +264,18 @@ def main() -> int:
             result["stopped_at"] = i + args.start
             break
         try:
-            row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device))
+            row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device), measured_cache)
             result["rows"].append(row)
             times = row["times_ms"]
-            best = min((t for n, t in times.items() if n not in ("default", "sdpa")), default=float("nan"))
+            best = min((t for n, t in times.items() if ":" in n), default=float("nan"))
             extra = ""
             if "default" in times:
                 extra += f" default {row['default_pick']} {times['default'] / best:.3f}"
+            if "measured" in times:
+                extra += f" measured {row['measured_pick']} {times['measured'] / best:.3f}"
             if "sdpa" in times:
                 extra += f" sdpa {times['sdpa'] / best:.3f}"
-            fastest = min(((t, n) for n, t in times.items() if n not in ("default", "sdpa")), default=(0, "-"))[1]
+            fastest = min(((t, n) for n, t in times.items() if ":" in n), default=(0, "-"))[1]
             print(f"[{i + args.start:3d}] {case.label:44s} best {fastest:22s} {best:8.3f} ms{extra}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one row failing is recorded, the grid goes on
             result["failed"].append({"label": case.label, "error": traceback.format_exc()[-2000:]})

@@ -2,7 +2,8 @@
 
 For each row of a bench_user_step.py result: the provider the profile predicts fastest among those the row timed
 (optionally only torch's own providers, as on a stock `pip install torch`), and time(pick) / time(fastest).
---loo: leave-one-out on the profile's own fit rows (each row predicted without itself).
+--loo: leave-one-out on the profile's own fit rows (each row predicted without itself, its neighbours and host
+floors both). --timed: the run's own default (and measured) columns, timed on the GPU.
 
     python3 benchmarks/evaluate_profile.py benchmarks/results/profile/eval_h100.json
 """
@@ -47,15 +48,46 @@ def summarize(name: str, results: list[dict]) -> None:
           + (f"; vs SDPA worst {max(sd):.3f} mean {statistics.mean(sd):.3f}" if sd else ""))
 
 
+def timed(path: str) -> None:
+    """What the GPU run itself measured (bench_user_step.py --policies [--measured]): the default module's and the
+    measured policy's time over the fastest provider forced, over SDPA, and default / its own pick forced (the
+    same engine in two modules: the timer's noise on that row)."""
+    rows = json.loads(Path(path).read_text())["rows"]
+    stats: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [], "default/sdpa": [],
+                                                 "default/pick forced": []}
+    for row in rows:
+        t = row["times_ms"]
+        forced = {n: v for n, v in t.items() if ":" in n}
+        if not forced or "default" not in t:
+            continue
+        best = min(forced.values())
+        stats["default/fastest"].append((t["default"] / best, row["label"]))
+        if "measured" in t:
+            stats["measured/fastest"].append((t["measured"] / best, row["label"]))
+        if "sdpa" in t:
+            stats["default/sdpa"].append((t["default"] / t["sdpa"], row["label"]))
+        if row.get("default_pick") in forced:
+            stats["default/pick forced"].append((t["default"] / forced[row["default_pick"]], row["label"]))
+    print(f"{Path(path).name} (timed, {len(rows)} rows):")
+    for name, values in stats.items():
+        if values:
+            worst = max(values)
+            print(f"  {name:20s} mean {statistics.mean(v for v, _ in values):.3f}  worst {worst[0]:.3f} ({worst[1]})  "
+                  f"over 1.03: {sum(v > 1.03 for v, _ in values)}/{len(values)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+")
     ap.add_argument("--profile", default=str(PROFILE_DIR / "sm90.json"))
     ap.add_argument("--loo", action="store_true")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--timed", action="store_true", help="also summarise the run's own timed default/measured columns")
     args = ap.parse_args()
     profile = Profile(json.loads(Path(args.profile).read_text()))
     for path in args.results:
+        if args.timed:
+            timed(path)
         rows = json.loads(Path(path).read_text())["rows"]
         for stock in (False, True):
             res = evaluate(rows, profile, loo=args.loo, stock=stock)

@@ -67,6 +67,25 @@ def test_only_calls_of_the_same_kind_are_neighbours(tmp_path):
     assert kind == (True, "window", False) and fmt == "sbhd" and log2["span"] == math.log2(129)
 
 
+def test_packed_calls_have_their_own_host_floor_and_leave_one_out_leaves_the_floor_out(tmp_path):
+    # 'x:a' costs 0.5 ms per packed (thd) call whatever its size, 0.05 ms per small dense call
+    dense = dict(max_seqlen_q=512, attn_mask_type="causal", is_training=False)
+    packed = dict(dense, qkv_format="thd", attn_mask_type="padding_causal")
+    rows = [(dict(dense, max_seqlen_q=s), {"x:a": max(0.05, 0.1 * (s / 2048) ** 2), "x:b": 0.2})
+            for s in (512, 2048)]
+    rows += [(dict(packed, max_seqlen_q=s), {"x:a": max(0.5, 0.1 * (s / 2048) ** 2), "x:b": 0.45})
+             for s in (512, 1024, 4096)]
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+    small_packed = profile.predict(AttentionParams(**dict(packed, max_seqlen_q=768)))
+    assert small_packed.times_ms["x:a"] >= 0.5 and small_packed.best(["x:a", "x:b"]) == "x:b"
+    small_dense = profile.predict(AttentionParams(**dict(dense, max_seqlen_q=256)))
+    assert small_dense.times_ms["x:a"] < 0.1 and small_dense.best(["x:a", "x:b"]) == "x:a"
+    # leave-one-out leaves a call out of the floor too: without row0 (0.05 ms) x:a's dense floor is row1's 0.1 ms
+    assert profile._host("x:a", (False, "causal", False)) == 0.05
+    assert profile._host("x:a", (False, "causal", False), exclude_label="row0") == 0.1
+    assert profile.predict(AttentionParams(**dense), exclude_label="row0").times_ms["x:a"] >= 0.1
+
+
 def test_auto_picks_the_predicted_fastest_and_explains_why(tmp_path):
     rows = [(dict(max_seqlen_q=s, attn_mask_type="causal"),
              {"cudnn_fused:frontend": 2.0 * s / 1024, "flash_attn_4:cute": 1.0 * s / 1024}) for s in (1024, 4096)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -133,6 +133,12 @@ class Engine:
                       max_seqlen_kv=cache.max_seqlen_kv)
         out4 = self.forward(q4, k4, v4, aux, dataclasses.replace(cfg, qkv_format="bshd")).out
         return out4[rows, cols]
+
+    def bind_fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                  cfg: AttnConfig) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """A function (q, k, v) -> out (heads merged) specialised to calls whose tensors match these in shape,
+        strides, dtype, device and requires_grad, for the module's cached path; None (here): call the engine."""
+        return None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
                  flatten_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -119,9 +119,68 @@ def eval_cases() -> list[Case]:
     return _both(shapes)
 
 
+def fit_extra_cases() -> list[Case]:
+    """Fit rows added after the held-out diagnosis (issue 12, session 4): packed (thd) calls at d64/d128/d256 and
+    several lengths (thd costs more per call than dense, and one thd row per region left the model guessing),
+    the d64 training lengths where flash-attn-4 and cuDNN cross, small windows, d256 and MLA in between, and more
+    host-bound calls. None is in eval_cases or eval_fresh_cases."""
+    shapes = [
+        Case(b=32, s=1024, h=12, d=64, mask="padding", fmt="thd"), Case(b=8, s=4096, h=16, d=64, mask="padding", fmt="thd"),
+        Case(b=4, s=8192, h=16, d=64, mask="padding", fmt="thd"), Case(b=64, s=256, h=16, d=64, mask="padding", fmt="thd"),
+        Case(b=2, s=8192, h=32, hkv=8, d=128, mask="padding_causal", fmt="thd"),
+        Case(b=4, s=4096, h=32, hkv=4, d=128, mask="padding_causal", fmt="thd"),
+        Case(b=32, s=512, h=16, d=128, mask="padding_causal", fmt="thd"),
+        Case(b=8, s=2048, h=16, d=128, mask="padding", fmt="thd"),
+        Case(b=4, s=4096, h=8, d=256, mask="padding_causal", fmt="thd"),
+        Case(b=32, s=1024, h=12, d=64), Case(b=8, s=4096, h=12, d=64), Case(b=8, s=3072, h=12, d=64),
+        Case(b=16, s=1024, h=16, d=64, mask="no_mask"),
+        Case(b=4, s=8192, h=16, d=64, mask="no_mask", window=(64, 64)),
+        Case(b=2, s=8192, h=32, hkv=8, d=128, window=(256, 0)),
+        Case(b=4, s=4096, h=16, d=128, mask="no_mask", window=(128, 128)),
+        Case(b=4, s=3072, h=8, d=256, mask="no_mask"), Case(b=4, s=2048, h=16, d=192, dv=128),
+        Case(b=8, s=128, h=16, d=128), Case(b=16, s=256, h=12, d=64, mask="no_mask"),
+        Case(b=2, s=512, h=32, hkv=8, d=128),
+    ]
+    return _both(shapes)
+
+
+def eval_fresh_cases() -> list[Case]:
+    """A second held-out grid (issue 12, session 4), chosen before any of it was measured and not tuned on: model
+    calls other than eval_cases' and the fit grids' (LLM with GQA, long context, encoders, small batches, head dims
+    64/80/96/128/192/256, windows, thd, cross and bottom-right causal)."""
+    shapes = [
+        Case(b=2, s=4096, h=8, hkv=1, d=128, name="llama70b-tp8"),
+        Case(b=1, s=20000, h=32, hkv=8, d=128, name="long20k"),
+        Case(b=1, s=6144, h=28, hkv=4, d=128, name="qwen7b"),
+        Case(b=2, s=6144, h=32, hkv=8, d=128, window=(2048, 0), name="swa"),
+        Case(b=2, s=4096, h=8, hkv=4, d=256, window=(1024, 0), name="gemma2-local"),
+        Case(b=8, s=2048, h=32, d=96, name="phi"),
+        Case(b=4, s=4096, h=20, d=80, name="d80-causal"),
+        Case(b=16, s=1500, h=20, d=64, mask="no_mask", name="whisper-enc"),
+        Case(b=64, s=577, h=16, d=64, mask="no_mask", name="vit-l"),
+        Case(b=32, s=384, h=12, d=64, mask="no_mask", name="roberta"),
+        Case(b=16, s=512, skv=1536, h=12, d=64, mask="no_mask", name="t5-cross"),
+        Case(b=16, s=64, h=32, hkv=8, d=128, name="prefill64"),
+        Case(b=1, s=1024, h=16, d=128, name="b1"),
+        Case(b=1, s=8192, h=16, d=192, dv=128, name="mla-8k"),
+        Case(b=16, s=1024, h=8, d=256, mask="no_mask", name="d256-enc"),
+        Case(b=8, s=2048, h=32, hkv=4, d=128, fmt="sbhd", name="megatron-gqa"),
+        Case(b=32, s=1024, h=16, d=64, mask="no_mask", fmt="sbhd", name="sbhd-enc"),
+        Case(b=8, s=4096, h=32, hkv=8, d=128, mask="padding_causal", fmt="thd", name="packed-llm"),
+        Case(b=8, s=2048, h=12, d=64, mask="padding", fmt="thd", name="packed-enc64"),
+        Case(b=2, s=16384, h=32, hkv=8, d=128, mask="padding_causal", fmt="thd", name="packed-long"),
+        Case(b=2, s=8192, h=16, d=64, mask="no_mask", window=(256, 256), name="local64"),
+        Case(b=4, s=1024, skv=4096, h=32, hkv=8, d=128, mask="causal_bottom_right", name="chunked-prefill"),
+        Case(b=1, s=8192, h=64, hkv=8, d=128, name="gqa8-h64"),
+        Case(b=32, s=128, h=12, d=64, name="tiny64"),
+    ]
+    return _both(shapes)
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
 
 
-CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases}
+CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-extra": fit_extra_cases,
+              "eval-fresh": eval_fresh_cases}

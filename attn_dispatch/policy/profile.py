@@ -6,14 +6,17 @@ into the leaves' .grad; interleaved on the same inputs), on a named machine and 
 
 The cost model: a step costs its host time or its GPU time, whichever dominates (the GPU runs behind the host),
 combined smoothly as t = (H^8 + G^8)^(1/8).
-- H, the host floor of a provider in training or in inference, is the least it was ever measured to cost: the
-  tiniest calls are host-bound (flash-attn-4's Python launch costs ~0.2 ms a forward on the H100's host).
+- H, the host floor of a provider, is the least it was measured to cost on calls of the same training mode and
+  packing: the tiniest calls are host-bound (flash-attn-4's Python launch costs ~0.2 ms a forward on the H100's
+  host), and packed (thd) calls cost more per call than dense ones (~0.4 ms inference, ~1.3 ms training at any size
+  in the H100 fit grid, every engine): one floor for both under-predicted small thd calls 4x.
 - G = work / rate: the work is the call's matmul flops (policy.timing.attention_flops), and the rate is
   taken from the nearest measured call (K = 1; K > 1 averages log rates) of the same kind (training or inference, causal,
   windowed or neither, packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims,
   query and key lengths, the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another
   memory format. The GPU part of a measured time is what remains of it above the host floor.
-Leave-one-out on the fit grid and a held-out grid chose the weights and K (benchmarks/results/profile/README.md).
+Leave-one-out on the fit grid and a held-out grid chose the weights and K (benchmarks/results/profile/README.md);
+predict(exclude_label=) leaves a measured call out of its neighbours and of the host floors, for that check.
 """
 from __future__ import annotations
 
@@ -91,11 +94,15 @@ class Profile:
         self.date: str = data.get("date", "")
         self.entries = [Entry(e["label"], tuple(e["kind"]), e["log2"], e["fmt"], e["work"], e["times_ms"])
                         for e in data["entries"]]
-        self.host_ms: dict[tuple[str, bool], float] = {}
+        # Host floors per (provider, training, packed) and per (provider, training): the two least times with their
+        # calls (so that leave-one-out can leave a call out of the floor too). Packed (thd) calls cost more per call.
+        self._floors: dict[tuple, list[tuple[float, str]]] = {}
+        self.host_ms: dict[tuple[str, bool], float] = {}  # (provider, training): the least time of any call
         for e in self.entries:
             for provider, ms in e.times_ms.items():
-                key = (provider, e.kind[0])
-                self.host_ms[key] = min(self.host_ms.get(key, math.inf), ms)
+                for key in ((provider, e.kind[0], e.kind[2]), (provider, e.kind[0], None)):
+                    self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.label)])[:2]
+                self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
         # Per kind of call, (entry, its log2 sizes in _FEATURES order): a fresh decision compares only these.
         self._by_kind: dict[tuple, list[tuple[Entry, tuple[float, ...]]]] = {}
         for e in self.entries:
@@ -113,13 +120,16 @@ class Profile:
             (sum(w * abs(a - b) for w, a, b in zip(scale, here, sizes)) + (FORMAT_MISMATCH if e.fmt != fmt else 0.0),
              i, e)
             for i, (e, sizes) in enumerate(self._by_kind.get(kind, ())) if e.label != exclude_label)
+        hosts: dict[str, float] = {}
         rates: dict[str, list[tuple[float, float]]] = {}
         for dist, _, e in near:
             for provider, ms in e.times_ms.items():
                 found = rates.setdefault(provider, [])
                 if len(found) >= K_NEIGHBOURS:
                     continue
-                host = self.host_ms[(provider, kind[0])]
+                host = hosts.get(provider)
+                if host is None:
+                    host = hosts[provider] = self._host(provider, kind, exclude_label)
                 gpu = max(ms ** COMBINE - host ** COMBINE, (0.05 * ms) ** COMBINE) ** (1.0 / COMBINE)
                 found.append((dist, math.log(e.work / gpu)))
         times = {}
@@ -127,9 +137,18 @@ class Profile:
         for provider, found in rates.items():
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
-            host = self.host_ms[(provider, kind[0])]
+            host = hosts[provider]
             times[provider] = (host ** COMBINE + (amount / rate) ** COMBINE) ** (1.0 / COMBINE)
         return Prediction(times, tuple(e.label for _, _, e in near[:K_NEIGHBOURS]))
+
+    def _host(self, provider: str, kind: tuple, exclude_label: str | None = None) -> float:
+        """The provider's host floor for this kind of call: the least time of calls of the same training mode and
+        packing, else of that training mode (leaving exclude_label's call out)."""
+        for key in ((provider, kind[0], kind[2]), (provider, kind[0], None)):
+            for ms, label in self._floors.get(key, ()):
+                if label != exclude_label:
+                    return ms
+        return 0.0
 
 
 def arch_of(platform: Platform) -> str | None:

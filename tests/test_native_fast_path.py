@@ -1,0 +1,135 @@
+"""The module's cached path for torch's providers: the native call bound to a tensor signature (bind_fast). On the
+CPU the two aten ops are stood in for by torch's CPU flash op (same autograd, same [b, h, s, d] views), wrapped
+to record what each call passed; values and gradients are checked against the float64 reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_dispatch import backends
+from attn_dispatch.backends import _torch_native
+from attn_dispatch.backends.base import Engine
+from attn_dispatch.module import DotProductAttention
+from tests.reference import reference_attention
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class Recorder:
+    """Stands in for the CUDA-only op: records each call's (query strides, compute_log_sumexp)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cudnn(self, q, k, v, bias, compute_lse, dropout_p, is_causal, debug, scale=None):
+        assert bias is None and dropout_p == 0.0 and not debug
+        self.calls.append(("cudnn", q.stride(), compute_lse))
+        out, lse = _CPU_FLASH(q, k, v, dropout_p, is_causal, scale=scale)
+        return out, (lse.unsqueeze(-1) if compute_lse else None)
+
+    def flash(self, q, k, v, dropout_p, is_causal, debug, scale=None):
+        self.calls.append(("flash", q.stride(), True))
+        return _CPU_FLASH(q, k, v, dropout_p, is_causal, scale=scale)
+
+
+@pytest.fixture(params=["cudnn", "flash"])
+def native(request, monkeypatch):
+    """A NativeOpPath engine in the unfused provider's place (the only one selection allows on the CPU)."""
+    recorder = Recorder()
+    monkeypatch.setattr(_torch_native, "_CUDNN", recorder.cudnn)
+    monkeypatch.setattr(_torch_native, "_FLASH", recorder.flash)
+    call = _torch_native.cudnn_call if request.param == "cudnn" else _torch_native.flash_call
+
+    class StandIn(_torch_native.NativeOpPath, Engine):
+        family, provider = "unfused", "pytorch"
+        native_call = staticmethod(call)
+
+        def forward(self, *args):  # the general path must not run in these tests
+            raise AssertionError("general path taken")
+
+    monkeypatch.setitem(backends._INSTANCES, "unfused:pytorch", StandIn())
+    recorder.kind = request.param
+    return recorder
+
+
+def _check(module, q, k, v, fmt, mask):
+    dout = torch.randn(*module(q, k, v).shape, dtype=q.dtype)
+    out = module(q, k, v)
+    ref_out, _ = reference_attention(q.double(), k.double(), v.double(), qkv_format=fmt, attn_mask_type=mask)
+    torch.testing.assert_close(out.double(), ref_out.flatten(-2), atol=2e-5, rtol=1e-5)
+    if q.requires_grad and torch.is_grad_enabled():
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        ref, _ = reference_attention(*leaves, qkv_format=fmt, attn_mask_type=mask)
+        expected = torch.autograd.grad(ref.flatten(-2), leaves, dout.double())
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_bound_call_matches_the_reference_with_gradients(native, fmt, mask):
+    torch.manual_seed(0)
+    b, s, h, hkv, d = 2, 24, 4, 4, 16
+    shape = (b, s) if fmt == "bshd" else (s, b)
+    q, k, v = (torch.randn(*shape, n, d).requires_grad_() for n in (h, hkv, hkv))
+    module = DotProductAttention(h, d, qkv_format=fmt, attn_mask_type=mask, backend="unfused")
+    module(q, k, v)  # plans; the next calls take the cached path
+    hit = module._fast_last[2]
+    assert hit.call is not None and module.last_decision.chosen == "unfused:pytorch"
+    before = len(native.calls)
+    _check(module, q, k, v, fmt, mask)
+    assert len(native.calls) > before and all(c[2] for c in native.calls[before:])  # lse for the backward
+
+
+def test_no_grad_then_training_keeps_a_bound_call_each_with_the_right_lse_flag(native):
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 16, 2, 8) for _ in range(3))
+    module = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal", backend="unfused")
+    with torch.no_grad():
+        module(q, k, v)
+        module(q, k, v)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    module(*leaves)
+    native.calls.clear()
+    _check(module, *leaves, "bshd", "causal")  # the lse flag comes from the leaves, not the no_grad plan
+    assert native.calls and all(flag for _, _, flag in native.calls)
+    native.calls.clear()
+    with torch.no_grad():
+        module(q, k, v)
+    if native.kind == "cudnn":
+        assert native.calls[-1][2] is False  # inference asks for no lse
+    assert len(module._fast) == 2
+
+
+def test_same_shapes_other_strides_do_not_use_a_call_bound_to_contiguous_tensors(native):
+    torch.manual_seed(2)
+    b, s, h, d = 2, 16, 2, 8
+    module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask", backend="unfused").eval()
+    q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+    with torch.no_grad():
+        module(q, k, v)
+        # q as a slice of a fused [b, s, h, 3, d] projection: same shape, other strides
+        fused = torch.randn(b, s, h, 3, d)
+        q2, k2, v2 = fused.unbind(3)
+        assert q2.shape == q.shape and q2.stride() != q.stride()
+        _check(module, q2, k2, v2, "bshd", "no_mask")
+        _check(module, q, k, v, "bshd", "no_mask")
+
+
+def test_calls_the_op_cannot_express_are_not_bound(native):
+    from attn_dispatch.backends.base import AttnAux, AttnConfig
+
+    q = torch.randn(1, 8, 2, 8)
+    k = torch.randn(1, 16, 2, 8)
+    window = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(4, 0), softmax_scale=0.3)
+    top_left = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=0.3)
+    bottom_right = AttnConfig(qkv_format="bshd", attn_mask_type="causal_bottom_right", window_size=(-1, 0),
+                              softmax_scale=0.3)
+    aux = AttnAux(max_seqlen_q=8, max_seqlen_kv=16)
+    assert _torch_native.bind(_torch_native.cudnn_call, q, k, k, aux, window) is None
+    assert _torch_native.bind(_torch_native.cudnn_call, q, k, k, aux, top_left) is None  # sq != skv
+    assert _torch_native.bind(_torch_native.flash_call, q, k, k, aux, top_left) is None
+    assert _torch_native.bind(_torch_native.flash_call, q, k, k, aux, bottom_right) is not None
+    strided = torch.randn(1, 16, 2, 16)[..., ::2]
+    assert _torch_native.bind(_torch_native.flash_call, strided, strided, strided, aux, top_left) is None
