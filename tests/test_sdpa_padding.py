@@ -80,7 +80,7 @@ def test_recognised_padding_equals_torch_sdpa_on_every_row(b, hkv, groups, sq, e
         mask = mask.expand(-1, h, -1, -1).contiguous()
     q, k, v, dout = tensors(b, h, hkv, sq, skv, 8, seed)
     decision = explain_sdpa(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
-    some_row_sees_nothing_at_all = not mask.reshape(mask.shape[0], -1, skv).any(-1).any(-1).all()
+    some_row_sees_nothing_at_all = not mask.any(-1).all()  # recognition may leave such masks to 'arbitrary'; exact anyway
     expressible = kind != "bottom_right" or side == "left" or sq >= skv
     if expressible and not some_row_sees_nothing_at_all:
         assert decision.params["attn_mask_type"] != "arbitrary", decision.notes
