@@ -11,7 +11,6 @@ import torch
 from .recipe import FP8_MAX
 
 _BLOCK = 4096
-_PROGRAMS_PER_SM = 4  # a persistent grid: one amax atomic per program, not per block (one address, contended)
 
 try:  # Triton ships with torch's CUDA builds; the CPU build has none
     import triton
@@ -22,20 +21,13 @@ except ImportError:  # pragma: no cover - depends on the torch build
 if triton is not None:
     @triton.jit
     def _quantize_kernel(x_ptr, y_ptr, scale_ptr, amax_ptr, n, fp8_max, BLOCK: tl.constexpr, TRACK: tl.constexpr):
-        scale = tl.load(scale_ptr)
-        running = tl.zeros((BLOCK,), dtype=tl.float32)
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        for base in range(start, n, step):
-            offs = base + tl.arange(0, BLOCK)
-            inside = offs < n
-            x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            y = tl.clamp(x * scale, -fp8_max, fp8_max)
-            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside)
-            if TRACK:
-                running = tl.maximum(running, tl.abs(x))
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        y = tl.clamp(x * tl.load(scale_ptr), -fp8_max, fp8_max)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside)
         if TRACK:
-            tl.atomic_max(amax_ptr, tl.max(running, axis=0))
+            tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
     def _dequantize_kernel(x_ptr, y_ptr, descale_ptr, n, BLOCK: tl.constexpr):
@@ -43,16 +35,6 @@ if triton is not None:
         inside = offs < n
         x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, (x * tl.load(descale_ptr)).to(y_ptr.dtype.element_ty), mask=inside)
-
-
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    count = _SMS.get(device)
-    if count is None:
-        count = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return count
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -78,7 +60,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax_into
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     if _fused(x) and x.numel():
         track = amax_into is not None
-        grid = (min(triton.cdiv(x.numel(), _BLOCK), _sm_count(x.device) * _PROGRAMS_PER_SM),)
+        grid = (triton.cdiv(x.numel(), _BLOCK),)
         _quantize_kernel[grid](x, y, scale, amax_into if track else scale, x.numel(), FP8_MAX[dtype],
                                BLOCK=_BLOCK, TRACK=track)
         return y
