@@ -99,6 +99,8 @@ def test_recognised_mask_runs_fused_and_matches_the_reference(name, kind, ranges
 def test_softcap_runs_on_flash_attn_4_and_matches_the_reference(causal, monkeypatch):
     from attn_dispatch import selection
 
+    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (carry both wheel bundles)")
+
     monkeypatch.setenv("ATTN_DISPATCH_BACKEND", "flash_attn_4")  # this test is about that engine's softcap
     selection.clear_cache()
     g = torch.Generator(device="cuda").manual_seed(1)
