@@ -173,7 +173,8 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     sdpa = sdpa_fn(case)
     if sdpa is not None:
         fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
-    timings, errors = time_interleaved(fns, device.type, SETTINGS, cutoff_ratio=4.0)
+    timings, errors = time_interleaved(fns, device.type, SETTINGS, cutoff_ratio=4.0,
+                                       never_cut=frozenset({"default", "measured", "sdpa"}))
     from attn_dispatch.params import AttentionParams
 
     p = AttentionParams(**params)

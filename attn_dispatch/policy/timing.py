@@ -200,11 +200,14 @@ def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[]
 
 def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
                      settings: TimerSettings = TimerSettings(), *, cutoff_ratio: float | None = None,
-                     cutoff_ms: float | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
+                     cutoff_ms: float | None = None, never_cut: frozenset = frozenset()
+                     ) -> tuple[dict[str, Timing], dict[str, Exception]]:
     """Time several functions against each other (see the module docstring): ({name: Timing}, {name: error}).
     A function that raises is left out with its exception. cutoff_ratio / cutoff_ms: a function whose estimate
     exceeds that multiple of the best estimate / that many ms is reported from its estimate (cut_short) and not
-    timed further: it cannot be the fastest, and a benchmark should not spend minutes on it."""
+    timed further: it cannot be the fastest, and a benchmark should not spend minutes on it. Names in never_cut are
+    always timed in full (what a benchmark reports as the user's time: a one-call estimate right after a JIT
+    compile or a graph build is no measurement of it)."""
     import torch
 
     errors: dict[str, Exception] = {}
@@ -217,6 +220,8 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         best = min(estimates.values(), default=0.0)
         for name in list(live):
             est = estimates[name]
+            if name in never_cut:
+                continue
             if (cutoff_ms is not None and est > cutoff_ms) or (cutoff_ratio is not None and est > cutoff_ratio * best):
                 timings[name] = Timing(est, est, 1, [est], cut_short=True)
                 live.remove(name)
