@@ -552,10 +552,17 @@ class DotProductAttention(torch.nn.Module):
                          core_attention_bias_type: str = "no_bias", core_attention_bias=None, cu_seqlens_q=None,
                          cu_seqlens_kv=None, window_size=None):
         """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
-        merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways."""
+        merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways. A call
+        with only q, k, v takes the cached path once its signature has been planned, as forward's does."""
         args = CallArgs(attention_mask=attention_mask, attn_mask_type=attn_mask_type,
                         core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, window_size=window_size)
+        only_qkv = args == QKV_ONLY
+        if only_qkv:
+            out = self._fast_unmerged(q, k, v)
+            if out is not _MISS:
+                return out
+            args = QKV_ONLY
         for attempt in (0, 1):
             plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision
@@ -563,11 +570,37 @@ class DotProductAttention(torch.nn.Module):
                 if plan.cfg.dropout_p > 0.0:
                     aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
                 try:
-                    return plan.engine(q, k, v, aux, plan.cfg)[0]
+                    out = plan.engine(q, k, v, aux, plan.cfg)[0]
                 except CudnnGraphError:  # recorded by the engine: selecting again moves on (see _dispatch)
                     if attempt:
                         raise
                     self._forget_plans()
+                    continue
+            if only_qkv and self.cp_group is None:
+                self._remember_fast(plan, aux, q, k, v)
+            return out
+
+    def _fast_unmerged(self, q, k, v):
+        """_fast_forward's lookup for _attend_unmerged: the engine's output with heads not merged, or _MISS."""
+        if self.cp_group is not None or _FP8_REGIONS[0] or not self._fast or _is_compiling():
+            return _MISS
+        try:
+            hit = self._fast.get(_fast_key(q, k, v, self.training))
+        except AttributeError:
+            return _MISS
+        if hit is None or hit.plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic:
+            return _MISS
+        plan = hit.plan
+        if self.__dict__["last_decision"] is not plan.decision:
+            self.__dict__["last_decision"] = plan.decision
+        aux = hit.aux
+        if aux is None:
+            aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
+        try:
+            return plan.engine(q, k, v, aux, plan.cfg)[0]
+        except CudnnGraphError:
+            self._forget_plans()
+            return _MISS
 
     def _run(self, plan: inputs.Plan, aux, q, k, v, checkpoint_core_attention: bool):
         engine, cfg = plan.engine, plan.cfg

@@ -31,7 +31,7 @@ from .decision import Decision
 from .inputs import _cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
 
-_MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap) -> DotProductAttention
+_MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap, mask type) -> DotProductAttention
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -132,23 +132,27 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     kwargs: dict[str, Any] = {"attn_mask_type": "causal" if is_causal else "no_mask"}
     if attn_mask is not None:
         kwargs.update(_mask_kwargs(attn_mask, b, h, sq, skv, query.device, recognize_masks))
-    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap))
+    mask_type = "no_mask"
+    if set(kwargs) == {"attn_mask_type"}:  # a plain causal / no-mask call: a module of that type, its cached path
+        mask_type = kwargs.pop("attn_mask_type")
+    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap), mask_type)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) or (
         isinstance(kwargs.get("core_attention_bias"), torch.Tensor) and kwargs["core_attention_bias"].requires_grad)
     module.train(bool(needs_grad) or dropout_p > 0)
     return module, kwargs
 
 
-def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, softcap: float):
+def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, softcap: float,
+            mask_type: str = "no_mask"):
     from .module import DotProductAttention
 
-    key = (h, hkv, d, dv, scale, dropout, softcap)
+    key = (h, hkv, d, dv, scale, dropout, softcap, mask_type)
     module = _MODULES.get(key)
     if module is None:
         if len(_MODULES) >= 64:
             _MODULES.clear()
         module = _MODULES[key] = DotProductAttention(h, (d, dv), num_gqa_groups=hkv, attention_dropout=dropout,
-                                                     qkv_format="bshd", attn_mask_type="no_mask",
+                                                     qkv_format="bshd", attn_mask_type=mask_type,
                                                      softmax_scale=scale, softcap=softcap)
     return module
 

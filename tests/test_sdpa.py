@@ -132,3 +132,32 @@ def test_a_packed_causal_row_runs_as_thd_and_matches_torch():
     broken[8, 5] = True  # a key from the previous segment: not a packed pattern any more
     assert explain_sdpa(q, k, v, attn_mask=broken, enable_gqa=True).params["attn_mask_type"] == "arbitrary"
     check(q, k, v, dout, attn_mask=broken, enable_gqa=True)
+
+
+def test_repeat_calls_take_the_cached_path_and_stay_exact(monkeypatch):
+    """A causal / no-mask call seen before skips planning (the module's cached path, heads unmerged), and still
+    equals torch's SDPA: outputs and gradients, in training and under no_grad."""
+    from attn_dispatch import module as module_mod
+    from attn_dispatch.sdpa import _MODULES
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # plans
+    calls = []
+    real = module_mod.DotProductAttention._prepare
+    monkeypatch.setattr(module_mod.DotProductAttention, "_prepare",
+                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    assert calls == [] and any(m._fast for m in _MODULES.values())
+    with torch.no_grad():
+        scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # another signature: plans once
+        torch.testing.assert_close(scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), ref)
+    assert len(calls) == 1
