@@ -144,6 +144,19 @@ def fit_extra_cases() -> list[Case]:
     return _both(shapes)
 
 
+def fit_gqa_cases() -> list[Case]:
+    """Small-batch GQA training and inference of 1B-8B LLM layers (h 16/8, 32/8, 32/4 at d 128, s 2k-8k), which the
+    fit grids covered with one or two rows: the issue-13 check found the profile picking torch's cuDNN op for a 1B
+    Llama's attention (b1 h16/8 s4096), 0.85x torch SDPA's kernel. None is in eval_cases or eval_fresh_cases."""
+    shapes = [
+        Case(b=1, s=4096, h=16, hkv=8, d=128), Case(b=2, s=4096, h=16, hkv=8, d=128),
+        Case(b=1, s=2048, h=16, hkv=8, d=128), Case(b=1, s=8192, h=16, hkv=8, d=128),
+        Case(b=1, s=4096, h=32, hkv=8, d=128), Case(b=2, s=2048, h=32, hkv=8, d=128),
+        Case(b=1, s=8192, h=32, hkv=4, d=128), Case(b=4, s=1024, h=16, hkv=8, d=128),
+    ]
+    return _both(shapes)
+
+
 def eval_fresh_cases() -> list[Case]:
     """A second held-out grid (issue 12, session 4), chosen before any of it was measured and not tuned on: model
     calls other than eval_cases' and the fit grids' (LLM with GQA, long context, encoders, small batches, head dims
@@ -183,4 +196,4 @@ def smoke_cases() -> list[Case]:
 
 
 CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-extra": fit_extra_cases,
-              "eval-fresh": eval_fresh_cases}
+              "fit-gqa": fit_gqa_cases, "eval-fresh": eval_fresh_cases}
