@@ -34,6 +34,8 @@ from attn_dispatch import DotProductAttention, fp8_autocast  # noqa: E402
 from attn_dispatch.fp8 import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from attn_dispatch.fp8 import quantize as fp8q  # noqa: E402
 from attn_dispatch.fp8.state import INDEX  # noqa: E402
+import probe_fp8 as probe  # noqa: E402 - benchmarks/gpu: the FP8 graphs built directly, and the interleaved timer
+from probe_fp8 import time_interleaved  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -145,34 +147,8 @@ def accuracy_case(name, b, h, hkv, s, d, mask, fmt, train, recipe_name, steps=3)
     return res
 
 
-def time_interleaved(fns: dict, rounds=20, inner=3, warm_s=0.3):
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    end = time.perf_counter() + warm_s
-    while time.perf_counter() < end:
-        for fn in fns.values():
-            fn()
-    samples = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        if r % 2:
-            order = order[::-1]
-        for name in order:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(inner):
-                fns[name]()
-            b.record()
-            b.synchronize()
-            samples[name].append(a.elapsed_time(b) / inner)
-    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
-
-
 def speed_case(s, causal):
     import cudnn
-    import probe_fp8 as probe
 
     dev = "cuda"
     b, h, d = max(1, 32768 // s) * 2, 16, 128
@@ -183,7 +159,8 @@ def speed_case(s, causal):
     c = probe.Case(f"s{s}", b=b, h=h, hkv=h, sq=s, d=d, causal=causal)
     _, fp8_fwd, fp8_bwd = probe.run_case(cudnn, handle, c, check=False)
     bf_fwd, bf_bwd = probe.bf16_graphs(cudnn, handle, b, h, s, d, causal)
-    kernels = time_interleaved({"fp8_fwd": fp8_fwd, "bf16_fwd": bf_fwd, "fp8_bwd": fp8_bwd, "bf16_bwd": bf_bwd})
+    kernels = time_interleaved({"fp8_fwd": fp8_fwd, "bf16_fwd": bf_fwd, "fp8_bwd": fp8_bwd, "bf16_bwd": bf_bwd},
+                               rounds=20, inner=3)
     # modules, as a user calls them
     mask = "causal" if causal else "no_mask"
     m8 = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask).to(dev)
@@ -209,7 +186,7 @@ def speed_case(s, causal):
         m16(q, k, v).backward(dout)
 
     modules = time_interleaved({"fp8_module_fwd": fwd8, "bf16_module_fwd": fwd16, "fp8_module_step": step8,
-                                "bf16_module_step": step16}, rounds=16)
+                                "bf16_module_step": step16}, rounds=16, inner=3)
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     times = {**kernels, **modules}
     row.update({f"{k}_ms": round(t, 4) for k, t in times.items()})

@@ -232,23 +232,8 @@ class GraphBuilder:
         return self.finish()
 
     def finish(self) -> Compiled:
-        g, c = self.graph, self.cudnn
-        stage = "validate"
-        try:
-            g.validate()
-            stage = "build_operation_graph"
-            g.build_operation_graph()
-            stage = "create_execution_plans"
-            g.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
-            if not self.allow_python_engines and has_python_plans(g):
-                g.deselect_engines(list(PYTHON_ENGINE_NAMES))
-            stage = "check_support"
-            g.check_support()
-            stage = "build_plans"
-            g.build_plans()
-            workspace = int(g.get_workspace_size())
-        except Exception as exc:  # noqa: BLE001 - every cuDNN failure becomes one clear error
-            raise CudnnGraphError(self.key.phase, stage, f"{type(exc).__name__}: {exc}".strip(), self.key) from exc
+        g = self.graph
+        workspace = build_graph(self.cudnn, g, self.key.phase, self.key, self.allow_python_engines)
         names = tuple(sorted(self.tensors))
         try:
             uids = tuple(int(self.tensors[n].get_uid()) for n in names)
@@ -261,6 +246,27 @@ class GraphBuilder:
         elif self.path == "dict":
             compiled.path = "dict"
         return compiled
+
+
+def build_graph(cudnn: Any, g: Any, phase: str, key: Any, allow_python_engines: bool = False) -> int:
+    """validate -> operation graph -> plans (heuristics A, then fallback) -> support check -> built plans; the
+    workspace size. Every cuDNN failure becomes one CudnnGraphError naming the stage and cuDNN's message."""
+    stage = "validate"
+    try:
+        g.validate()
+        stage = "build_operation_graph"
+        g.build_operation_graph()
+        stage = "create_execution_plans"
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        if not allow_python_engines and has_python_plans(g):
+            g.deselect_engines(list(PYTHON_ENGINE_NAMES))
+        stage = "check_support"
+        g.check_support()
+        stage = "build_plans"
+        g.build_plans()
+        return int(g.get_workspace_size())
+    except Exception as exc:  # noqa: BLE001 - every cuDNN failure becomes one clear error
+        raise CudnnGraphError(phase, stage, f"{type(exc).__name__}: {exc}".strip(), key) from exc
 
 
 def plan_name(graph: Any) -> str:

@@ -28,7 +28,7 @@ from ..fp8 import quantize as fp8q
 from ..fp8.output import Float8Output
 from ..fp8.state import BACKWARD, FORWARD, INDEX, FP8ScalingState
 from . import cudnn_fused as _cd
-from ._cudnn_graph import CudnnGraphError, contiguous_strides
+from ._cudnn_graph import CudnnGraphError, build_graph, contiguous_strides
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 
 E4M3 = torch.float8_e4m3fn
@@ -203,47 +203,33 @@ class CudnnFP8Engine(Engine):
             kw["seq_len_q"] = small("seq_len_q", [key.b, 1, 1, 1], i32)
             kw["seq_len_kv"] = small("seq_len_kv", [key.b, 1, 1, 1], i32)
         stats_dims, stats_strides = [key.b, key.h, key.sq, 1], [key.h * key.sq, key.sq, 1, 1]
-        stage = "graph"
-        try:
-            if key.phase == "fwd":
-                for name in _FWD_SCALARS:
-                    kw[name] = small(name, [1, 1, 1, 1], f32)
-                o, stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, generate_stats=True, name="sdpa_fp8", **kw)
-                output("o", o, key.sq, key.h, key.dv, e4m3)
-                stats.set_output(True).set_dim(stats_dims).set_stride(stats_strides).set_data_type(f32)
-                tensors["stats"] = stats
-                scalar_out("amax_s", amax_s)
-                scalar_out("amax_o", amax_o)
-            else:
-                o = operand("o", key.sq, key.h, key.dv, e4m3)
-                do = operand("do", key.sq, key.h, key.dv, dt[key.bwd_dtype])
-                stats = g.tensor(name="stats", dim=stats_dims, stride=stats_strides, data_type=f32)
-                tensors["stats"] = stats
-                for name in _BWD_SCALARS:
-                    kw[name] = small(name, [1, 1, 1, 1], f32)
-                dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = g.sdpa_fp8_backward(
-                    q=q, k=k, v=v, o=o, dO=do, stats=stats, use_deterministic_algorithm=key.deterministic,
-                    name="sdpa_fp8_backward", **kw)
-                out_dt = dt[key.bwd_dtype]
-                output("dq", dq, key.sq, key.h, key.dqk, out_dt)
-                output("dk", dk, key.skv, key.hkv, key.dqk, out_dt)
-                output("dv", dv, key.skv, key.hkv, key.dv, out_dt)
-                for name, t in (("amax_dq", amax_dq), ("amax_dk", amax_dk), ("amax_dv", amax_dv),
-                                ("amax_dp", amax_dp)):
-                    scalar_out(name, t)
-            stage = "validate"
-            g.validate()
-            stage = "build_operation_graph"
-            g.build_operation_graph()
-            stage = "create_execution_plans"
-            g.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
-            stage = "check_support"
-            g.check_support()
-            stage = "build_plans"
-            g.build_plans()
-            workspace = int(g.get_workspace_size())
-        except Exception as exc:  # noqa: BLE001 - every cuDNN failure becomes one clear error
-            raise CudnnGraphError("FP8 " + key.phase, stage, f"{type(exc).__name__}: {exc}".strip(), key) from exc
+        if key.phase == "fwd":
+            for name in _FWD_SCALARS:
+                kw[name] = small(name, [1, 1, 1, 1], f32)
+            o, stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, generate_stats=True, name="sdpa_fp8", **kw)
+            output("o", o, key.sq, key.h, key.dv, e4m3)
+            stats.set_output(True).set_dim(stats_dims).set_stride(stats_strides).set_data_type(f32)
+            tensors["stats"] = stats
+            scalar_out("amax_s", amax_s)
+            scalar_out("amax_o", amax_o)
+        else:
+            o = operand("o", key.sq, key.h, key.dv, e4m3)
+            do = operand("do", key.sq, key.h, key.dv, dt[key.bwd_dtype])
+            stats = g.tensor(name="stats", dim=stats_dims, stride=stats_strides, data_type=f32)
+            tensors["stats"] = stats
+            for name in _BWD_SCALARS:
+                kw[name] = small(name, [1, 1, 1, 1], f32)
+            dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = g.sdpa_fp8_backward(
+                q=q, k=k, v=v, o=o, dO=do, stats=stats, use_deterministic_algorithm=key.deterministic,
+                name="sdpa_fp8_backward", **kw)
+            out_dt = dt[key.bwd_dtype]
+            output("dq", dq, key.sq, key.h, key.dqk, out_dt)
+            output("dk", dk, key.skv, key.hkv, key.dqk, out_dt)
+            output("dv", dv, key.skv, key.hkv, key.dv, out_dt)
+            for name, t in (("amax_dq", amax_dq), ("amax_dk", amax_dk), ("amax_dv", amax_dv),
+                            ("amax_dp", amax_dp)):
+                scalar_out(name, t)
+        workspace = build_graph(c, g, "FP8 " + key.phase, key)
         return _Built(g, tensors, workspace)
 
     def _run(self, built: _Built, buffers: dict[str, torch.Tensor], device: int) -> None:

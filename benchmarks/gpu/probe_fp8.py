@@ -335,12 +335,13 @@ def bf16_graphs(cudnn, handle, b, h, s, d, causal):
     return (lambda: F.execute(packf, wsf, handle=handle)), (lambda: B.execute(packb, wsb, handle=handle))
 
 
-def time_interleaved(fns: dict, rounds: int = 30, inner: int = 5):
-    """Median ms per call of each fn, alternating call by call (CUDA events)."""
+def time_interleaved(fns: dict, rounds: int = 30, inner: int = 5, warm_s: float = 0.3):
+    """Median ms per call of each fn, alternating call by call (CUDA events); the order rotates each round and
+    reverses every other one, so no fn always follows the same one."""
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
-    warm_end = time.perf_counter() + 0.3
+    warm_end = time.perf_counter() + warm_s
     while time.perf_counter() < warm_end:
         for fn in fns.values():
             fn()
@@ -348,6 +349,8 @@ def time_interleaved(fns: dict, rounds: int = 30, inner: int = 5):
     names = list(fns)
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
+        if r % 2:
+            order = order[::-1]
         for name in order:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
