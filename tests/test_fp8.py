@@ -409,3 +409,47 @@ def test_fp8_with_a_kv_cache_is_refused():
     q, k, v = (x.detach()[:, :4] for x in _inputs())
     with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)), pytest.raises(ValueError, match="KV cache"):
         m(q, k, v, inference_params=ip)
+
+
+# --------------------------------------------------------------------------------------------
+# amax reduction over a group (fp8_autocast(fp8_group=...)), 2 gloo ranks
+# --------------------------------------------------------------------------------------------
+def _amax_worker(rank: int, port: int, out_path: str) -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        group = dist.new_group([0, 1])
+        result = {}
+        for reduce in (True, False):
+            st = FP8ScalingState(DelayedScaling(amax_history_len=2, fp8_dpa=True, reduce_amax=reduce))
+            _record(st, FORWARD, [2.0 + 6 * rank, 1.0, 1.0, 1.0, 4.0 - 2 * rank])  # rank 0: q 2, o 4; rank 1: 8, 2
+            st.update(FORWARD, group)
+            result[str(reduce)] = [float(st.scale_of("q")), float(st.scale_of("o"))]
+        everyone = [None, None]
+        dist.all_gather_object(everyone, result)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(everyone, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amax_reduction_over_a_group_keeps_ranks_in_step(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "amax.json"
+    mp.start_processes(_amax_worker, args=(port, str(out)), nprocs=2, join=True, start_method="spawn")
+    ranks = json.loads(out.read_text())
+    assert ranks[0]["True"] == ranks[1]["True"] == [448.0 / 8.0, 448.0 / 4.0]  # the max over both ranks
+    assert ranks[0]["False"] == [448.0 / 2.0, 448.0 / 4.0] and ranks[1]["False"] == [448.0 / 8.0, 448.0 / 2.0]
