@@ -78,9 +78,6 @@ class DelayedScaling:
 
     kind = "delayed"
 
-    def history_len(self, kernel_output: bool) -> int:  # noqa: ARG002 - same for every tensor
-        return self.amax_history_len
-
 
 @dataclass(frozen=True)
 class Float8CurrentScaling:
@@ -102,11 +99,9 @@ class Float8CurrentScaling:
 
     kind = "current"
     margin = 0
+    amax_history_len = 1  # the kernel-written tensors' scales come from the previous call's amax
     amax_compute_algo = "most_recent"
     reduce_amax = True
-
-    def history_len(self, kernel_output: bool) -> int:  # noqa: ARG002 - one step of history
-        return 1
 
 
 Recipe = Union[DelayedScaling, Float8CurrentScaling]

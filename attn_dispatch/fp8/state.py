@@ -33,8 +33,7 @@ class FP8ScalingState:
 
     def __init__(self, recipe: Recipe, device: torch.device | str = "cpu"):
         self.recipe = recipe
-        length = recipe.history_len(kernel_output=True)
-        self.amax_history = torch.zeros(length, len(SLOTS), dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(recipe.amax_history_len, len(SLOTS), dtype=torch.float32, device=device)
         self.scale = torch.ones(len(SLOTS), dtype=torch.float32, device=device)
         fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
         self.dtypes = {name: fwd if name in FORWARD else bwd for name in SLOTS}
@@ -44,7 +43,7 @@ class FP8ScalingState:
     # --- the recipe a module is called under may change -------------------------------------------------
     def matches(self, recipe: Recipe) -> bool:
         return (type(recipe) is type(self.recipe) and recipe.fp8_format is self.recipe.fp8_format
-                and recipe.history_len(True) == self.amax_history.shape[0])
+                and recipe.amax_history_len == self.amax_history.shape[0])
 
     def adopt(self, recipe: Recipe) -> "FP8ScalingState":
         """This state under another recipe: scales kept, history cut or zero-padded to its length."""
