@@ -240,9 +240,10 @@ class DotProductAttention(torch.nn.Module):
         # Looked up per call: torch.fx patches nn.Module.__call__ while tracing, which makes this module a leaf.
         return torch.nn.Module.__call__(self, query_layer, key_layer, value_layer, *args, **kwargs)
 
-    def _fast_forward(self, query_layer, key_layer, value_layer):
+    def _fast_forward(self, query_layer, key_layer, value_layer, merged: bool = True):
         """The cached path for a call passing only q, k, v: _MISS unless this signature was validated before
-        (dynamo never traces it: both callers check first)."""
+        (dynamo never traces it: every caller checks first). merged=False (the SDPA function's path) returns the
+        engine's output with heads not merged, and _MISS where cuDNN refuses the cached graph."""
         if self.cp_group is not None or _FP8_REGIONS[0]:  # an FP8 region open somewhere: plan under it
             return _MISS
         guard, training, hit = self._fast_last
@@ -263,15 +264,20 @@ class DotProductAttention(torch.nn.Module):
         plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
-        if hit.call is not None:  # the engine's call specialised to these tensors (never a max logit or cuDNN graph)
+        if hit.call is not None and merged:  # the engine's call bound to these tensors (no max logit, no cuDNN graph)
             return hit.call(query_layer, key_layer, value_layer)
         aux = hit.aux
         if aux is None:  # a sink offset: read per call, since .to() replaces buffers
             aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
         try:
-            out, _, max_logit = plan.engine(query_layer, key_layer, value_layer, aux, plan.cfg, flatten_heads=True)
+            out, _, max_logit = plan.engine(query_layer, key_layer, value_layer, aux, plan.cfg, flatten_heads=merged)
         except CudnnGraphError:
+            if not merged:
+                self._forget_plans()
+                return _MISS
             return self._refused(query_layer, key_layer, value_layer)
+        if not merged:
+            return out
         return (out, max_logit) if self.return_max_logit else out
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
@@ -559,9 +565,10 @@ class DotProductAttention(torch.nn.Module):
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, window_size=window_size)
         only_qkv = args == QKV_ONLY
         if only_qkv:
-            out = self._fast_unmerged(q, k, v)
-            if out is not _MISS:
-                return out
+            if self._fast and not _is_compiling():
+                out = self._fast_forward(q, k, v, merged=False)
+                if out is not _MISS:
+                    return out
             args = QKV_ONLY
         for attempt in (0, 1):
             plan, aux = self._prepare(q, k, v, args)
@@ -579,28 +586,6 @@ class DotProductAttention(torch.nn.Module):
             if only_qkv and self.cp_group is None:
                 self._remember_fast(plan, aux, q, k, v)
             return out
-
-    def _fast_unmerged(self, q, k, v):
-        """_fast_forward's lookup for _attend_unmerged: the engine's output with heads not merged, or _MISS."""
-        if self.cp_group is not None or _FP8_REGIONS[0] or not self._fast or _is_compiling():
-            return _MISS
-        try:
-            hit = self._fast.get(_fast_key(q, k, v, self.training))
-        except AttributeError:
-            return _MISS
-        if hit is None or hit.plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic:
-            return _MISS
-        plan = hit.plan
-        if self.__dict__["last_decision"] is not plan.decision:
-            self.__dict__["last_decision"] = plan.decision
-        aux = hit.aux
-        if aux is None:
-            aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
-        try:
-            return plan.engine(q, k, v, aux, plan.cfg)[0]
-        except CudnnGraphError:
-            self._forget_plans()
-            return _MISS
 
     def _run(self, plan: inputs.Plan, aux, q, k, v, checkpoint_core_attention: bool):
         engine, cfg = plan.engine, plan.cfg
