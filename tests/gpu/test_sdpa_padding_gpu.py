@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from attn_dispatch import explain_sdpa, scaled_dot_product_attention
 
 from gpu_common import TOL, rel_err
+from test_sdpa_padding import padding_mask as cpu_padding_mask
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -18,20 +19,8 @@ if not torch.cuda.is_available():
 
 
 def padding_mask(kind: str, ranges, sq: int, skv: int, window: int | None = None) -> torch.Tensor:
-    """[b, 1, sq, skv] bool (True = take part): keys [start, end) of each batch element, cut by the diagonal and,
-    with a window, to `window` keys before it."""
-    j = torch.arange(skv, device="cuda").view(1, skv)
-    i = torch.arange(sq, device="cuda").view(sq, 1)
-    rows = []
-    for start, end in ranges:
-        keep = (j >= start) & (j < end)
-        diagonal = {"top_left": i, "bottom_right": i + skv - sq}.get(kind)
-        if diagonal is not None:
-            keep = keep & (j <= diagonal)
-            if window is not None:
-                keep = keep & (j >= diagonal - window)
-        rows.append(keep.expand(sq, skv))
-    return torch.stack(rows)[:, None]
+    """The CPU tests' padding pattern (tests/test_sdpa_padding.py), on the GPU."""
+    return cpu_padding_mask(kind, ranges, sq, skv, window).cuda()
 
 
 def reference(q, k, v, mask=None, softcap=0.0, causal=False):
