@@ -190,10 +190,76 @@ def eval_fresh_cases() -> list[Case]:
     return _both(shapes)
 
 
+def eval_blind_cases(seed: int = 20261124) -> list[Case]:
+    """A third held-out grid (issue 12, session 5), drawn at random from model-shaped families with a fixed seed and
+    committed before any of it was measured or any model change was made with it in view: LLM layers with GQA, long
+    context, encoders, small batches, head dims 64/80/96/128/192/256, windows, thd and sbhd, lengths on and off the
+    128 grid. 24 distinct shapes, fwd and fwd+bwd each."""
+    import random
+
+    rng = random.Random(seed)
+    pick = rng.choice
+
+    def batch(s: int, tokens: tuple[int, ...]) -> int:
+        return max(1, min(64, pick(tokens) // s))
+
+    def llm(i: int) -> Case:
+        h = pick((16, 24, 32, 40, 64))
+        s = pick((1000, 1536, 2048, 3000, 4096, 6144, 8192, 12288))
+        return Case(b=batch(s, (4096, 8192, 16384)), s=s, h=h, hkv=pick([g for g in (1, 2, 4, 8) if h % g == 0]),
+                    d=128, fmt="sbhd" if i % 3 == 2 else "bshd", name=f"llm{i}")
+
+    def long(i: int) -> Case:
+        h = pick((8, 16, 32))
+        return Case(b=1, s=pick((16384, 20480, 24576, 32768)), h=h, hkv=max(1, h // pick((4, 8))), d=128,
+                    name=f"long{i}")
+
+    def encoder(i: int) -> Case:
+        s = pick((128, 197, 256, 384, 500, 512, 1024, 2048))
+        return Case(b=batch(s, (4096, 16384, 32768)), s=s, h=pick((8, 12, 16, 20)), d=pick((64, 80, 96, 128)),
+                    mask="no_mask", name=f"enc{i}")
+
+    def small(i: int) -> Case:
+        return Case(b=pick((1, 2, 4, 8)), s=pick((64, 100, 128, 256, 512)), h=pick((8, 16, 32)), d=pick((64, 128)),
+                    mask=pick(("causal", "no_mask")), name=f"small{i}")
+
+    def windowed(i: int) -> Case:
+        s, w = pick((2048, 3000, 4096, 8192)), pick((128, 512, 1024, 2048))
+        causal = i != 1
+        return Case(b=batch(s, (8192, 16384)), s=s, h=pick((8, 16)), hkv=pick((4, 8)), d=pick((64, 128, 256)),
+                    mask="causal" if causal else "no_mask", window=(w, 0) if causal else (w, w), name=f"win{i}")
+
+    def packed(i: int) -> Case:
+        d = pick((64, 128))
+        s = pick((1024, 2048, 4096, 8192))
+        return Case(b=batch(s, (8192, 16384, 32768)), s=s, h=pick((12, 16, 32)), hkv=pick((4, 8)) if d == 128 else 0,
+                    d=d, mask=pick(("padding", "padding_causal")), fmt="thd", name=f"packed{i}")
+
+    def mla(i: int) -> Case:
+        return Case(b=pick((1, 2)), s=pick((2048, 4096, 8192)), h=pick((16, 32)), d=192, dv=128, name=f"mla{i}")
+
+    def d256(i: int) -> Case:
+        return Case(b=pick((2, 4)), s=pick((2048, 3000, 4096)), h=pick((8, 16)), hkv=pick((4, 8)), d=256,
+                    name=f"d256-{i}")
+
+    shapes: list[Case] = []
+    seen: set[tuple] = set()
+    for family, count in ((llm, 6), (long, 3), (encoder, 4), (small, 3), (windowed, 3), (packed, 3), (mla, 1),
+                          (d256, 1)):
+        for i in range(count):
+            case = family(i)
+            while (case.b, case.s, case.h, case.hkv, case.d, case.mask, case.window, case.fmt) in seen:
+                case = family(i)  # a repeat of an earlier draw: draw again
+            seen.add((case.b, case.s, case.h, case.hkv, case.d, case.mask, case.window, case.fmt))
+            shapes.append(case)
+    return _both(shapes)
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
 
 
 CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-extra": fit_extra_cases,
-              "fit-gqa": fit_gqa_cases, "eval-fresh": eval_fresh_cases}
+              "fit-gqa": fit_gqa_cases, "eval-fresh": eval_fresh_cases,
+              "eval-blind": eval_blind_cases}

@@ -1,0 +1,21 @@
+"""The benchmark grids: the blind held-out grid is fixed by its seed, distinct, and shares no call with the grids
+the profile is fitted on or was checked against before."""
+from dataclasses import replace
+
+from attn_dispatch.benchmarking.cases import CASE_GRIDS, eval_blind_cases
+
+
+def _shape(case):
+    return replace(case, name="")
+
+
+def test_blind_grid_is_fixed_distinct_and_disjoint_from_other_grids():
+    blind = eval_blind_cases()
+    assert [c.label for c in blind] == [c.label for c in eval_blind_cases()]  # same seed, same draw
+    assert len(blind) == 48 and len({_shape(c) for c in blind}) == 48
+    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind" for c in grid()}
+    assert not others & {_shape(c) for c in blind}
+    assert {c.fmt for c in blind} >= {"bshd", "sbhd", "thd"}
+    assert {c.d for c in blind} >= {64, 80, 96, 128, 192, 256}
+    assert any(c.window for c in blind) and any(c.hkv != c.h for c in blind)
+    assert sum(c.train for c in blind) == 24
