@@ -242,15 +242,20 @@ def eval_blind_cases(seed: int = 20261124) -> list[Case]:
         return Case(b=pick((2, 4)), s=pick((2048, 3000, 4096)), h=pick((8, 16)), hkv=pick((4, 8)), d=256,
                     name=f"d256-{i}")
 
+    def key(c: Case) -> tuple:
+        return (c.b, c.s, c.skv, c.h, c.hkv, c.d, c.dv, c.mask, c.window, c.fmt)
+
     shapes: list[Case] = []
-    seen: set[tuple] = set()
+    # shapes of the other grids (fit and held-out) count as drawn: the blind grid shares no call with them
+    seen = {key(c) for grid in (fit_cases, eval_cases, fit_extra_cases, fit_gqa_cases, eval_fresh_cases)
+            for c in grid()}
     for family, count in ((llm, 6), (long, 3), (encoder, 4), (small, 3), (windowed, 3), (packed, 3), (mla, 1),
                           (d256, 1)):
         for i in range(count):
             case = family(i)
-            while (case.b, case.s, case.h, case.hkv, case.d, case.mask, case.window, case.fmt) in seen:
-                case = family(i)  # a repeat of an earlier draw: draw again
-            seen.add((case.b, case.s, case.h, case.hkv, case.d, case.mask, case.window, case.fmt))
+            while key(case) in seen:
+                case = family(i)  # a repeat of an earlier draw or of another grid's shape: draw again
+            seen.add(key(case))
             shapes.append(case)
     return _both(shapes)
 
