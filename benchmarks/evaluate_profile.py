@@ -1,11 +1,18 @@
-"""Offline check of the shipped profile's predictions against measured rows (no GPU needed).
+"""Offline check of the profile's predictions against measured rows (no GPU needed).
 
 For each row of a bench_user_step.py result: the provider the profile predicts fastest among those the row timed
-(optionally only torch's own providers, as on a stock `pip install torch`), and time(pick) / time(fastest).
---loo: leave-one-out on the profile's own fit rows (each row predicted without itself, its neighbours and host
-floors both). --timed: the run's own default (and measured) columns, timed on the GPU.
+(optionally only torch's own providers, as on a stock `pip install torch`), and time(pick) / time(fastest). The
+prediction is made for the row's machine (its run's device name), as the platform would on that machine.
 
-    python3 benchmarks/evaluate_profile.py benchmarks/results/profile/eval_h100.json
+    python3 benchmarks/evaluate_profile.py FILE...            # against the shipped profile
+    python3 benchmarks/evaluate_profile.py --timed FILE...    # also the run's own timed default/measured columns
+    python3 benchmarks/evaluate_profile.py --protocols FILE... # the model-selection protocols over these files:
+
+--protocols: the files are pooled (every run of a call on a machine combined, as build_profile.py does), then
+- leave-one-out: each pooled entry predicted with every entry of its shape (on any machine) left out of the
+  neighbours and the host floors;
+- leave-one-grid-out: for each grid (the runs' `grid`), a profile built from the other grids' runs predicts that
+  grid's pooled entries; and the files named by --holdout each predicted by a profile without their grid.
 """
 from __future__ import annotations
 
@@ -17,35 +24,86 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.params import AttentionParams  # noqa: E402
-from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
+from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, build,  # noqa: E402
+                                          combine_runs, group_runs)
+from build_profile import load_runs  # noqa: E402
 
 TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
+HOLDOUT = ("fresh_h100_rerun.json", "eval_h100_final.json", "eval_h200.json")
 
 
-def evaluate(rows: list[dict], profile: Profile, *, loo: bool, stock: bool) -> list[dict]:
+def score(profile: Profile, label: str, params: dict, all_times: dict[str, float], machine: str, *, leave_out: bool,
+          stock: bool, sdpa: float | None = None) -> dict | None:
+    times = {n: t for n, t in all_times.items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
+    if not times:
+        return None
+    pred = profile.predict(AttentionParams(**params), machine=machine, leave_out=leave_out)
+    candidates = sorted(times, key=times.get)
+    pick = pred.best(list(times)) or candidates[0]
+    return {"label": label, "machine": machine, "pick": pick, "fastest": candidates[0],
+            "ratio": times[pick] / times[candidates[0]], "vs_sdpa": times[pick] / sdpa if sdpa else None}
+
+
+def evaluate(rows: list[dict], profile: Profile, machine: str, *, stock: bool, leave_out: bool = False) -> list[dict]:
+    found = (score(profile, r["label"], r["params"], r["times_ms"], machine, leave_out=leave_out, stock=stock,
+                   sdpa=r["times_ms"].get("sdpa")) for r in rows)
+    return [r for r in found if r]
+
+
+def pooled(profile_runs: list[dict], target_runs: list[dict], model: CostModel, *, leave_out: bool,
+           stock: bool) -> list[dict]:
+    """Each pooled (machine, call) entry of target_runs predicted by a profile of profile_runs."""
+    profile = Profile(build(profile_runs, arch="sm90", stack={}, date=""), model=model)
     out = []
-    for row in rows:
-        times = {n: t for n, t in row["times_ms"].items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
-        if not times:
-            continue
-        pred = profile.predict(AttentionParams(**row["params"]), exclude_label=row["label"] if loo else None)
-        candidates = sorted(times, key=times.get)
-        pick = pred.best(list(times)) or candidates[0]
-        best = times[candidates[0]]
-        sdpa = row["times_ms"].get("sdpa")
-        out.append({"label": row["label"], "pick": pick, "fastest": candidates[0], "ratio": times[pick] / best,
-                    "vs_sdpa": times[pick] / sdpa if sdpa else None})
+    for (machine, _), (label, params, times) in group_runs(target_runs).items():
+        found = score(profile, label, params, combine_runs(times), machine, leave_out=leave_out, stock=stock)
+        if found:
+            out.append(found)
     return out
 
 
-def summarize(name: str, results: list[dict]) -> None:
+def stats(results: list[dict]) -> str:
     ratios = [r["ratio"] for r in results]
+    if not ratios:
+        return "no rows"
     worst = max(results, key=lambda r: r["ratio"])
+    return (f"{len(ratios)} rows, mean {statistics.mean(ratios):.4f}, worst {worst['ratio']:.3f} ({worst['label']}"
+            f"{', ' + worst['machine'].split()[1] if ' ' in worst['machine'] else ''}: {worst['pick']} vs "
+            f"{worst['fastest']}), over 1.05: {sum(r > 1.05 for r in ratios)}")
+
+
+def protocols(paths: list[str], model: CostModel = COST_MODEL, *, verbose: bool = False,
+              holdout: tuple[str, ...] = HOLDOUT) -> dict[str, list[dict]]:
+    runs, _ = load_runs(paths)
+    report: dict[str, list[dict]] = {}
+    for stock in (False, True):
+        tag = " torch-only" if stock else ""
+        report["leave-one-out" + tag] = pooled(runs, runs, model, leave_out=True, stock=stock)
+        for grid in sorted({r["grid"] for r in runs}):
+            report[f"without {grid}{tag}"] = pooled([r for r in runs if r["grid"] != grid],
+                                                    [r for r in runs if r["grid"] == grid], model,
+                                                    leave_out=False, stock=stock)
+        for name in holdout:
+            target = [r for r in runs if Path(r["path"]).name == name]
+            if not target:
+                continue
+            profile = Profile(build([r for r in runs if r["grid"] != target[0]["grid"]], arch="sm90", stack={},
+                                    date=""), model=model)
+            report[f"{name} without its grid{tag}"] = evaluate(target[0]["rows"], profile, target[0]["machine"],
+                                                               stock=stock)
+    for name, results in report.items():
+        print(f"{name:44s} {stats(results)}")
+        if verbose:
+            for r in sorted(results, key=lambda r: -r["ratio"]):
+                if r["ratio"] > 1.03:
+                    print(f"     {r['ratio']:.3f} {r['label']:55s} {r['machine'][:12]:12s} {r['pick']} vs "
+                          f"{r['fastest']}")
+    return report
+
+
+def summarize(name: str, results: list[dict]) -> None:
     sd = [r["vs_sdpa"] for r in results if r["vs_sdpa"]]
-    print(f"{name}: {len(ratios)} rows, mean {statistics.mean(ratios):.3f}, worst {worst['ratio']:.3f} "
-          f"({worst['label']}: picked {worst['pick']}, fastest {worst['fastest']}), "
-          f"{sum(r > 1.03 for r in ratios)} over 1.03"
-          + (f"; vs SDPA worst {max(sd):.3f} mean {statistics.mean(sd):.3f}" if sd else ""))
+    print(f"{name}: {stats(results)}" + (f"; vs SDPA worst {max(sd):.3f} mean {statistics.mean(sd):.3f}" if sd else ""))
 
 
 def timed(path: str) -> None:
@@ -53,7 +111,7 @@ def timed(path: str) -> None:
     measured policy's time over the fastest provider forced, over SDPA, and default / its own pick forced (the
     same engine in two modules: the timer's noise on that row)."""
     rows = json.loads(Path(path).read_text())["rows"]
-    stats: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [], "default/sdpa": [],
+    found: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [], "default/sdpa": [],
                                                  "default/pick forced": []}
     for row in rows:
         t = row["times_ms"]
@@ -61,15 +119,15 @@ def timed(path: str) -> None:
         if not forced or "default" not in t:
             continue
         best = min(forced.values())
-        stats["default/fastest"].append((t["default"] / best, row["label"]))
+        found["default/fastest"].append((t["default"] / best, row["label"]))
         if "measured" in t:
-            stats["measured/fastest"].append((t["measured"] / best, row["label"]))
+            found["measured/fastest"].append((t["measured"] / best, row["label"]))
         if "sdpa" in t:
-            stats["default/sdpa"].append((t["default"] / t["sdpa"], row["label"]))
+            found["default/sdpa"].append((t["default"] / t["sdpa"], row["label"]))
         if row.get("default_pick") in forced:
-            stats["default/pick forced"].append((t["default"] / forced[row["default_pick"]], row["label"]))
+            found["default/pick forced"].append((t["default"] / forced[row["default_pick"]], row["label"]))
     print(f"{Path(path).name} (timed, {len(rows)} rows):")
-    for name, values in stats.items():
+    for name, values in found.items():
         if values:
             worst = max(values)
             print(f"  {name:20s} mean {statistics.mean(v for v, _ in values):.3f}  worst {worst[0]:.3f} ({worst[1]})  "
@@ -80,17 +138,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+")
     ap.add_argument("--profile", default=str(PROFILE_DIR / "sm90.json"))
-    ap.add_argument("--loo", action="store_true")
+    ap.add_argument("--protocols", action="store_true", help="leave-one-out and leave-one-grid-out over the files")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--timed", action="store_true", help="also summarise the run's own timed default/measured columns")
     args = ap.parse_args()
+    if args.protocols:
+        protocols(args.results, verbose=args.verbose)
+        return 0
     profile = Profile(json.loads(Path(args.profile).read_text()))
     for path in args.results:
         if args.timed:
             timed(path)
-        rows = json.loads(Path(path).read_text())["rows"]
+        data = json.loads(Path(path).read_text())
         for stock in (False, True):
-            res = evaluate(rows, profile, loo=args.loo, stock=stock)
+            res = evaluate(data["rows"], profile, data["environment"]["device"], stock=stock)
             summarize(f"{Path(path).name} {'torch providers only' if stock else 'all providers'}", res)
             if args.verbose:
                 for r in res:

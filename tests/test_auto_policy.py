@@ -21,11 +21,13 @@ NO_ENV = EnvFlags.from_environ({})
 PACKAGE = Path(selection.__file__).parent
 
 
-def synthetic_profile(tmp_path: Path, rows: list[tuple[dict, dict]], arch: str = "sm90") -> Path:
-    """A profile from (params keywords, {provider: ms}) rows, as build() writes it."""
-    data = build([{"label": f"row{i}", "params": AttentionParams(**kw).to_dict(), "times_ms": t}
-                  for i, (kw, t) in enumerate(rows)], arch=arch, machines=["test GPU"], stack={"torch": "2.11.0"},
-                 date="2026-11-23")
+def synthetic_profile(tmp_path: Path, rows: list[tuple[dict, dict]], arch: str = "sm90",
+                      machine: str = "test GPU", more_runs: list[dict] = ()) -> Path:
+    """A profile from (params keywords, {provider: ms}) rows of one run on `machine` (and more runs), as build()
+    writes it."""
+    run = {"machine": machine, "rows": [{"label": f"row{i}", "params": AttentionParams(**kw).to_dict(), "times_ms": t}
+                                        for i, (kw, t) in enumerate(rows)]}
+    data = build([run, *more_runs], arch=arch, stack={"torch": "2.11.0"}, date="2026-11-23")
     (tmp_path / f"{arch}.json").write_text(json.dumps(data))
     return tmp_path
 
@@ -82,8 +84,8 @@ def test_packed_calls_have_their_own_host_floor_and_leave_one_out_leaves_the_flo
     assert small_dense.times_ms["x:a"] < 0.1 and small_dense.best(["x:a", "x:b"]) == "x:a"
     # leave-one-out leaves a call out of the floor too: without row0 (0.05 ms) x:a's dense floor is row1's 0.1 ms
     assert profile._host("x:a", (False, "causal", False)) == 0.05
-    assert profile._host("x:a", (False, "causal", False), exclude_label="row0") == 0.1
-    assert profile.predict(AttentionParams(**dense), exclude_label="row0").times_ms["x:a"] >= 0.1
+    assert profile.predict(AttentionParams(**dense)).times_ms["x:a"] < 0.06
+    assert profile.predict(AttentionParams(**dense), leave_out=True).times_ms["x:a"] >= 0.1
 
 
 def test_auto_picks_the_predicted_fastest_and_explains_why(tmp_path):
@@ -199,3 +201,93 @@ def test_attended_pairs_closed_form_matches_counting_rows():
             continue
         assert attended_pairs(p) == by_rows(p), p.describe()
         checked += 1
+
+
+# --- machines of one architecture, and profiles built from several runs ------------------------------------------
+
+H200 = Platform.parse("h200-cudnn9")
+
+
+def two_machine_rows(lengths):
+    """Causal training calls on which 'x:a' is 1.5x faster on the H100 and 'x:b' 1.5x faster on the H200."""
+    h100 = [(dict(max_seqlen_q=s, attn_mask_type="causal"), {"x:a": s / 1000, "x:b": 1.5 * s / 1000})
+            for s in lengths]
+    h200 = {"machine": H200.device_name,
+            "rows": [{"label": f"h200 row{i}", "params": AttentionParams(**kw).to_dict(),
+                      "times_ms": {"x:a": 0.9 * t["x:b"], "x:b": 0.6 * t["x:a"]}} for i, (kw, t) in enumerate(h100)]}
+    return h100, h200
+
+
+def test_a_machine_with_enough_entries_of_a_kind_is_predicted_from_its_own(tmp_path):
+    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(10)])
+    directory = synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
+    profile = Profile(json.loads((directory / "sm90.json").read_text()))
+    assert profile.model.min_own <= 10 and sorted(profile.machines) == [H100.device_name, H200.device_name]
+    p = AttentionParams(max_seqlen_q=3000, attn_mask_type="causal")
+    on_h100, on_h200 = profile.predict(p, machine=H100.device_name), profile.predict(p, machine=H200.device_name)
+    assert on_h100.machine == H100.device_name and on_h100.best(["x:a", "x:b"]) == "x:a"
+    assert on_h200.machine == H200.device_name and on_h200.best(["x:a", "x:b"]) == "x:b"
+    policy = AutoPolicy(directory=directory)
+    choice = policy.choose(p, H200, ["x:a", "x:b"])
+    assert choice.chosen == "x:b" and f"this machine's ({H200.device_name}) 10 measured calls" in choice.reason
+    assert policy.choose(p, H100, ["x:a", "x:b"]).chosen == "x:a"
+
+
+def test_a_machine_with_few_entries_of_a_kind_is_predicted_from_every_machine(tmp_path):
+    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(10)])
+    h200["rows"] = h200["rows"][:2]  # the H200 measured 2 calls of this kind: too few to stand alone
+    directory = synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
+    policy = AutoPolicy(directory=directory)
+    near_h100_only = AttentionParams(max_seqlen_q=4800, attn_mask_type="causal")
+    choice = policy.choose(near_h100_only, H200, ["x:a", "x:b"])
+    assert choice.chosen == "x:a"  # the H100's neighbours decide
+    assert "using every sm90 machine's measured calls (NVIDIA H200 has 2 of this kind" in choice.reason
+    assert f"({H100.device_name})" in choice.reason  # each neighbour names its machine
+    # a neighbour measured on the H200 itself wins a tie of distance
+    on_its_own_row = AttentionParams(max_seqlen_q=512, attn_mask_type="causal")
+    assert Profile(json.loads((directory / "sm90.json").read_text())).predict(
+        on_its_own_row, machine=H200.device_name).neighbours[0].startswith("h200 row0")
+    # a machine the profile has never seen (same architecture) uses every machine's entries
+    other = Platform.parse("h100-cudnn9,name=NVIDIA H100 PCIe")
+    assert "NVIDIA H100 PCIe has 0 of this kind" in policy.choose(near_h100_only, other, ["x:a", "x:b"]).reason
+
+
+def test_leaving_a_call_out_leaves_it_out_on_every_machine(tmp_path):
+    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(10)])
+    profile = Profile(json.loads((synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
+                                  / "sm90.json").read_text()))
+    p = AttentionParams(max_seqlen_q=2048, attn_mask_type="causal")
+    assert profile.predict(p, machine=H200.device_name).neighbours[0] == "h200 row3"
+    kept = profile.predict(p, machine=H200.device_name, leave_out=True).neighbours[0]
+    assert kept != "h200 row3" and kept.startswith("h200 row")
+    # 9 H200 entries of the kind remain (>= min_own): still its own; the count leaves the call out too
+    assert profile.predict(p, machine=H200.device_name, leave_out=True).machine == H200.device_name
+
+
+def test_a_profile_built_from_several_runs_combines_them_per_call_and_machine():
+    call = AttentionParams(max_seqlen_q=1024, attn_mask_type="causal").to_dict()
+    other = AttentionParams(max_seqlen_q=2048, attn_mask_type="causal").to_dict()
+    row = lambda label, params, times: {"label": label, "params": params, "times_ms": times}  # noqa: E731
+    runs = [
+        {"machine": "GPU A", "rows": [row("first", call, {"x:a": 1.0, "x:b": 2.0, "x:c": 4.0, "sdpa": 0.1}),
+                                      row("other", other, {"x:a": 3.0})]},
+        # a run whose clock ran 10% slow: scaled onto the first by the median ratio of the providers both timed
+        {"machine": "GPU A", "rows": [row("second", call, {"x:a": 1.1, "x:b": 2.42, "x:c": 4.4})]},
+        # a stock run (only some providers), also 10% slow, with a time the full runs lack
+        {"machine": "GPU A", "rows": [row("stock", call, {"x:a": 1.1, "x:d": 5.5})]},
+        {"machine": "GPU B", "rows": [row("first", call, {"x:a": 0.5, "x:b": 0.7})]},
+    ]
+    data = build(runs, arch="sm90", stack={}, date="2026-11-25")
+    assert data["machines"] == ["GPU A", "GPU B"]
+    entries = {(data["machines"][e["machine"]], e["label"]): e for e in data["entries"]}
+    assert set(entries) == {("GPU A", "first"), ("GPU A", "other"), ("GPU B", "first")}
+    combined = entries[("GPU A", "first")]
+    assert combined["runs"] == 3 and "sdpa" not in combined["times_ms"]
+    assert math.isclose(combined["times_ms"]["x:a"], 1.0, rel_tol=1e-6)
+    assert math.isclose(combined["times_ms"]["x:b"], 2.1, rel_tol=1e-4)  # median of 2.0 and 2.42 / 1.1
+    assert math.isclose(combined["times_ms"]["x:d"], 5.0, rel_tol=1e-4)  # 5.5 scaled by 1.0 / 1.1
+    assert entries[("GPU B", "first")]["times_ms"] == {"x:a": 0.5, "x:b": 0.7}
+    profile = Profile(data)
+    assert {e.machine for e in profile.entries} == {"GPU A", "GPU B"}
+    assert profile.predict(AttentionParams(max_seqlen_q=1024, attn_mask_type="causal"), machine="GPU B").machine \
+        is None  # one entry of the kind: every machine's entries predict

@@ -9,7 +9,7 @@ from ..params import AttentionParams
 from ..platform import Platform
 from . import decode
 from .base import Choice
-from .profile import PROFILE_DIR, Profile, arch_of, profile_for
+from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
 
 class AutoPolicy:
@@ -35,7 +35,7 @@ class AutoPolicy:
             shipped = ", ".join(sorted(p.stem for p in self.directory.glob("*.json"))) or "none"
             return Choice(eligible[0], f"no performance profile for {arch} (shipped: {shipped}); Transformer "
                                        "Engine's preference order decides")
-        prediction = profile.predict(params)
+        prediction = profile.predict(params, machine=platform.device_name)
         chosen = prediction.best(eligible)
         if chosen is None:
             return Choice(eligible[0], f"{profile.describe()} has no measurement of this kind of call for "
@@ -45,7 +45,8 @@ class AutoPolicy:
         versus = ", ".join(f"{p} {t / estimates[chosen]:.2f}x" for t, p in others) or "no other measured provider"
         unknown = [p for p in eligible if p not in estimates]
         reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
-                  f"nearest measured calls: {'; '.join(prediction.neighbours)}")
+                  f"{_source(profile, prediction, platform)}, nearest measured calls: "
+                  f"{'; '.join(prediction.neighbours)}")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)
@@ -67,6 +68,14 @@ class AutoPolicy:
         return Choice(chosen, f"tuned on this machine (measured policy cache, bucket "
                               f"{self.measured.scheme.key(params)}): {timed[chosen]:.3f} ms per step",
                       {p: round(t, 4) for p, t in timed.items()}, "ms per step, measured here")
+
+
+def _source(profile: Profile, prediction: Prediction, platform: Platform) -> str:
+    """Whose measurements predicted the call: this machine's own, or every machine's of the architecture."""
+    if prediction.machine:
+        return f"using this machine's ({prediction.machine}) {prediction.own_entries} measured calls of this kind"
+    return (f"using every {profile.arch} machine's measured calls ({platform.device_name} has "
+            f"{prediction.own_entries} of this kind, fewer than {profile.model.min_own})")
 
 
 def _stack_drift(profile: Profile, platform: Platform) -> str:

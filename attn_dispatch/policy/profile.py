@@ -1,28 +1,32 @@
 """The performance profile shipped with the package, and how it predicts an engine's cost for an unmeasured call.
 
-A profile (profiles/<arch>.json) holds, per measured call, what a user's step cost with each eligible provider
-forced (benchmarks/bench_user_step.py: the module called as a user calls it, forward, or forward and backward
-into the leaves' .grad; interleaved on the same inputs), on a named machine and software stack.
+A profile (profiles/<arch>.json) holds, per measured call and machine, what a user's step cost with each eligible
+provider forced (benchmarks/bench_user_step.py: the module called as a user calls it, forward, or forward and
+backward into the leaves' .grad; interleaved on the same inputs). One architecture's machines differ (the H200 has
+more memory bandwidth and other clocks than the H100, and some crossovers move), so each entry names its machine,
+and a prediction uses the machine's own entries where it has enough of that kind of call, else every machine's.
 
 The cost model: a step costs its host time or its GPU time, whichever dominates (the GPU runs behind the host),
 combined smoothly as t = (H^8 + G^8)^(1/8).
 - H, the host floor of a provider, is the least it was measured to cost on calls of the same training mode and
   packing: the tiniest calls are host-bound (flash-attn-4's Python launch costs ~0.2 ms a forward on the H100's
   host), and packed (thd) calls cost more per call than dense ones (~0.4 ms inference, ~1.3 ms training at any size
-  in the H100 fit grid, every engine): one floor for both under-predicted small thd calls 4x.
+  in the H100 fit grid, every engine).
 - G = work / rate: the work is the call's matmul flops (policy.timing.attention_flops), and the rate is
-  taken from the nearest measured call (K = 1; K > 1 averages log rates) of the same kind (training or inference, causal,
-  windowed or neither, packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims,
-  query and key lengths, the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another
-  memory format. The GPU part of a measured time is what remains of it above the host floor.
-Leave-one-out on the fit grid and a held-out grid chose the weights and K (benchmarks/results/profile/README.md);
-predict(exclude_label=) leaves a measured call out of its neighbours and of the host floors, for that check.
+  taken from the nearest measured call of the same kind (training or inference, causal, windowed or neither,
+  packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims, query and key lengths,
+  the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The GPU part
+  of a measured time is what remains of it above the host floor.
+benchmarks/results/profile/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
+predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
+and the host floors, for that check.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -32,12 +36,22 @@ from ..platform import Platform
 from .timing import attention_flops, mode_of
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
-K_NEIGHBOURS = 1
-# Distance per log2 unit (a doubling) of each size; and for a different memory format.
-WEIGHTS = {"d_qk": 4.0, "d_v": 2.0, "sq": 0.5, "skv": 0.25, "span": 1.0, "bh": 1.0, "gqa": 2.0}
-FORMAT_MISMATCH = 1.5
-_FEATURES = tuple(WEIGHTS)
-COMBINE = 8.0  # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
+_FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The model's settings (chosen by benchmarks/evaluate_profile.py --protocols; README has the numbers)."""
+
+    # Distance per log2 unit (a doubling) of each size; and for a different memory format.
+    weights: tuple[float, ...] = (4.0, 2.0, 0.5, 0.25, 1.0, 1.0, 2.0)
+    format_mismatch: float = 1.5
+    k: int = 1              # neighbours per provider (K > 1 averages log rates, weighted by 1 / (distance + 0.25))
+    combine: float = 8.0    # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
+    min_own: int = 8        # a machine's own entries of a kind needed to predict from them alone
+
+
+COST_MODEL = CostModel()
 
 
 def features(p: AttentionParams) -> tuple[tuple, dict[str, float], str]:
@@ -62,6 +76,11 @@ def work(p: AttentionParams) -> float:
     return attention_flops(p, mode_of(p))
 
 
+def _shape(kind: tuple, sizes: tuple[float, ...], fmt: str) -> tuple:
+    """What identifies a measured call to the model (leave-one-out leaves out every entry of it, on any machine)."""
+    return kind, tuple(round(v, 4) for v in sizes), fmt
+
+
 @dataclass(frozen=True)
 class Entry:
     label: str
@@ -70,15 +89,22 @@ class Entry:
     fmt: str
     work: float
     times_ms: dict[str, float]
+    machine: str = ""
+    runs: int = 1
+    sizes: tuple[float, ...] = field(default=(), compare=False)
+    shape: tuple = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted step time (ms) of each provider the profile knows for this kind of call, and the measured calls
-    nearest to it."""
+    """Predicted step time (ms) of each provider the profile knows for this kind of call, the measured calls
+    nearest to it, and whose measurements they were: `machine` when the platform's own machine had enough entries
+    of this kind, else None (every machine of the architecture)."""
 
     times_ms: dict[str, float]
     neighbours: tuple[str, ...]
+    machine: str | None = None
+    own_entries: int = 0  # this machine's entries of this kind of call
 
     def best(self, candidates: list[str]) -> str | None:
         known = [(self.times_ms[c], i, c) for i, c in enumerate(candidates) if c in self.times_ms]
@@ -86,51 +112,76 @@ class Prediction:
 
 
 class Profile:
-    def __init__(self, data: dict[str, Any], source: str = ""):
+    def __init__(self, data: dict[str, Any], source: str = "", model: CostModel = COST_MODEL):
         self.source = source
+        self.model = model
         self.arch: str = data["arch"]
         self.machines: list[str] = data.get("machines", [])
         self.stack: dict[str, str] = data.get("stack", {})
         self.date: str = data.get("date", "")
-        self.entries = [Entry(e["label"], tuple(e["kind"]), e["log2"], e["fmt"], e["work"], e["times_ms"])
-                        for e in data["entries"]]
-        # Host floors per (provider, training, packed) and per (provider, training): the two least times with their
-        # calls (so that leave-one-out can leave a call out of the floor too). Packed (thd) calls cost more per call.
-        self._floors: dict[tuple, list[tuple[float, str]]] = {}
+        self.entries: list[Entry] = []
+        for e in data["entries"]:
+            kind = tuple(e["kind"])
+            sizes = tuple(e["log2"][f] for f in _FEATURES)
+            machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
+            if isinstance(machine, int):
+                machine = self.machines[machine]
+            self.entries.append(Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine,
+                                      e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"])))
+        # Host floors per (machine or None for all, provider, training, packed or None for either): the few least
+        # times with their calls' shapes (leave-one-out leaves a shape out of the floor too).
+        self._floors: dict[tuple, list[tuple[float, tuple]]] = {}
         self.host_ms: dict[tuple[str, bool], float] = {}  # (provider, training): the least time of any call
         for e in self.entries:
             for provider, ms in e.times_ms.items():
-                for key in ((provider, e.kind[0], e.kind[2]), (provider, e.kind[0], None)):
-                    self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.label)])[:2]
+                for scope in (e.machine, None):
+                    for packed in (e.kind[2], None):
+                        key = (scope, provider, e.kind[0], packed)
+                        self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.shape)])[:4]
                 self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
-        # Per kind of call, (entry, its log2 sizes in _FEATURES order): a fresh decision compares only these.
-        self._by_kind: dict[tuple, list[tuple[Entry, tuple[float, ...]]]] = {}
+        # Per kind of call, its entries: a fresh decision compares only these. And per (machine, kind), how many.
+        self._by_kind: dict[tuple, list[Entry]] = {}
+        self._count: dict[tuple, int] = {}
         for e in self.entries:
-            self._by_kind.setdefault(e.kind, []).append((e, tuple(e.log2[f] for f in _FEATURES)))
+            self._by_kind.setdefault(e.kind, []).append(e)
+            self._count[(e.machine, e.kind)] = self._count.get((e.machine, e.kind), 0) + 1
 
     def describe(self) -> str:
         stack = ", ".join(f"{k} {v}" for k, v in self.stack.items())
         return f"the {self.arch} profile measured on {' and '.join(self.machines)} ({stack}; {self.date})"
 
-    def predict(self, params: AttentionParams, *, exclude_label: str | None = None) -> Prediction:
+    def own_machine(self, kind: tuple, machine: str | None) -> str | None:
+        """The machine whose entries alone predict this kind of call: the platform's own if the profile has at
+        least min_own of them, else None (every machine's entries)."""
+        if machine and self._count.get((machine, kind), 0) >= self.model.min_own:
+            return machine
+        return None
+
+    def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Prediction:
+        m = self.model
         kind, log2, fmt = features(params)
         here = tuple(log2[f] for f in _FEATURES)
-        scale = tuple(WEIGHTS[f] for f in _FEATURES)
+        skip = _shape(kind, here, fmt) if leave_out else None
+        own = self.own_machine(kind, machine)
+        if own and leave_out:  # the count must not include the call left out
+            mine = sum(1 for e in self._by_kind.get(kind, ()) if e.machine == own and e.shape != skip)
+            own = own if mine >= m.min_own else None
         near = sorted(
-            (sum(w * abs(a - b) for w, a, b in zip(scale, here, sizes)) + (FORMAT_MISMATCH if e.fmt != fmt else 0.0),
-             i, e)
-            for i, (e, sizes) in enumerate(self._by_kind.get(kind, ())) if e.label != exclude_label)
+            (sum(w * abs(a - b) for w, a, b in zip(m.weights, here, e.sizes))
+             + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
+            for i, e in enumerate(self._by_kind.get(kind, ()))
+            if e.shape != skip and (own is None or e.machine == own))
         hosts: dict[str, float] = {}
         rates: dict[str, list[tuple[float, float]]] = {}
-        for dist, _, e in near:
+        for dist, _, _, e in near:
             for provider, ms in e.times_ms.items():
                 found = rates.setdefault(provider, [])
-                if len(found) >= K_NEIGHBOURS:
+                if len(found) >= m.k:
                     continue
                 host = hosts.get(provider)
                 if host is None:
-                    host = hosts[provider] = self._host(provider, kind, exclude_label)
-                gpu = max(ms ** COMBINE - host ** COMBINE, (0.05 * ms) ** COMBINE) ** (1.0 / COMBINE)
+                    host = hosts[provider] = self._host(provider, kind, own, skip)
+                gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
                 found.append((dist, math.log(e.work / gpu)))
         times = {}
         amount = work(params)
@@ -138,15 +189,17 @@ class Profile:
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
             host = hosts[provider]
-            times[provider] = (host ** COMBINE + (amount / rate) ** COMBINE) ** (1.0 / COMBINE)
-        return Prediction(times, tuple(e.label for _, _, e in near[:K_NEIGHBOURS]))
+            times[provider] = (host ** m.combine + (amount / rate) ** m.combine) ** (1.0 / m.combine)
+        shown = tuple(e.label + ("" if own or len(self.machines) < 2 else f" ({e.machine})")
+                      for _, _, _, e in near[:max(1, m.k)])
+        return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
 
-    def _host(self, provider: str, kind: tuple, exclude_label: str | None = None) -> float:
+    def _host(self, provider: str, kind: tuple, machine: str | None = None, skip: tuple | None = None) -> float:
         """The provider's host floor for this kind of call: the least time of calls of the same training mode and
-        packing, else of that training mode (leaving exclude_label's call out)."""
-        for key in ((provider, kind[0], kind[2]), (provider, kind[0], None)):
-            for ms, label in self._floors.get(key, ()):
-                if label != exclude_label:
+        packing, else of that training mode, on the machine (None: any machine), leaving the shape skip out."""
+        for packed in (kind[2], None):
+            for ms, shape in self._floors.get((machine, provider, kind[0], packed), ()):
+                if shape != skip:
                     return ms
         return 0.0
 
@@ -169,15 +222,52 @@ def profile_for(platform: Platform, directory: Path = PROFILE_DIR) -> Profile | 
     return _load(str(path)) if path.is_file() else None
 
 
-def build(rows: list[dict], *, arch: str, machines: list[str], stack: dict[str, str], date: str) -> dict[str, Any]:
-    """A profile from bench_user_step.py rows: each row's provider times (SDPA and policy columns left out)."""
-    entries = []
-    for row in rows:
-        times = {n: t for n, t in row["times_ms"].items() if ":" in n}
-        if not times:
+# --- building a profile from measured runs ---------------------------------------------------------------
+
+def _provider_times(row: dict) -> dict[str, float]:
+    return {n: t for n, t in row["times_ms"].items() if ":" in n}  # SDPA and the policy columns left out
+
+
+def combine_runs(runs: list[dict[str, float]]) -> dict[str, float]:
+    """One call's provider times from several runs (other stacks' too: a stock-torch run times torch's providers
+    only): each run is scaled onto the one with the most providers by the median ratio over the providers both
+    timed (two runs' clocks differ by a few percent), then each provider's time is the median over the runs."""
+    reference = max(runs, key=len)
+    scaled = [reference]
+    for run in runs:
+        if run is reference:
             continue
-        kind, log2, fmt = features(AttentionParams(**row["params"]))
-        entries.append({"label": row["label"], "kind": list(kind), "log2": {k: round(v, 4) for k, v in log2.items()},
-                        "fmt": fmt, "work": work(AttentionParams(**row["params"])),
-                        "times_ms": {k: round(v, 5) for k, v in times.items()}})
+        shared = [p for p in run if p in reference]
+        if not shared:
+            continue
+        scale = statistics.median(reference[p] / run[p] for p in shared)
+        scaled.append({p: t * scale for p, t in run.items()})
+    providers = sorted({p for run in scaled for p in run})
+    return {p: statistics.median(run[p] for run in scaled if p in run) for p in providers}
+
+
+def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]]:
+    """Rows of bench_user_step.py runs ({"machine": device name, "rows": its rows}) by (machine, call parameters):
+    (the first row's label, the parameters, each run's provider times)."""
+    grouped: dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            times = _provider_times(row)
+            if times:
+                key = (run["machine"], json.dumps(row["params"], sort_keys=True))
+                grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
+    return grouped
+
+
+def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str) -> dict[str, Any]:
+    """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
+    (the same parameters) on one machine, from any number of runs, make one entry (combine_runs)."""
+    machines = sorted({run["machine"] for run in runs})
+    entries = []
+    for (machine, _), (label, params_dict, times) in group_runs(runs).items():
+        params = AttentionParams(**params_dict)
+        kind, log2, fmt = features(params)
+        entries.append({"label": label, "machine": machines.index(machine), "runs": len(times), "kind": list(kind),
+                        "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params),
+                        "times_ms": {k: float(f"{v:.5g}") for k, v in combine_runs(times).items()}})
     return {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
