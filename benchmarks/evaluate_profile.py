@@ -53,7 +53,7 @@ def evaluate(rows: list[dict], profile: Profile, machine: str, *, stock: bool, l
 def pooled(profile_runs: list[dict], target_runs: list[dict], model: CostModel, *, leave_out: bool,
            stock: bool) -> list[dict]:
     """Each pooled (machine, call) entry of target_runs predicted by a profile of profile_runs."""
-    profile = Profile(build(profile_runs, arch="sm90", stack={}, date=""), model=model)
+    profile = Profile(build(profile_runs, arch="sm90", stack={}, date="", model=model), model=model)
     out = []
     for (machine, _), (label, params, times) in group_runs(target_runs).items():
         found = score(profile, label, params, combine_runs(times), machine, leave_out=leave_out, stock=stock)
@@ -88,10 +88,10 @@ def protocols(paths: list[str], model: CostModel = COST_MODEL, *, verbose: bool 
             if not target:
                 continue
             profile = Profile(build([r for r in runs if r["grid"] != target[0]["grid"]], arch="sm90", stack={},
-                                    date=""), model=model)
+                                    date="", model=model), model=model)
             report[f"{name} without its grid{tag}"] = evaluate(target[0]["rows"], profile, target[0]["machine"],
                                                                stock=stock)
-    for name, results in report.items():
+    for name, results in report.items() if verbose is not None else ():
         print(f"{name:44s} {stats(results)}")
         if verbose:
             for r in sorted(results, key=lambda r: -r["ratio"]):

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..params import AttentionParams
 from ..platform import Platform
-from .timing import attention_flops, mode_of
+from .timing import _sum_clipped, attended_pairs, attention_flops, mode_of
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
@@ -49,18 +49,25 @@ class CostModel:
     k: int = 1              # neighbours per provider (K > 1 averages log rates, weighted by 1 / (distance + 0.25))
     combine: float = 8.0    # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
     min_own: int = 8        # a machine's own entries of a kind needed to predict from them alone
+    host_bound: float = 0.0  # a neighbour within this factor of its host floor gives no rate (its GPU time is hidden)
+    tile: int = 0           # work counted in tile x tile blocks of the score matrix (0: attended pairs)
+    split_windows: bool = False  # causal windows and two-sided windows are different kinds
+    bigger: float = 0.0     # ... when the call has more than this many times its work
+    machine_mismatch: float = 0.0  # distance added to another machine's entry (when every machine's are used)
 
 
 COST_MODEL = CostModel()
 
 
-def features(p: AttentionParams) -> tuple[tuple, dict[str, float], str]:
+def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, dict[str, float], str]:
     """(kind, log2 sizes, memory format) of a call, as the profile compares calls."""
     left, right = p.window_size
     span = p.max_seqlen_kv
     if p.has_sliding_window and left >= 0:
         span = min(span, left + (right if right >= 0 else 0) + 1)
     mask = "window" if p.has_sliding_window else ("causal" if p.is_causal else "none")
+    if mask == "window" and model.split_windows and right != 0:
+        mask = "window two-sided"
     kind = (p.is_training, mask, p.has_padding)
     if p.inference_kv_cache:  # a decode/prefill step over a cache: compared only with measured cache steps
         kind += ("kv-cache paged" if p.kv_cache_paged else "kv-cache",)
@@ -71,9 +78,52 @@ def features(p: AttentionParams) -> tuple[tuple, dict[str, float], str]:
     return kind, log2, fmt
 
 
-def work(p: AttentionParams) -> float:
-    """The call's nominal matmul flops (full-length sequences, also for thd): the unit rates are kept in."""
-    return attention_flops(p, mode_of(p))
+def work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+    """The call's nominal matmul flops (full-length sequences, also for thd): the unit rates are kept in. With
+    model.tile, the score matrix is counted in tile x tile blocks that hold an attended pair (what a tiled kernel
+    computes: a 257-key band costs 3 key tiles of 128 per query tile)."""
+    flops = attention_flops(p, mode_of(p))
+    if not model.tile:
+        return flops
+    return flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p))
+
+
+def tiled_pairs(p: AttentionParams, tile: int) -> int:
+    """(query, key) pairs of the tile x tile blocks that hold at least one attended pair, in closed form."""
+    sq, skv = p.max_seqlen_q, p.max_seqlen_kv
+    left, right = p.window_size
+    nq, nk = -(-sq // tile), -(-skv // tile)
+    if left < 0 and right < 0:
+        return nq * nk * tile * tile
+    offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
+    far = 1 << 40
+    c_hi = offset + right if right >= 0 else far  # query row i sees keys up to i + c_hi, from i + c_lo
+    c_lo = offset - left if left >= 0 else -far
+
+    def key_tiles(i: int) -> int:  # query tile i, rows [i * tile, min(sq, (i + 1) * tile) - 1]
+        hi = min(skv - 1, min(sq - 1, (i + 1) * tile - 1) + c_hi)
+        lo = max(0, i * tile + c_lo)
+        return max(0, hi // tile - lo // tile + 1) if hi >= lo else 0
+
+    # Full query tiles whose rows see any key (the last row's window reaches key 0, the first row's is not past
+    # the last key) see key tiles max(0, i + b) .. min(nk - 1, i + a): sum that band in closed form.
+    a = (tile - 1 + c_hi) // tile if c_hi < far else far
+    b = c_lo // tile if c_lo > -far else -far
+    first = max(0, -((tile - 1 + c_hi) // tile)) if c_hi < far else 0  # (i + 1) * tile - 1 + c_hi >= 0
+    last = min(nq - 2, (skv - 1 - c_lo) // tile if c_lo > -far else nq - 2)  # i * tile + c_lo <= skv - 1
+    total = _band(first, last + 1, nk, a, b) if last >= first else 0
+    return (total + key_tiles(nq - 1)) * tile * tile
+
+
+def _band(start: int, stop: int, cols: int, a: int, b: int) -> int:
+    """sum over i in [start, stop) of max(0, min(cols - 1, i + a) - max(0, i + b) + 1)."""
+    total = 0
+    cuts = sorted({start, stop, min(max(cols - 1 - a, start), stop), min(max(-b, start), stop)})
+    for i0, i1 in zip(cuts, cuts[1:]):
+        hi_moves, lo_moves = i0 + a < cols - 1, i0 + b >= 0  # both hold across [i0, i1)
+        start = (a if hi_moves else cols - 1) - (b if lo_moves else 0) + 1
+        total += _sum_clipped(start, int(hi_moves) - int(lo_moves), i0, i1)
+    return total
 
 
 def _shape(kind: tuple, sizes: tuple[float, ...], fmt: str) -> tuple:
@@ -159,7 +209,7 @@ class Profile:
 
     def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Prediction:
         m = self.model
-        kind, log2, fmt = features(params)
+        kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in _FEATURES)
         skip = _shape(kind, here, fmt) if leave_out else None
         own = self.own_machine(kind, machine)
@@ -168,11 +218,14 @@ class Profile:
             own = own if mine >= m.min_own else None
         near = sorted(
             (sum(w * abs(a - b) for w, a, b in zip(m.weights, here, e.sizes))
-             + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
+             + (m.format_mismatch if e.fmt != fmt else 0.0) + (m.machine_mismatch if e.machine != machine else 0.0),
+             e.machine != machine, i, e)
             for i, e in enumerate(self._by_kind.get(kind, ()))
             if e.shape != skip and (own is None or e.machine == own))
         hosts: dict[str, float] = {}
         rates: dict[str, list[tuple[float, float]]] = {}
+        amount = work(params, m)
+        fallback: dict[str, tuple[float, float]] = {}
         for dist, _, _, e in near:
             for provider, ms in e.times_ms.items():
                 found = rates.setdefault(provider, [])
@@ -182,9 +235,14 @@ class Profile:
                 if host is None:
                     host = hosts[provider] = self._host(provider, kind, own, skip)
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
+                if ms < m.host_bound * host and amount > m.bigger * e.work:
+                    fallback.setdefault(provider, (dist, math.log(e.work / gpu)))
+                    continue
                 found.append((dist, math.log(e.work / gpu)))
+        for provider, found in rates.items():
+            if not found:
+                found.append(fallback[provider])
         times = {}
-        amount = work(params)
         for provider, found in rates.items():
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
@@ -254,20 +312,22 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[
         for row in run["rows"]:
             times = _provider_times(row)
             if times:
-                key = (run["machine"], json.dumps(row["params"], sort_keys=True))
+                params = AttentionParams(**row["params"]).to_dict()  # older runs lack newer fields' defaults
+                key = (run["machine"], json.dumps(params, sort_keys=True))
                 grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
     return grouped
 
 
-def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str) -> dict[str, Any]:
+def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
+          model: CostModel = COST_MODEL) -> dict[str, Any]:
     """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
     (the same parameters) on one machine, from any number of runs, make one entry (combine_runs)."""
     machines = sorted({run["machine"] for run in runs})
     entries = []
     for (machine, _), (label, params_dict, times) in group_runs(runs).items():
         params = AttentionParams(**params_dict)
-        kind, log2, fmt = features(params)
+        kind, log2, fmt = features(params, model)
         entries.append({"label": label, "machine": machines.index(machine), "runs": len(times), "kind": list(kind),
-                        "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params),
+                        "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
                         "times_ms": {k: float(f"{v:.5g}") for k, v in combine_runs(times).items()}})
     return {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
