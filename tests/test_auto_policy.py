@@ -13,7 +13,7 @@ import pytest
 from attn_dispatch import AttentionParams, Platform, explain, selection
 from attn_dispatch.env import EnvFlags
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
-from attn_dispatch.policy.profile import build, features
+from attn_dispatch.policy.profile import COST_MODEL, build, features, tiled_pairs
 
 H100 = Platform.parse("h100-cudnn9")
 A100 = Platform.parse("a100-cudnn9")
@@ -206,6 +206,7 @@ def test_attended_pairs_closed_form_matches_counting_rows():
 # --- machines of one architecture, and profiles built from several runs ------------------------------------------
 
 H200 = Platform.parse("h200-cudnn9")
+ENOUGH = COST_MODEL.min_own + 2  # entries of a kind for a machine to be predicted from its own alone
 
 
 def two_machine_rows(lengths):
@@ -219,22 +220,22 @@ def two_machine_rows(lengths):
 
 
 def test_a_machine_with_enough_entries_of_a_kind_is_predicted_from_its_own(tmp_path):
-    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(10)])
+    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(ENOUGH)])
     directory = synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
     profile = Profile(json.loads((directory / "sm90.json").read_text()))
-    assert profile.model.min_own <= 10 and sorted(profile.machines) == [H100.device_name, H200.device_name]
+    assert sorted(profile.machines) == [H100.device_name, H200.device_name]
     p = AttentionParams(max_seqlen_q=3000, attn_mask_type="causal")
     on_h100, on_h200 = profile.predict(p, machine=H100.device_name), profile.predict(p, machine=H200.device_name)
     assert on_h100.machine == H100.device_name and on_h100.best(["x:a", "x:b"]) == "x:a"
     assert on_h200.machine == H200.device_name and on_h200.best(["x:a", "x:b"]) == "x:b"
     policy = AutoPolicy(directory=directory)
     choice = policy.choose(p, H200, ["x:a", "x:b"])
-    assert choice.chosen == "x:b" and f"this machine's ({H200.device_name}) 10 measured calls" in choice.reason
+    assert choice.chosen == "x:b" and f"this machine's ({H200.device_name}) {ENOUGH} measured calls" in choice.reason
     assert policy.choose(p, H100, ["x:a", "x:b"]).chosen == "x:a"
 
 
 def test_a_machine_with_few_entries_of_a_kind_is_predicted_from_every_machine(tmp_path):
-    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(10)])
+    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(ENOUGH)])
     h200["rows"] = h200["rows"][:2]  # the H200 measured 2 calls of this kind: too few to stand alone
     directory = synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
     policy = AutoPolicy(directory=directory)
@@ -253,15 +254,21 @@ def test_a_machine_with_few_entries_of_a_kind_is_predicted_from_every_machine(tm
 
 
 def test_leaving_a_call_out_leaves_it_out_on_every_machine(tmp_path):
-    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(10)])
+    h100, h200 = two_machine_rows([512 * (i + 1) for i in range(COST_MODEL.min_own + 1)])
     profile = Profile(json.loads((synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
                                   / "sm90.json").read_text()))
     p = AttentionParams(max_seqlen_q=2048, attn_mask_type="causal")
     assert profile.predict(p, machine=H200.device_name).neighbours[0] == "h200 row3"
     kept = profile.predict(p, machine=H200.device_name, leave_out=True).neighbours[0]
     assert kept != "h200 row3" and kept.startswith("h200 row")
-    # 9 H200 entries of the kind remain (>= min_own): still its own; the count leaves the call out too
+    # min_own H200 entries of the kind remain: still its own; one fewer and every machine's are used (the count
+    # leaves the call out too)
     assert profile.predict(p, machine=H200.device_name, leave_out=True).machine == H200.device_name
+    h200["rows"] = h200["rows"][1:]
+    fewer = Profile(json.loads((synthetic_profile(tmp_path, h100, machine=H100.device_name, more_runs=[h200])
+                                / "sm90.json").read_text()))
+    assert fewer.predict(p, machine=H200.device_name).machine == H200.device_name
+    assert fewer.predict(p, machine=H200.device_name, leave_out=True).machine is None
 
 
 def test_a_profile_built_from_several_runs_combines_them_per_call_and_machine():
@@ -291,3 +298,58 @@ def test_a_profile_built_from_several_runs_combines_them_per_call_and_machine():
     assert {e.machine for e in profile.entries} == {"GPU A", "GPU B"}
     assert profile.predict(AttentionParams(max_seqlen_q=1024, attn_mask_type="causal"), machine="GPU B").machine \
         is None  # one entry of the kind: every machine's entries predict
+
+
+def test_tiled_work_closed_form_matches_counting_tiles():
+    """The work is counted in the tiles of the score matrix that hold an attended pair: check the closed form
+    against a pair-by-pair count over masks, windows, lengths and tile sizes."""
+    import random
+
+    def by_pairs(p, tile):
+        sq, skv = p.max_seqlen_q, p.max_seqlen_kv
+        left, right = p.window_size
+        offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
+        tiles = set()
+        for i in range(sq):
+            lo = 0 if left < 0 else max(0, i + offset - left)
+            hi = skv - 1 if right < 0 else min(skv - 1, i + offset + right)
+            tiles.update((i // tile, j // tile) for j in range(lo, hi + 1))
+        return len(tiles) * tile * tile
+
+    rng = random.Random(1)
+    checked = 0
+    while checked < 1500:
+        mask = rng.choice(["no_mask", "causal", "causal_bottom_right", "padding_causal", "padding"])
+        window = (rng.choice([-1, rng.randint(0, 40)]), rng.choice([-1, rng.randint(0, 40)]))
+        try:
+            p = AttentionParams(max_seqlen_q=rng.randint(1, 70), max_seqlen_kv=rng.randint(1, 70),
+                                attn_mask_type=mask, window_size=window)
+        except ValueError:
+            continue
+        tile = rng.choice([4, 8, 16])
+        assert tiled_pairs(p, tile) == by_pairs(p, tile), (p.describe(), tile)
+        checked += 1
+    # a 257-key band over 4096 queries: 3 key tiles of 128 per query tile (2 at the edges), not 257 / 128
+    band = AttentionParams(max_seqlen_q=4096, window_size=(128, 128))
+    assert tiled_pairs(band, 128) == (32 * 3 - 2) * 128 * 128
+
+
+def test_a_host_bound_neighbour_gives_no_rate_to_a_bigger_call(tmp_path):
+    # 'x:a' has a 0.5 ms host floor and the GPU rate of 'x:b' (0.1 ms of GPU time at s1024). At s1024 it cost
+    # 0.52 ms: the smooth max would call 0.44 ms of that GPU time, and predict 1.8 ms for 4x the work. Its floor
+    # hides its rate, so the next nearest call (s8192, far above the floor) gives it.
+    gpu = lambda s: 0.1 * (s / 1024) ** 2  # noqa: E731
+    causal = dict(batch_size=1, attn_mask_type="causal")
+    rows = [(dict(causal, max_seqlen_q=256), {"x:a": 0.5, "x:b": 0.05}),
+            (dict(causal, max_seqlen_q=1024), {"x:a": 0.52, "x:b": 0.2})]
+    rows += [(dict(causal, max_seqlen_q=s), {"x:a": gpu(s), "x:b": 2 * gpu(s)}) for s in (8192, 16384)]
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+    mid = profile.predict(AttentionParams(**dict(causal, max_seqlen_q=2048)))
+    assert mid.neighbours[0] == "row1"
+    assert mid.times_ms["x:a"] == pytest.approx(0.52, rel=0.05)  # the floor and s8192's rate: 0.4 ms of GPU time
+    # row1 is 4x x:b's floor: its rate stands, scaled by the causal tiles' work (136 tiles of 128 at s2048, 36 at 1024)
+    assert mid.times_ms["x:b"] == pytest.approx(0.2 * 136 / 36, rel=0.02)
+    assert mid.best(["x:b", "x:a"]) == "x:a"
+    # a call no bigger than the host-bound neighbour takes its rate (it is at the floor anyway)
+    small = profile.predict(AttentionParams(**dict(causal, max_seqlen_q=768)))
+    assert small.times_ms["x:a"] == pytest.approx(0.5, rel=0.05)

@@ -12,11 +12,13 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
   packing: the tiniest calls are host-bound (flash-attn-4's Python launch costs ~0.2 ms a forward on the H100's
   host), and packed (thd) calls cost more per call than dense ones (~0.4 ms inference, ~1.3 ms training at any size
   in the H100 fit grid, every engine).
-- G = work / rate: the work is the call's matmul flops (policy.timing.attention_flops), and the rate is
-  taken from the nearest measured call of the same kind (training or inference, causal, windowed or neither,
-  packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims, query and key lengths,
-  the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The GPU part
-  of a measured time is what remains of it above the host floor.
+- G = work / rate: the work is the call's matmul flops counted in the 128 x 128 tiles of the score matrix that a
+  tiled kernel computes (a 257-key band costs 3 key tiles per query tile, not 2), and the rate is taken from the
+  nearest measured call of the same kind (training or inference, causal, windowed or neither, packed/padded or
+  dense), nearness being a weighted distance over log2 sizes (head dims, query and key lengths, the key span a
+  window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The GPU part of a measured
+  time is what remains of it above the host floor; a neighbour within 3x of its floor hides it, and gives no rate
+  to a call bigger than itself (the next nearest does).
 benchmarks/results/profile/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
@@ -41,19 +43,19 @@ _FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
 
 @dataclass(frozen=True)
 class CostModel:
-    """The model's settings (chosen by benchmarks/evaluate_profile.py --protocols; README has the numbers)."""
+    """The model's settings, chosen by leave-one-out and leave-one-grid-out over every measured run
+    (benchmarks/evaluate_profile.py --protocols; benchmarks/results/profile/README.md has the numbers)."""
 
-    # Distance per log2 unit (a doubling) of each size; and for a different memory format.
+    # Distance per log2 unit (a doubling) of each size (_FEATURES order); and for a different memory format.
     weights: tuple[float, ...] = (4.0, 2.0, 0.5, 0.25, 1.0, 1.0, 2.0)
     format_mismatch: float = 1.5
     k: int = 1              # neighbours per provider (K > 1 averages log rates, weighted by 1 / (distance + 0.25))
     combine: float = 8.0    # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
-    min_own: int = 8        # a machine's own entries of a kind needed to predict from them alone
-    host_bound: float = 0.0  # a neighbour within this factor of its host floor gives no rate (its GPU time is hidden)
-    tile: int = 0           # work counted in tile x tile blocks of the score matrix (0: attended pairs)
-    split_windows: bool = False  # causal windows and two-sided windows are different kinds
-    bigger: float = 0.0     # ... when the call has more than this many times its work
-    machine_mismatch: float = 0.0  # distance added to another machine's entry (when every machine's are used)
+    min_own: int = 20       # a machine's own entries of a kind needed to predict from them alone
+    # A neighbour that cost less than host_bound x its host floor hides its GPU time (the smooth max attributes
+    # most of a near-floor time to the GPU): it gives no rate to a call of more work than its own.
+    host_bound: float = 3.0
+    tile: int = 128         # work counted in tile x tile blocks of the score matrix (0: attended pairs)
 
 
 COST_MODEL = CostModel()
@@ -66,8 +68,6 @@ def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, 
     if p.has_sliding_window and left >= 0:
         span = min(span, left + (right if right >= 0 else 0) + 1)
     mask = "window" if p.has_sliding_window else ("causal" if p.is_causal else "none")
-    if mask == "window" and model.split_windows and right != 0:
-        mask = "window two-sided"
     kind = (p.is_training, mask, p.has_padding)
     if p.inference_kv_cache:  # a decode/prefill step over a cache: compared only with measured cache steps
         kind += ("kv-cache paged" if p.kv_cache_paged else "kv-cache",)
@@ -218,8 +218,7 @@ class Profile:
             own = own if mine >= m.min_own else None
         near = sorted(
             (sum(w * abs(a - b) for w, a, b in zip(m.weights, here, e.sizes))
-             + (m.format_mismatch if e.fmt != fmt else 0.0) + (m.machine_mismatch if e.machine != machine else 0.0),
-             e.machine != machine, i, e)
+             + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
             for i, e in enumerate(self._by_kind.get(kind, ()))
             if e.shape != skip and (own is None or e.machine == own))
         hosts: dict[str, float] = {}
@@ -235,7 +234,7 @@ class Profile:
                 if host is None:
                     host = hosts[provider] = self._host(provider, kind, own, skip)
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
-                if ms < m.host_bound * host and amount > m.bigger * e.work:
+                if ms < m.host_bound * host and amount > e.work:
                     fallback.setdefault(provider, (dist, math.log(e.work / gpu)))
                     continue
                 found.append((dist, math.log(e.work / gpu)))
