@@ -79,6 +79,9 @@ def protocols(paths: list[str], model: CostModel = COST_MODEL, *, verbose: bool 
     for stock in (False, True):
         tag = " torch-only" if stock else ""
         report["leave-one-out" + tag] = pooled(runs, runs, model, leave_out=True, stock=stock)
+        for machine in sorted({r["machine"] for r in runs}):
+            report[f"leave-one-out, {machine}{tag}"] = [r for r in report["leave-one-out" + tag]
+                                                        if r["machine"] == machine]
         for grid in sorted({r["grid"] for r in runs}):
             report[f"without {grid}{tag}"] = pooled([r for r in runs if r["grid"] != grid],
                                                     [r for r in runs if r["grid"] == grid], model,
