@@ -208,6 +208,7 @@ class Profile:
         return None
 
     def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Prediction:
+        """Each provider's step time for the call on `machine` (the platform's device name; None: any machine)."""
         m = self.model
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in _FEATURES)
