@@ -50,6 +50,8 @@ class FP8Call:
     state: FP8ScalingState
     group: Any = None          # torch.distributed group the amaxes are reduced over (fp8_autocast's fp8_group)
     output_fp8: bool = False   # return O as a Float8Output
+    # context parallelism: the group FP8 data is exchanged over (current scaling agrees on q, k, v, dO scales there)
+    exchange_group: Any = None
 
 
 @dataclass(frozen=True)
@@ -257,13 +259,24 @@ class CudnnFP8Engine(Engine):
                             window_size=tuple(cfg.window_size), fp8=True, fp8_recipe=fp8.state.recipe.kind)
         return rejection_signature(p, cfg.deterministic, "fp8_" + phase)
 
-    def _quantize(self, name: str, x: torch.Tensor, st: FP8ScalingState) -> torch.Tensor:
-        dtype = st.dtypes[name]
-        if st.recipe.kind == "current":
-            amax = fp8q.amax(x)
-            st.amax_slot(name).copy_(amax)
-            return fp8q.quantize(x, st.current_scale(name, amax), dtype)
-        return fp8q.quantize(x, st.scale_of(name), dtype, amax_into=st.amax_slot(name))
+    def quantize(self, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], fp8: FP8Call) -> list[torch.Tensor]:
+        """The FP8 data of q, k, v (or dO) with the state's scales, their amaxes recorded in the history's row 0.
+        Current scaling scales each by its own amax now: the max over fp8.exchange_group when the data crosses
+        ranks (context parallelism), so that every rank quantizes with the same scale."""
+        st = fp8.state.to(tensors[0].device)
+        if st.recipe.kind != "current":
+            return [fp8q.quantize(x, st.scale_of(n), st.dtypes[n], amax_into=st.amax_slot(n))
+                    for n, x in zip(names, tensors)]
+        amaxes = torch.cat([fp8q.amax(x) for x in tensors])
+        if fp8.exchange_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=fp8.exchange_group)
+        out = []
+        for i, (n, x) in enumerate(zip(names, tensors)):
+            st.amax_slot(n).copy_(amaxes[i:i + 1])
+            out.append(fp8q.quantize(x, st.current_scale(n, amaxes[i:i + 1]), st.dtypes[n]))
+        return out
 
     @staticmethod
     def _scalars(names: tuple[str, ...], fwd: tuple[torch.Tensor, torch.Tensor],
@@ -284,33 +297,48 @@ class CudnnFP8Engine(Engine):
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
                  training: bool) -> FwdResult:
         fp8 = _fp8_of(aux)
-        call = _cd._prepare(q, k, v, aux, cfg)
+        # graphs first: a configuration cuDNN refuses is reported before anything is quantized or recorded
+        plan = self.plan(q, k, v, aux, cfg, fp8, q.dtype, training)
+        q8, k8, v8 = self.quantize(("q", "k", "v"), (q, k, v), fp8)
+        o8, o_descale, saved = self.attend(plan, q8, k8, v8, fp8, q.dtype)
+        out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
+        call = saved.call
+        return FwdResult(out, saved.stats.view(call.b, call.h, call.sq), saved, None)
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, fp8: FP8Call,
+             dtype: torch.dtype, training: bool) -> tuple:
+        """(call, forward key, forward graph) of a call on q, k, v (`dtype` ones, or their FP8 data); with
+        `training`, the backward graph is built (or found) too. Nothing is recorded in the scaling state."""
+        call = _cd._prepare(q, k, v, aux, cfg, io_dtypes=(dtype, E4M3))
         if call.fmt == "thd":
             raise ValueError("cudnn_fused:fp8 takes bshd or sbhd, not thd (its table says so)")
-        st = fp8.state.to(q.device)
         dev = q.device.index if q.device.index is not None else _cd._current_device()
-        signature = self._signature(call, cfg, q.dtype, "fwd", fp8)
         key = self._key("fwd", call, cfg, dev, fp8)
-        built = self.graph(key, signature)
-        if training:  # a backward cuDNN refuses is reported now, before anything is quantized
-            self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, q.dtype, "bwd", fp8))
-        q8, k8, v8 = (self._quantize(n, x, st) for n, x in (("q", q), ("k", k), ("v", v)))
+        built = self.graph(key, self._signature(call, cfg, dtype, "fwd", fp8))
+        if training:
+            self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, dtype, "bwd", fp8))
+        return call, key, built
+
+    def attend(self, plan: tuple, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, fp8: FP8Call,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
+        """cuDNN's FP8 forward on quantized q, k, v: (O's FP8 data, O's descale [1], what backward needs). The
+        kernel's S and O amaxes are recorded and the forward scales updated (reduced over fp8.group)."""
+        call, key, built = plan
+        st = fp8.state.to(q8.device)
         scales = st.scale.clone()
         descales = scales.reciprocal()
-        o8 = _empty(call.fmt, call.b, call.sq, call.h, call.dv, E4M3, q.device)
-        stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q.device)
+        o8 = _empty(call.fmt, call.b, call.sq, call.h, call.dv, E4M3, q8.device)
+        stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q8.device)
         buffers = {"q": q8, "k": k8, "v": v8, "o": o8, "stats": stats,
                    "amax_s": st.amax_slot("s").view(1, 1, 1, 1), "amax_o": st.amax_slot("o").view(1, 1, 1, 1)}
         buffers.update(self._scalars(_FWD_SCALARS, (scales, descales)))
         if call.padding:
             buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
             buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
-        self._run(built, buffers, dev)
-        o_descale = descales[INDEX["o"]:INDEX["o"] + 1]
-        out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
+        self._run(built, buffers, key.device)
         st.update(FORWARD, fp8.group)
-        saved = _Saved(key, call, q8, k8, v8, o8, stats, scales, descales, q.dtype, fp8)
-        return FwdResult(out, stats.view(call.b, call.h, call.sq), saved, None)
+        saved = _Saved(key, call, q8, k8, v8, o8, stats, scales, descales, dtype, fp8)
+        return o8, descales[INDEX["o"]:INDEX["o"] + 1], saved
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
@@ -319,17 +347,27 @@ class CudnnFP8Engine(Engine):
         return BwdResult(*self._backward(state, dout, cfg))
 
     def _backward(self, saved: _Saved, dout: torch.Tensor, cfg: AttnConfig):
+        built = self.backward_graph(saved, cfg)
+        do8 = self.quantize(("do",), (dout.reshape(saved.o8.shape),), saved.fp8)[0]
+        grads, descales = self.attend_backward(built, saved, do8, cfg)
+        return tuple(fp8q.dequantize(g, d, saved.dtype) for g, d in zip(grads, descales))
+
+    def backward_graph(self, saved: _Saved, cfg: AttnConfig) -> _Built:
+        return self.graph(self._key("bwd", saved.call, cfg, saved.key.device, saved.fp8),
+                          self._signature(saved.call, cfg, saved.dtype, "bwd", saved.fp8))
+
+    def attend_backward(self, built: _Built, saved: _Saved, do8: torch.Tensor, cfg: AttnConfig
+                        ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """cuDNN's FP8 backward on quantized dO: ((dQ, dK, dV) FP8 data, their descales [1]). The kernel's amaxes
+        are recorded and the backward scales updated (reduced over fp8.group)."""
         fp8, call, st = saved.fp8, saved.call, saved.fp8.state
-        dev = saved.key.device
-        key = self._key("bwd", call, cfg, dev, fp8)
-        built = self.graph(key, self._signature(call, cfg, saved.dtype, "bwd", fp8))
-        do8 = self._quantize("do", dout.reshape(saved.o8.shape), st)
+        bwd_dtype = st.dtypes["do"]
         bscales = st.scale.clone()
         bdescales = bscales.reciprocal()
         device = saved.q8.device
-        dq8 = torch.empty(saved.q8.shape, dtype=key.bwd_dtype, device=device)
-        dk8 = torch.empty(saved.k8.shape, dtype=key.bwd_dtype, device=device)
-        dv8 = torch.empty(saved.v8.shape, dtype=key.bwd_dtype, device=device)
+        dq8 = torch.empty(saved.q8.shape, dtype=bwd_dtype, device=device)
+        dk8 = torch.empty(saved.k8.shape, dtype=bwd_dtype, device=device)
+        dv8 = torch.empty(saved.v8.shape, dtype=bwd_dtype, device=device)
         buffers = {"q": saved.q8, "k": saved.k8, "v": saved.v8, "o": saved.o8, "do": do8, "stats": saved.stats,
                    "dq": dq8, "dk": dk8, "dv": dv8}
         for name in ("dq", "dk", "dv", "dp"):
@@ -338,11 +376,10 @@ class CudnnFP8Engine(Engine):
         if call.padding:
             buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
             buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
-        self._run(built, buffers, dev)
-        grads = tuple(fp8q.dequantize(x, bdescales[INDEX[n]:INDEX[n] + 1], saved.dtype)
-                      for n, x in (("dq", dq8), ("dk", dk8), ("dv", dv8)))
+        self._run(built, buffers, saved.key.device)
         st.update(BACKWARD, fp8.group)
-        return grads
+        descales = tuple(bdescales[INDEX[n]:INDEX[n] + 1] for n in ("dq", "dk", "dv"))
+        return (dq8, dk8, dv8), descales
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
                  flatten_heads: bool = False) -> tuple[Any, torch.Tensor, None]:

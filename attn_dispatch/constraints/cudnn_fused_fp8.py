@@ -14,6 +14,7 @@ from ..params import AttentionParams
 from ..platform import Platform
 from . import common
 from .base import Check, Failure, Table, fail
+from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD
 from .cudnn_fused import (REJECTIONS, _cudnn_text, cudnn_int, deterministic_demanded, rejection_signature,
                           version_text)
 
@@ -171,6 +172,15 @@ def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
     return None
 
 
+def _context_parallel(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    from .context_parallel import fp8_failures
+
+    problems = fp8_failures(p)
+    if problems:
+        return fail("; ".join(message for _, message, _ in problems), next((f for _, _, f in problems if f), None))
+    return None
+
+
 def _sub_backend_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     pin = env.fused_attn_backend
     if pin is not None and pin != "2":
@@ -210,6 +220,8 @@ _CHECKS = (
     ("fp8_kv_cache", "no KV cache", "inference", common.TE_KV_FILTER + " ('Disabling FusedAttention for FP8 KV "
      "caching')", _kv_cache),
     ("fp8_output_training", "an FP8 output only in inference", "dtype", OURS, _fp8_output_training),
+    ("fp8_context_parallel", "context parallelism: cp_comm_type='a2a' on bshd/sbhd, bf16 output", "context_parallel",
+     CP_FP8_SOURCE + "; " + TE_CP_FP8_THD, _context_parallel),
     ("sub_backend_pin", "NVTE_FUSED_ATTN_BACKEND unset or 2 (FP8)", "environment",
      "Transformer Engine env override 'NVTE_FUSED_ATTN_BACKEND'", _sub_backend_pin),
     ("cudnn_rejected", "cuDNN's own support check accepted this configuration", "platform",
