@@ -116,6 +116,26 @@ def _fp8_of(aux: AttnAux) -> FP8Call:
     return fp8
 
 
+def quantize(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], fp8: FP8Call) -> list[torch.Tensor]:
+    """The FP8 data of q, k, v (or dO) with the state's scales, their amaxes recorded in the history's row 0.
+    Current scaling scales each by its own amax now: the max over fp8.exchange_group when the data crosses
+    ranks (context parallelism), so that every rank quantizes with the same scale."""
+    st = fp8.state.to(tensors[0].device)
+    if st.recipe.kind != "current":
+        return [fp8q.quantize(x, st.scale_of(n), st.dtypes[n], amax_into=st.amax_slot(n))
+                for n, x in zip(names, tensors)]
+    amaxes = torch.cat([fp8q.amax(x) for x in tensors])
+    if fp8.exchange_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=fp8.exchange_group)
+    out = []
+    for i, (n, x) in enumerate(zip(names, tensors)):
+        st.amax_slot(n).copy_(amaxes[i:i + 1])
+        out.append(fp8q.quantize(x, st.current_scale(n, amaxes[i:i + 1]), st.dtypes[n]))
+    return out
+
+
 class CudnnFP8Engine(Engine):
     family = "cudnn_fused"
     provider = "fp8"
@@ -259,25 +279,6 @@ class CudnnFP8Engine(Engine):
                             window_size=tuple(cfg.window_size), fp8=True, fp8_recipe=fp8.state.recipe.kind)
         return rejection_signature(p, cfg.deterministic, "fp8_" + phase)
 
-    def quantize(self, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], fp8: FP8Call) -> list[torch.Tensor]:
-        """The FP8 data of q, k, v (or dO) with the state's scales, their amaxes recorded in the history's row 0.
-        Current scaling scales each by its own amax now: the max over fp8.exchange_group when the data crosses
-        ranks (context parallelism), so that every rank quantizes with the same scale."""
-        st = fp8.state.to(tensors[0].device)
-        if st.recipe.kind != "current":
-            return [fp8q.quantize(x, st.scale_of(n), st.dtypes[n], amax_into=st.amax_slot(n))
-                    for n, x in zip(names, tensors)]
-        amaxes = torch.cat([fp8q.amax(x) for x in tensors])
-        if fp8.exchange_group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=fp8.exchange_group)
-        out = []
-        for i, (n, x) in enumerate(zip(names, tensors)):
-            st.amax_slot(n).copy_(amaxes[i:i + 1])
-            out.append(fp8q.quantize(x, st.current_scale(n, amaxes[i:i + 1]), st.dtypes[n]))
-        return out
-
     @staticmethod
     def _scalars(names: tuple[str, ...], fwd: tuple[torch.Tensor, torch.Tensor],
                  bwd: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -299,7 +300,7 @@ class CudnnFP8Engine(Engine):
         fp8 = _fp8_of(aux)
         # graphs first: a configuration cuDNN refuses is reported before anything is quantized or recorded
         plan = self.plan(q, k, v, aux, cfg, fp8, q.dtype, training)
-        q8, k8, v8 = self.quantize(("q", "k", "v"), (q, k, v), fp8)
+        q8, k8, v8 = quantize(("q", "k", "v"), (q, k, v), fp8)
         o8, o_descale, saved = self.attend(plan, q8, k8, v8, fp8, q.dtype)
         out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
         call = saved.call
@@ -348,7 +349,7 @@ class CudnnFP8Engine(Engine):
 
     def _backward(self, saved: _Saved, dout: torch.Tensor, cfg: AttnConfig):
         built = self.backward_graph(saved, cfg)
-        do8 = self.quantize(("do",), (dout.reshape(saved.o8.shape),), saved.fp8)[0]
+        do8 = quantize(("do",), (dout.reshape(saved.o8.shape),), saved.fp8)[0]
         grads, descales = self.attend_backward(built, saved, do8, cfg)
         return tuple(fp8q.dequantize(g, d, saved.dtype) for g, d in zip(grads, descales))
 
