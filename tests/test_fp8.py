@@ -164,7 +164,12 @@ def verdict(p, plat=H100):
 @pytest.mark.parametrize("change, code, words", [
     (dict(head_dim_qk=64), "cudnn_fused.fp8_head_dim", "head dim 128 only"),
     (dict(attn_mask_type="causal_bottom_right"), "cudnn_fused.fp8_mask", "bottom-right"),
-    (dict(qkv_format="thd"), "cudnn_fused.fp8_format", "bshd or sbhd"),
+    (dict(qkv_format="thd", attn_mask_type="padding_causal"), "cudnn_fused.fp8_format", "THD is not supported on Hopper"),
+    (dict(cp_size=2, cp_comm_type="p2p"), "cudnn_fused.fp8_context_parallel", "cp_comm_type='p2p' is not implemented"),
+    (dict(cp_size=2, cp_comm_type="all_gather"), "cudnn_fused.fp8_context_parallel", "merged output"),
+    (dict(cp_size=4, cp_comm_type="a2a+p2p", cp_a2a_size=2), "cudnn_fused.fp8_context_parallel", "'a2a+p2p'"),
+    (dict(cp_size=2, cp_comm_type="a2a", qkv_format="thd", attn_mask_type="padding_causal"),
+     "cudnn_fused.fp8_context_parallel", "qkv_format='thd' under context parallelism"),
     (dict(window_size=(128, 0)), "cudnn_fused.fp8_window", "sliding window"),
     (dict(dropout=0.1), "cudnn_fused.dropout", "dropout"),
     (dict(bias_type="post_scale_bias", bias_shape="1hss"), "cudnn_fused.fp8_bias", "no bias"),
@@ -192,6 +197,20 @@ def test_fp8_explanations_on_other_platforms():
     for provider in ("frontend", "torch"):  # the bf16 providers point at the FP8 one
         other = next(x for x in d.verdicts if x.backend == "cudnn_fused" and x.provider == provider)
         assert any("cudnn_fused:fp8" in (r.fix or "") for r in other.reasons)
+
+
+def test_fp8_under_a2a_and_thd_inference_are_eligible():
+    """a2a: selection composes the per-rank whole-sequence call (num_heads / cp_size heads, cp_size x the local
+    tokens) with the FP8 table; the refusals under the other comm types point at a2a."""
+    v, d = verdict(fp8_params(cp_size=2, cp_comm_type="a2a"))
+    assert v.eligible and d.chosen == "cudnn_fused:fp8"
+    v, _ = verdict(fp8_params(cp_size=2, cp_comm_type="a2a", num_heads=3, num_gqa_groups=3))
+    assert not v.eligible and "divisible by 2" in " ".join(r.message for r in v.reasons)
+    v, _ = verdict(fp8_params(cp_size=2, cp_comm_type="p2p"))
+    fix = next(r.fix for r in v.reasons if r.code == "cudnn_fused.fp8_context_parallel")
+    assert "cp_comm_type='a2a'" in fix
+    v, _ = verdict(fp8_params(qkv_format="thd", attn_mask_type="padding_causal", is_training=False))
+    assert v.eligible  # the forward: not excluded by cudnn-frontend 1.32 (its GPU probe decides on cuDNN 9.19)
 
 
 def test_bf16_calls_are_not_fp8_ones():
