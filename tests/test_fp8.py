@@ -346,6 +346,35 @@ def test_padding_uses_sequence_lengths(engine):
     assert float(out[1, 13:].float().abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("gaps", [False, True])
+def test_thd_inference_through_ragged_offsets(engine, gaps):
+    """Packed sequences (thd) in inference: q, k, v, O and the stats are read and written through ragged offsets
+    (cu_seqlens_padded x token stride); with padding between sequences the gaps stay 0 in O and -inf in the lse."""
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", fp8_dpa=True))
+    lens = [24, 13, 7]
+    cu = torch.tensor([0, 24, 37, 44], dtype=torch.int32)
+    cu_pad = torch.tensor([0, 26, 41, 50], dtype=torch.int32) if gaps else cu
+    t = int(cu_pad[-1])
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(t, n, 16, generator=g).to(torch.bfloat16) for n in (4, 2, 2))
+    for _ in range(2):  # the second call runs on scales fitted to these tensors
+        aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                      max_seqlen_q=24, max_seqlen_kv=24)
+        with torch.no_grad():
+            out, lse, _ = _call(engine, q, k, v, state, "padding_causal", fmt="thd", aux=aux)
+    ref, *_ = _ref(q, k, v, "padding_causal", fmt="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                   cu_seqlens_kv_padded=cu_pad)
+    assert out.shape == (t, 4, 16) and lse.shape == (4, t)
+    rows = torch.cat([torch.arange(int(a), int(a) + n) for a, n in zip(cu_pad[:-1], lens)])
+    assert _rel(out[rows], ref[rows]) < FWD_TOL
+    if gaps:
+        hole = torch.ones(t, dtype=torch.bool)
+        hole[rows] = False
+        assert float(out[hole].float().abs().max()) == 0.0 and bool((lse[:, hole] == float("-inf")).all())
+    with pytest.raises(ValueError, match="thd in inference only"):
+        _call(engine, q.requires_grad_(), k, v, state, "padding_causal", fmt="thd", aux=aux)
+
+
 def test_fp8_output_is_returned_as_data_and_scale(engine):
     from attn_dispatch.fp8 import Float8Output
 

@@ -71,6 +71,7 @@ class _Key:
     scale: float
     deterministic: bool
     bwd_dtype: torch.dtype     # dO, dQ, dK, dV
+    offsets_int64: bool = False  # thd: ragged offsets in int64 (cuDNN >= 9.5), else int32
 
 
 @dataclass
@@ -97,15 +98,30 @@ class _Saved:
 
 
 def _bhsd_strides(layout: str, b: int, s: int, h: int, d: int) -> list[int]:
-    """[b, h, s, d] strides of a tensor contiguous in `layout`."""
-    if layout == "bshd":
+    """[b, h, s, d] strides of a tensor contiguous in `layout`; thd: of a packed [t, h, d] tensor read through
+    ragged offsets (the batch stride spans the graph's S tokens, as the bf16 engine declares it)."""
+    if layout in ("bshd", "thd"):
         return [s * h * d, d, h * d, 1]
     return [h * d, d, b * h * d, 1]  # sbhd
 
 
-def _empty(layout: str, b: int, s: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    shape = (b, s, h, d) if layout == "bshd" else (s, b, h, d)
+def _empty(call: Any, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """O for a call; thd with gaps between sequences is zeroed (cuDNN writes only the sequences' own rows)."""
+    if call.fmt == "thd":
+        return (torch.zeros if call.gaps else torch.empty)(call.t_q, h, d, dtype=dtype, device=device)
+    shape = (call.b, call.sq, h, d) if call.fmt == "bshd" else (call.sq, call.b, h, d)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _ragged_offsets(call: Any, key: _Key) -> dict[str, torch.Tensor]:
+    """thd: the ragged offset buffers the forward graph declares (_build's `ragged`): cu_seqlens_padded x the
+    token stride of each operand, and x heads for the [t, h] stats."""
+    itype = torch.int64 if key.offsets_int64 else torch.int32
+    out = {"off_stats": (call.cu_q_pad.to(itype) * call.h).view(-1, 1, 1, 1)}
+    for side, cu, heads in (("q", call.cu_q_pad, call.h), ("kv", call.cu_kv_pad, call.hkv)):
+        for d in (call.dqk, call.dv):
+            out[f"off_{side}_{heads * d}"] = (cu.to(itype) * heads * d).view(-1, 1, 1, 1)
+    return out
 
 
 def _fp8_of(aux: AttnAux) -> FP8Call:
@@ -193,9 +209,21 @@ class CudnnFP8Engine(Engine):
                       handle=handle)
         tensors: dict[str, Any] = {}
 
+        def offsets(name: str) -> Any:
+            if name not in tensors:
+                tensors[name] = g.tensor(name=name, dim=[key.b + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                         data_type=c.data_type.INT64 if key.offsets_int64 else i32)
+            return tensors[name]
+
+        def ragged(name: str, t: Any, h: int, d: int) -> None:
+            """thd: where each sequence of `name` starts, in elements (cu_seqlens_padded x the token stride)."""
+            if key.layout == "thd":
+                t.set_ragged_offset(offsets(f"off_{'q' if name in ('q', 'o') else 'kv'}_{h * d}"))
+
         def operand(name: str, s: int, h: int, d: int, dtype: Any) -> Any:
             t = g.tensor(name=name, dim=[key.b, h, s, d], stride=_bhsd_strides(key.layout, key.b, s, h, d),
                          data_type=dtype)
+            ragged(name, t, h, d)
             tensors[name] = t
             return t
 
@@ -207,6 +235,7 @@ class CudnnFP8Engine(Engine):
         def output(name: str, t: Any, s: int, h: int, d: int, dtype: Any) -> None:
             t.set_output(True).set_dim([key.b, h, s, d]).set_stride(_bhsd_strides(key.layout, key.b, s, h, d)) \
                 .set_data_type(dtype)
+            ragged(name, t, h, d)
             tensors[name] = t
 
         def scalar_out(name: str, t: Any) -> None:
@@ -225,12 +254,16 @@ class CudnnFP8Engine(Engine):
             kw["seq_len_q"] = small("seq_len_q", [key.b, 1, 1, 1], i32)
             kw["seq_len_kv"] = small("seq_len_kv", [key.b, 1, 1, 1], i32)
         stats_dims, stats_strides = [key.b, key.h, key.sq, 1], [key.h * key.sq, key.sq, 1, 1]
+        if key.layout == "thd":  # ragged [t, h] stats, as the bf16 engine's
+            stats_strides = [key.h * key.sq, 1, key.h, 1]
         if key.phase == "fwd":
             for name in _FWD_SCALARS:
                 kw[name] = small(name, [1, 1, 1, 1], f32)
             o, stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, generate_stats=True, name="sdpa_fp8", **kw)
             output("o", o, key.sq, key.h, key.dv, e4m3)
             stats.set_output(True).set_dim(stats_dims).set_stride(stats_strides).set_data_type(f32)
+            if key.layout == "thd":
+                stats.set_ragged_offset(offsets("off_stats"))
             tensors["stats"] = stats
             scalar_out("amax_s", amax_s)
             scalar_out("amax_o", amax_o)
@@ -266,7 +299,7 @@ class CudnnFP8Engine(Engine):
     def _key(self, phase: str, call: Any, cfg: AttnConfig, device: int, fp8: FP8Call) -> _Key:
         return _Key(phase, device, call.b, call.h, call.hkv, call.sq, call.skv, call.dqk, call.dv, call.fmt,
                     call.padding, "causal" in cfg.attn_mask_type, float(cfg.softmax_scale), cfg.deterministic,
-                    fp8.state.dtypes["do"])
+                    fp8.state.dtypes["do"], call.fmt == "thd" and self.cudnn.backend_version() >= 90500)
 
     def _signature(self, call: Any, cfg: AttnConfig, dtype: torch.dtype, phase: str, fp8: FP8Call) -> tuple:
         """The table's rejection signature (constraints.cudnn_fused.rejection_signature) of this call."""
@@ -304,15 +337,17 @@ class CudnnFP8Engine(Engine):
         o8, o_descale, saved = self.attend(plan, q8, k8, v8, fp8, q.dtype)
         out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
         call = saved.call
-        return FwdResult(out, saved.stats.view(call.b, call.h, call.sq), saved, None)
+        lse = saved.stats.t() if call.fmt == "thd" else saved.stats.view(call.b, call.h, call.sq)  # thd: [h, t]
+        return FwdResult(out, lse, saved, None)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, fp8: FP8Call,
              dtype: torch.dtype, training: bool) -> tuple:
         """(call, forward key, forward graph) of a call on q, k, v (`dtype` ones, or their FP8 data); with
         `training`, the backward graph is built (or found) too. Nothing is recorded in the scaling state."""
         call = _cd._prepare(q, k, v, aux, cfg, io_dtypes=(dtype, E4M3))
-        if call.fmt == "thd":
-            raise ValueError("cudnn_fused:fp8 takes bshd or sbhd, not thd (its table says so)")
+        if call.fmt == "thd" and training:
+            raise ValueError("cudnn_fused:fp8 runs thd in inference only (cuDNN's FP8 backward takes no ragged "
+                             "tensors on Hopper; its table says so)")
         dev = q.device.index if q.device.index is not None else _cd._current_device()
         key = self._key("fwd", call, cfg, dev, fp8)
         built = self.graph(key, self._signature(call, cfg, dtype, "fwd", fp8))
@@ -328,14 +363,21 @@ class CudnnFP8Engine(Engine):
         st = fp8.state.to(q8.device)
         scales = st.scale.clone()
         descales = scales.reciprocal()
-        o8 = _empty(call.fmt, call.b, call.sq, call.h, call.dv, E4M3, q8.device)
-        stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q8.device)
+        o8 = _empty(call, call.h, call.dv, E4M3, q8.device)
+        if call.fmt == "thd":  # ragged [t, h] stats; rows in gaps between sequences stay -inf
+            stats = torch.empty(call.t_q, call.h, dtype=torch.float32, device=q8.device)
+            if call.gaps:
+                stats.fill_(float("-inf"))
+        else:
+            stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q8.device)
         buffers = {"q": q8, "k": k8, "v": v8, "o": o8, "stats": stats,
                    "amax_s": st.amax_slot("s").view(1, 1, 1, 1), "amax_o": st.amax_slot("o").view(1, 1, 1, 1)}
         buffers.update(self._scalars(_FWD_SCALARS, (scales, descales)))
         if call.padding:
             buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
             buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
+        if call.fmt == "thd":
+            buffers.update(_ragged_offsets(call, key))
         self._run(built, buffers, key.device)
         st.update(FORWARD, fp8.group)
         saved = _Saved(key, call, q8, k8, v8, o8, stats, scales, descales, dtype, fp8)
