@@ -218,7 +218,7 @@ class CudnnFP8Engine(Engine):
         def ragged(name: str, t: Any, h: int, d: int) -> None:
             """thd: where each sequence of `name` starts, in elements (cu_seqlens_padded x the token stride)."""
             if key.layout == "thd":
-                t.set_ragged_offset(offsets(f"off_{'q' if name in ('q', 'o') else 'kv'}_{h * d}"))
+                t.set_ragged_offset(offsets(f"off_{'kv' if name in ('k', 'v', 'dk', 'dv') else 'q'}_{h * d}"))
 
         def operand(name: str, s: int, h: int, d: int, dtype: Any) -> Any:
             t = g.tensor(name=name, dim=[key.b, h, s, d], stride=_bhsd_strides(key.layout, key.b, s, h, d),
@@ -271,6 +271,8 @@ class CudnnFP8Engine(Engine):
             o = operand("o", key.sq, key.h, key.dv, e4m3)
             do = operand("do", key.sq, key.h, key.dv, dt[key.bwd_dtype])
             stats = g.tensor(name="stats", dim=stats_dims, stride=stats_strides, data_type=f32)
+            if key.layout == "thd":  # built only by the GPU probe: plan() refuses thd in training
+                stats.set_ragged_offset(offsets("off_stats"))
             tensors["stats"] = stats
             for name in _BWD_SCALARS:
                 kw[name] = small(name, [1, 1, 1, 1], f32)
