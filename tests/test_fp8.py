@@ -164,7 +164,8 @@ def verdict(p, plat=H100):
 @pytest.mark.parametrize("change, code, words", [
     (dict(head_dim_qk=64), "cudnn_fused.fp8_head_dim", "head dim 128 only"),
     (dict(attn_mask_type="causal_bottom_right"), "cudnn_fused.fp8_mask", "bottom-right"),
-    (dict(qkv_format="thd", attn_mask_type="padding_causal"), "cudnn_fused.fp8_format", "THD is not supported on Hopper"),
+    (dict(qkv_format="thd", attn_mask_type="padding_causal"), "cudnn_fused.fp8_format",
+     "THD is not supported on Hopper"),
     (dict(cp_size=2, cp_comm_type="p2p"), "cudnn_fused.fp8_context_parallel", "cp_comm_type='p2p' is not implemented"),
     (dict(cp_size=2, cp_comm_type="all_gather"), "cudnn_fused.fp8_context_parallel", "merged output"),
     (dict(cp_size=4, cp_comm_type="a2a+p2p", cp_a2a_size=2), "cudnn_fused.fp8_context_parallel", "'a2a+p2p'"),

@@ -37,7 +37,8 @@ class SelectedPerBlock(Engine):
         fp8 = dict(fp8=True, fp8_recipe=self.fp8_recipe) if self.fp8_recipe is not None else {}
         return AttentionParams(
             dtype=dtype or q.dtype, qkv_format=fmt, batch_size=batch, num_heads=q.shape[-2],
-            num_gqa_groups=k.shape[-2], head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=max(sq, 1), max_seqlen_kv=max(skv, 1),
+            num_gqa_groups=k.shape[-2], head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=max(sq, 1),
+            max_seqlen_kv=max(skv, 1),
             attn_mask_type=cfg.attn_mask_type, window_size=tuple(cfg.window_size), softmax_type=cfg.softmax_type,
             is_training=self.is_training, deterministic=cfg.deterministic,
             device_type="cuda" if q.device.type == "cuda" else q.device.type, **fp8)

@@ -92,7 +92,8 @@ def _a2a_case(name, recipe, mask, h, hkv, s, rank, size, group):
     row["grads_equal_single"] = all(torch.equal(x.grad, cp.shard(w.grad, "bshd", size, rank))
                                     for x, w in zip(local, leaves))
     row["out_vs_single"] = _rel(out, cp.shard(out_w.detach(), "bshd", size, rank))
-    row["dq_vs_single"] = _rel(local[0].grad, cp.shard(leaves[0].grad, "bshd", size, rank))  # cuDNN's dQ may use atomics
+    # cuDNN's dQ may accumulate with atomics: equal up to summation order
+    row["dq_vs_single"] = _rel(local[0].grad, cp.shard(leaves[0].grad, "bshd", size, rank))
     row["scales_equal_single"] = bool(torch.equal(split.scale, single.scale))
     qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(
