@@ -314,12 +314,14 @@ class DotProductAttention(torch.nn.Module):
         self._check_args(args)
         fp8 = self._fp8_context(args)
         if fp8 is not None:
-            if args.inference_params is not None or self.cp_group is not None:
-                what = "a KV cache (inference_params)" if args.inference_params is not None else \
-                    "context parallelism"
-                raise ValueError(f"FP8 attention with {what} is not supported by attn-dispatch (Transformer Engine "
-                                 "also runs no fused FP8 attention with a KV cache); run this call outside "
-                                 "fp8_autocast, or with a recipe whose fp8_dpa=False")
+            if args.inference_params is not None:
+                raise ValueError("FP8 attention with a KV cache (inference_params) is not supported by attn-dispatch "
+                                 "(Transformer Engine also runs no fused FP8 attention with a KV cache); run this "
+                                 "call outside fp8_autocast, or with a recipe whose fp8_dpa=False")
+            if self.cp_group is not None:
+                from .context_parallel import module_glue
+
+                return module_glue.forward(self, q, k, v, args, fp8)
             return self._dispatch(q, k, v, args, fp8)
         if args.inference_params is not None:
             from .kv_cache import attend

@@ -43,6 +43,11 @@ class T:
     def __init__(self, name="", dim=None, stride=None, data_type=None):
         self.name, self.dim, self.stride, self.data_type, self.output = name, list(dim or []), list(stride or []), \
             data_type, False
+        self.ragged = None
+
+    def set_ragged_offset(self, t):
+        self.ragged = t
+        return self
 
     def set_output(self, v):
         self.output = v
@@ -113,10 +118,28 @@ class Graph:
         by = {id(t): b for t, b in buffers.items()}
         phase, kw = self.node
 
+        def element_index(t, b, rows):
+            """Flat element indices of batch b's first `rows` rows of a [b, h, S, d] tensor (ragged: from its
+            offset; else from the batch stride)."""
+            _, h, _, d = t.dim
+            _, sh, ss, sd = t.stride
+            start = int(by[id(t.ragged)].reshape(-1)[b]) if t.ragged is not None else b * t.stride[0]
+            grid = torch.arange(h).view(h, 1, 1) * sh + torch.arange(rows).view(1, rows, 1) * ss \
+                + torch.arange(d).view(1, 1, d) * sd
+            return start + grid
+
         def read(t):
             buf = by[id(t)]
             assert buf.dtype == TORCH_OF[t.data_type], f"{t.name}: buffer {buf.dtype}, graph {t.data_type}"
-            return torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).double()
+            if t.ragged is None:
+                return torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).double()
+            flat = buf.reshape(-1).double()
+            out = torch.zeros(t.dim, dtype=torch.float64)
+            for b in range(t.dim[0]):  # rows past the buffer's end (the last sequences' padding) read as 0
+                idx = element_index(t, b, t.dim[2])
+                inside = idx < flat.numel()
+                out[b][inside] = flat[idx[inside]]
+            return out
 
         def scalar(name):
             return float(by[id(kw[name])].reshape(-1)[0])
@@ -126,7 +149,17 @@ class Graph:
             assert buf.dtype == TORCH_OF[t.data_type], f"{t.name}: buffer {buf.dtype}, graph {t.data_type}"
             if buf.dtype in FP8_MAX:
                 value = value.clamp(-FP8_MAX[buf.dtype], FP8_MAX[buf.dtype])
-            torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).copy_(value.to(buf.dtype))
+            if t.ragged is None:
+                torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).copy_(value.to(buf.dtype))
+                return
+            lens = by[id(kw["seq_len_q"])].reshape(-1)  # ragged outputs are q-side: a sequence's own rows only
+            raw = buf.view(torch.uint8) if buf.dtype in FP8_MAX else buf
+            flat = raw.reshape(-1)
+            for b in range(t.dim[0]):
+                rows = int(lens[b])
+                data = value[b, :, :rows].to(buf.dtype)
+                flat[element_index(t, b, rows).reshape(-1)] = (data.view(torch.uint8) if buf.dtype in FP8_MAX
+                                                               else data).reshape(-1)
 
         q = read(kw["q"]) * scalar("descale_q")
         k = read(kw["k"]) * scalar("descale_k")

@@ -164,7 +164,13 @@ def verdict(p, plat=H100):
 @pytest.mark.parametrize("change, code, words", [
     (dict(head_dim_qk=64), "cudnn_fused.fp8_head_dim", "head dim 128 only"),
     (dict(attn_mask_type="causal_bottom_right"), "cudnn_fused.fp8_mask", "bottom-right"),
-    (dict(qkv_format="thd"), "cudnn_fused.fp8_format", "bshd or sbhd"),
+    (dict(qkv_format="thd", attn_mask_type="padding_causal"), "cudnn_fused.fp8_format",
+     "THD is not supported on Hopper"),
+    (dict(cp_size=2, cp_comm_type="p2p"), "cudnn_fused.fp8_context_parallel", "cp_comm_type='p2p' is not implemented"),
+    (dict(cp_size=2, cp_comm_type="all_gather"), "cudnn_fused.fp8_context_parallel", "merged output"),
+    (dict(cp_size=4, cp_comm_type="a2a+p2p", cp_a2a_size=2), "cudnn_fused.fp8_context_parallel", "'a2a+p2p'"),
+    (dict(cp_size=2, cp_comm_type="a2a", qkv_format="thd", attn_mask_type="padding_causal"),
+     "cudnn_fused.fp8_context_parallel", "qkv_format='thd' under context parallelism"),
     (dict(window_size=(128, 0)), "cudnn_fused.fp8_window", "sliding window"),
     (dict(dropout=0.1), "cudnn_fused.dropout", "dropout"),
     (dict(bias_type="post_scale_bias", bias_shape="1hss"), "cudnn_fused.fp8_bias", "no bias"),
@@ -192,6 +198,20 @@ def test_fp8_explanations_on_other_platforms():
     for provider in ("frontend", "torch"):  # the bf16 providers point at the FP8 one
         other = next(x for x in d.verdicts if x.backend == "cudnn_fused" and x.provider == provider)
         assert any("cudnn_fused:fp8" in (r.fix or "") for r in other.reasons)
+
+
+def test_fp8_under_a2a_and_thd_inference_are_eligible():
+    """a2a: selection composes the per-rank whole-sequence call (num_heads / cp_size heads, cp_size x the local
+    tokens) with the FP8 table; the refusals under the other comm types point at a2a."""
+    v, d = verdict(fp8_params(cp_size=2, cp_comm_type="a2a"))
+    assert v.eligible and d.chosen == "cudnn_fused:fp8"
+    v, _ = verdict(fp8_params(cp_size=2, cp_comm_type="a2a", num_heads=3, num_gqa_groups=3))
+    assert not v.eligible and "divisible by 2" in " ".join(r.message for r in v.reasons)
+    v, _ = verdict(fp8_params(cp_size=2, cp_comm_type="p2p"))
+    fix = next(r.fix for r in v.reasons if r.code == "cudnn_fused.fp8_context_parallel")
+    assert "cp_comm_type='a2a'" in fix
+    v, _ = verdict(fp8_params(qkv_format="thd", attn_mask_type="padding_causal", is_training=False))
+    assert v.eligible  # the forward: not excluded by cudnn-frontend 1.32 (its GPU probe decides on cuDNN 9.19)
 
 
 def test_bf16_calls_are_not_fp8_ones():
@@ -325,6 +345,35 @@ def test_padding_uses_sequence_lengths(engine):
     ref, *_ = _ref(q, k, v, "padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     assert _rel(out[1, :13], ref[1, :13]) < FWD_TOL and _rel(out[0], ref[0]) < FWD_TOL
     assert float(out[1, 13:].float().abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_thd_inference_through_ragged_offsets(engine, gaps):
+    """Packed sequences (thd) in inference: q, k, v, O and the stats are read and written through ragged offsets
+    (cu_seqlens_padded x token stride); with padding between sequences the gaps stay 0 in O and -inf in the lse."""
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", fp8_dpa=True))
+    lens = [24, 13, 7]
+    cu = torch.tensor([0, 24, 37, 44], dtype=torch.int32)
+    cu_pad = torch.tensor([0, 26, 41, 50], dtype=torch.int32) if gaps else cu
+    t = int(cu_pad[-1])
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(t, n, 16, generator=g).to(torch.bfloat16) for n in (4, 2, 2))
+    for _ in range(2):  # the second call runs on scales fitted to these tensors
+        aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                      max_seqlen_q=24, max_seqlen_kv=24)
+        with torch.no_grad():
+            out, lse, _ = _call(engine, q, k, v, state, "padding_causal", fmt="thd", aux=aux)
+    ref, *_ = _ref(q, k, v, "padding_causal", fmt="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                   cu_seqlens_kv_padded=cu_pad)
+    assert out.shape == (t, 4, 16) and lse.shape == (4, t)
+    rows = torch.cat([torch.arange(int(a), int(a) + n) for a, n in zip(cu_pad[:-1], lens)])
+    assert _rel(out[rows], ref[rows]) < FWD_TOL
+    if gaps:
+        hole = torch.ones(t, dtype=torch.bool)
+        hole[rows] = False
+        assert float(out[hole].float().abs().max()) == 0.0 and bool((lse[:, hole] == float("-inf")).all())
+    with pytest.raises(ValueError, match="thd in inference only"):
+        _call(engine, q.requires_grad_(), k, v, state, "padding_causal", fmt="thd", aux=aux)
 
 
 def test_fp8_output_is_returned_as_data_and_scale(engine):

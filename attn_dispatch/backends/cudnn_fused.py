@@ -203,17 +203,21 @@ def _describe(x: torch.Tensor, fmt: str, s_graph: int) -> tuple[tuple, int | Non
     return tuple(v.stride()), None
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> _Call:
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
+             io_dtypes: tuple | None = None) -> _Call:
+    """The call's shapes and lengths, checked. io_dtypes: what q, k, v may be (the FP8 engine passes FP8 ones for
+    inputs it quantized before an all-to-all)."""
     fmt = cfg.qkv_format
+    io_dtypes = io_dtypes or IO_DTYPES  # read per call: the CPU tests widen IO_DTYPES
     for name, t in (("q", q), ("k", k), ("v", v)):
         want = 3 if fmt == "thd" else 4
         if t.dim() != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; qkv_format={fmt!r} needs {want} dims")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous head dim (stride(-1) == 1); got strides {t.stride()}")
-    if q.dtype not in IO_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: cuDNN fused attention takes float16 or "
-                         "bfloat16, the same for all three")
+    if q.dtype not in io_dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: this cuDNN call takes "
+                         f"{' or '.join(str(d).removeprefix('torch.') for d in io_dtypes)}, the same for all three")
     _require_cuda(q)
     h, hkv, dqk, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     if h % hkv:

@@ -50,6 +50,8 @@ class FP8Call:
     state: FP8ScalingState
     group: Any = None          # torch.distributed group the amaxes are reduced over (fp8_autocast's fp8_group)
     output_fp8: bool = False   # return O as a Float8Output
+    # context parallelism: the group FP8 data is exchanged over (current scaling agrees on q, k, v, dO scales there)
+    exchange_group: Any = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class _Key:
     scale: float
     deterministic: bool
     bwd_dtype: torch.dtype     # dO, dQ, dK, dV
+    offsets_int64: bool = False  # thd: ragged offsets in int64 (cuDNN >= 9.5), else int32
 
 
 @dataclass
@@ -95,15 +98,30 @@ class _Saved:
 
 
 def _bhsd_strides(layout: str, b: int, s: int, h: int, d: int) -> list[int]:
-    """[b, h, s, d] strides of a tensor contiguous in `layout`."""
-    if layout == "bshd":
+    """[b, h, s, d] strides of a tensor contiguous in `layout`; thd: of a packed [t, h, d] tensor read through
+    ragged offsets (the batch stride spans the graph's S tokens, as the bf16 engine declares it)."""
+    if layout in ("bshd", "thd"):
         return [s * h * d, d, h * d, 1]
     return [h * d, d, b * h * d, 1]  # sbhd
 
 
-def _empty(layout: str, b: int, s: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    shape = (b, s, h, d) if layout == "bshd" else (s, b, h, d)
+def _empty(call: Any, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """O for a call; thd with gaps between sequences is zeroed (cuDNN writes only the sequences' own rows)."""
+    if call.fmt == "thd":
+        return (torch.zeros if call.gaps else torch.empty)(call.t_q, h, d, dtype=dtype, device=device)
+    shape = (call.b, call.sq, h, d) if call.fmt == "bshd" else (call.sq, call.b, h, d)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _ragged_offsets(call: Any, key: _Key) -> dict[str, torch.Tensor]:
+    """thd: the ragged offset buffers the forward graph declares (_build's `ragged`): cu_seqlens_padded x the
+    token stride of each operand, and x heads for the [t, h] stats."""
+    itype = torch.int64 if key.offsets_int64 else torch.int32
+    out = {"off_stats": (call.cu_q_pad.to(itype) * call.h).view(-1, 1, 1, 1)}
+    for side, cu, heads in (("q", call.cu_q_pad, call.h), ("kv", call.cu_kv_pad, call.hkv)):
+        for d in (call.dqk, call.dv):
+            out[f"off_{side}_{heads * d}"] = (cu.to(itype) * heads * d).view(-1, 1, 1, 1)
+    return out
 
 
 def _fp8_of(aux: AttnAux) -> FP8Call:
@@ -112,6 +130,26 @@ def _fp8_of(aux: AttnAux) -> FP8Call:
         raise ValueError("cudnn_fused:fp8 runs FP8 calls only: call the module inside attn_dispatch.fp8_autocast "
                          "with a recipe whose fp8_dpa=True (aux.extra['fp8'] is missing)")
     return fp8
+
+
+def quantize(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], fp8: FP8Call) -> list[torch.Tensor]:
+    """The FP8 data of q, k, v (or dO) with the state's scales, their amaxes recorded in the history's row 0.
+    Current scaling scales each by its own amax now: the max over fp8.exchange_group when the data crosses
+    ranks (context parallelism), so that every rank quantizes with the same scale."""
+    st = fp8.state.to(tensors[0].device)
+    if st.recipe.kind != "current":
+        return [fp8q.quantize(x, st.scale_of(n), st.dtypes[n], amax_into=st.amax_slot(n))
+                for n, x in zip(names, tensors)]
+    amaxes = torch.cat([fp8q.amax(x) for x in tensors])
+    if fp8.exchange_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=fp8.exchange_group)
+    out = []
+    for i, (n, x) in enumerate(zip(names, tensors)):
+        st.amax_slot(n).copy_(amaxes[i:i + 1])
+        out.append(fp8q.quantize(x, st.current_scale(n, amaxes[i:i + 1]), st.dtypes[n]))
+    return out
 
 
 class CudnnFP8Engine(Engine):
@@ -171,9 +209,21 @@ class CudnnFP8Engine(Engine):
                       handle=handle)
         tensors: dict[str, Any] = {}
 
+        def offsets(name: str) -> Any:
+            if name not in tensors:
+                tensors[name] = g.tensor(name=name, dim=[key.b + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                         data_type=c.data_type.INT64 if key.offsets_int64 else i32)
+            return tensors[name]
+
+        def ragged(name: str, t: Any, h: int, d: int) -> None:
+            """thd: where each sequence of `name` starts, in elements (cu_seqlens_padded x the token stride)."""
+            if key.layout == "thd":
+                t.set_ragged_offset(offsets(f"off_{'kv' if name in ('k', 'v', 'dk', 'dv') else 'q'}_{h * d}"))
+
         def operand(name: str, s: int, h: int, d: int, dtype: Any) -> Any:
             t = g.tensor(name=name, dim=[key.b, h, s, d], stride=_bhsd_strides(key.layout, key.b, s, h, d),
                          data_type=dtype)
+            ragged(name, t, h, d)
             tensors[name] = t
             return t
 
@@ -185,6 +235,7 @@ class CudnnFP8Engine(Engine):
         def output(name: str, t: Any, s: int, h: int, d: int, dtype: Any) -> None:
             t.set_output(True).set_dim([key.b, h, s, d]).set_stride(_bhsd_strides(key.layout, key.b, s, h, d)) \
                 .set_data_type(dtype)
+            ragged(name, t, h, d)
             tensors[name] = t
 
         def scalar_out(name: str, t: Any) -> None:
@@ -203,12 +254,16 @@ class CudnnFP8Engine(Engine):
             kw["seq_len_q"] = small("seq_len_q", [key.b, 1, 1, 1], i32)
             kw["seq_len_kv"] = small("seq_len_kv", [key.b, 1, 1, 1], i32)
         stats_dims, stats_strides = [key.b, key.h, key.sq, 1], [key.h * key.sq, key.sq, 1, 1]
+        if key.layout == "thd":  # ragged [t, h] stats, as the bf16 engine's
+            stats_strides = [key.h * key.sq, 1, key.h, 1]
         if key.phase == "fwd":
             for name in _FWD_SCALARS:
                 kw[name] = small(name, [1, 1, 1, 1], f32)
             o, stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, generate_stats=True, name="sdpa_fp8", **kw)
             output("o", o, key.sq, key.h, key.dv, e4m3)
             stats.set_output(True).set_dim(stats_dims).set_stride(stats_strides).set_data_type(f32)
+            if key.layout == "thd":
+                stats.set_ragged_offset(offsets("off_stats"))
             tensors["stats"] = stats
             scalar_out("amax_s", amax_s)
             scalar_out("amax_o", amax_o)
@@ -216,6 +271,8 @@ class CudnnFP8Engine(Engine):
             o = operand("o", key.sq, key.h, key.dv, e4m3)
             do = operand("do", key.sq, key.h, key.dv, dt[key.bwd_dtype])
             stats = g.tensor(name="stats", dim=stats_dims, stride=stats_strides, data_type=f32)
+            if key.layout == "thd":  # built only by the GPU probe: plan() refuses thd in training
+                stats.set_ragged_offset(offsets("off_stats"))
             tensors["stats"] = stats
             for name in _BWD_SCALARS:
                 kw[name] = small(name, [1, 1, 1, 1], f32)
@@ -244,7 +301,7 @@ class CudnnFP8Engine(Engine):
     def _key(self, phase: str, call: Any, cfg: AttnConfig, device: int, fp8: FP8Call) -> _Key:
         return _Key(phase, device, call.b, call.h, call.hkv, call.sq, call.skv, call.dqk, call.dv, call.fmt,
                     call.padding, "causal" in cfg.attn_mask_type, float(cfg.softmax_scale), cfg.deterministic,
-                    fp8.state.dtypes["do"])
+                    fp8.state.dtypes["do"], call.fmt == "thd" and self.cudnn.backend_version() >= 90500)
 
     def _signature(self, call: Any, cfg: AttnConfig, dtype: torch.dtype, phase: str, fp8: FP8Call) -> tuple:
         """The table's rejection signature (constraints.cudnn_fused.rejection_signature) of this call."""
@@ -256,14 +313,6 @@ class CudnnFP8Engine(Engine):
                             max_seqlen_q=call.max_q, max_seqlen_kv=call.max_kv, attn_mask_type=cfg.attn_mask_type,
                             window_size=tuple(cfg.window_size), fp8=True, fp8_recipe=fp8.state.recipe.kind)
         return rejection_signature(p, cfg.deterministic, "fp8_" + phase)
-
-    def _quantize(self, name: str, x: torch.Tensor, st: FP8ScalingState) -> torch.Tensor:
-        dtype = st.dtypes[name]
-        if st.recipe.kind == "current":
-            amax = fp8q.amax(x)
-            st.amax_slot(name).copy_(amax)
-            return fp8q.quantize(x, st.current_scale(name, amax), dtype)
-        return fp8q.quantize(x, st.scale_of(name), dtype, amax_into=st.amax_slot(name))
 
     @staticmethod
     def _scalars(names: tuple[str, ...], fwd: tuple[torch.Tensor, torch.Tensor],
@@ -284,33 +333,57 @@ class CudnnFP8Engine(Engine):
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
                  training: bool) -> FwdResult:
         fp8 = _fp8_of(aux)
-        call = _cd._prepare(q, k, v, aux, cfg)
-        if call.fmt == "thd":
-            raise ValueError("cudnn_fused:fp8 takes bshd or sbhd, not thd (its table says so)")
-        st = fp8.state.to(q.device)
+        # graphs first: a configuration cuDNN refuses is reported before anything is quantized or recorded
+        plan = self.plan(q, k, v, aux, cfg, fp8, q.dtype, training)
+        q8, k8, v8 = quantize(("q", "k", "v"), (q, k, v), fp8)
+        o8, o_descale, saved = self.attend(plan, q8, k8, v8, fp8, q.dtype)
+        out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
+        call = saved.call
+        lse = saved.stats.t() if call.fmt == "thd" else saved.stats.view(call.b, call.h, call.sq)  # thd: [h, t]
+        return FwdResult(out, lse, saved, None)
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, fp8: FP8Call,
+             dtype: torch.dtype, training: bool) -> tuple:
+        """(call, forward key, forward graph) of a call on q, k, v (`dtype` ones, or their FP8 data); with
+        `training`, the backward graph is built (or found) too. Nothing is recorded in the scaling state."""
+        call = _cd._prepare(q, k, v, aux, cfg, io_dtypes=(dtype, E4M3))
+        if call.fmt == "thd" and training:
+            raise ValueError("cudnn_fused:fp8 runs thd in inference only (cuDNN's FP8 backward takes no ragged "
+                             "tensors on Hopper; its table says so)")
         dev = q.device.index if q.device.index is not None else _cd._current_device()
-        signature = self._signature(call, cfg, q.dtype, "fwd", fp8)
         key = self._key("fwd", call, cfg, dev, fp8)
-        built = self.graph(key, signature)
-        if training:  # a backward cuDNN refuses is reported now, before anything is quantized
-            self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, q.dtype, "bwd", fp8))
-        q8, k8, v8 = (self._quantize(n, x, st) for n, x in (("q", q), ("k", k), ("v", v)))
+        built = self.graph(key, self._signature(call, cfg, dtype, "fwd", fp8))
+        if training:
+            self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, dtype, "bwd", fp8))
+        return call, key, built
+
+    def attend(self, plan: tuple, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, fp8: FP8Call,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
+        """cuDNN's FP8 forward on quantized q, k, v: (O's FP8 data, O's descale [1], what backward needs). The
+        kernel's S and O amaxes are recorded and the forward scales updated (reduced over fp8.group)."""
+        call, key, built = plan
+        st = fp8.state.to(q8.device)
         scales = st.scale.clone()
         descales = scales.reciprocal()
-        o8 = _empty(call.fmt, call.b, call.sq, call.h, call.dv, E4M3, q.device)
-        stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q.device)
+        o8 = _empty(call, call.h, call.dv, E4M3, q8.device)
+        if call.fmt == "thd":  # ragged [t, h] stats; rows in gaps between sequences stay -inf
+            stats = torch.empty(call.t_q, call.h, dtype=torch.float32, device=q8.device)
+            if call.gaps:
+                stats.fill_(float("-inf"))
+        else:
+            stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q8.device)
         buffers = {"q": q8, "k": k8, "v": v8, "o": o8, "stats": stats,
                    "amax_s": st.amax_slot("s").view(1, 1, 1, 1), "amax_o": st.amax_slot("o").view(1, 1, 1, 1)}
         buffers.update(self._scalars(_FWD_SCALARS, (scales, descales)))
         if call.padding:
             buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
             buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
-        self._run(built, buffers, dev)
-        o_descale = descales[INDEX["o"]:INDEX["o"] + 1]
-        out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
+        if call.fmt == "thd":
+            buffers.update(_ragged_offsets(call, key))
+        self._run(built, buffers, key.device)
         st.update(FORWARD, fp8.group)
-        saved = _Saved(key, call, q8, k8, v8, o8, stats, scales, descales, q.dtype, fp8)
-        return FwdResult(out, stats.view(call.b, call.h, call.sq), saved, None)
+        saved = _Saved(key, call, q8, k8, v8, o8, stats, scales, descales, dtype, fp8)
+        return o8, descales[INDEX["o"]:INDEX["o"] + 1], saved
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
@@ -319,17 +392,27 @@ class CudnnFP8Engine(Engine):
         return BwdResult(*self._backward(state, dout, cfg))
 
     def _backward(self, saved: _Saved, dout: torch.Tensor, cfg: AttnConfig):
+        built = self.backward_graph(saved, cfg)
+        do8 = quantize(("do",), (dout.reshape(saved.o8.shape),), saved.fp8)[0]
+        grads, descales = self.attend_backward(built, saved, do8, cfg)
+        return tuple(fp8q.dequantize(g, d, saved.dtype) for g, d in zip(grads, descales))
+
+    def backward_graph(self, saved: _Saved, cfg: AttnConfig) -> _Built:
+        return self.graph(self._key("bwd", saved.call, cfg, saved.key.device, saved.fp8),
+                          self._signature(saved.call, cfg, saved.dtype, "bwd", saved.fp8))
+
+    def attend_backward(self, built: _Built, saved: _Saved, do8: torch.Tensor, cfg: AttnConfig
+                        ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """cuDNN's FP8 backward on quantized dO: ((dQ, dK, dV) FP8 data, their descales [1]). The kernel's amaxes
+        are recorded and the backward scales updated (reduced over fp8.group)."""
         fp8, call, st = saved.fp8, saved.call, saved.fp8.state
-        dev = saved.key.device
-        key = self._key("bwd", call, cfg, dev, fp8)
-        built = self.graph(key, self._signature(call, cfg, saved.dtype, "bwd", fp8))
-        do8 = self._quantize("do", dout.reshape(saved.o8.shape), st)
+        bwd_dtype = st.dtypes["do"]
         bscales = st.scale.clone()
         bdescales = bscales.reciprocal()
         device = saved.q8.device
-        dq8 = torch.empty(saved.q8.shape, dtype=key.bwd_dtype, device=device)
-        dk8 = torch.empty(saved.k8.shape, dtype=key.bwd_dtype, device=device)
-        dv8 = torch.empty(saved.v8.shape, dtype=key.bwd_dtype, device=device)
+        dq8 = torch.empty(saved.q8.shape, dtype=bwd_dtype, device=device)
+        dk8 = torch.empty(saved.k8.shape, dtype=bwd_dtype, device=device)
+        dv8 = torch.empty(saved.v8.shape, dtype=bwd_dtype, device=device)
         buffers = {"q": saved.q8, "k": saved.k8, "v": saved.v8, "o": saved.o8, "do": do8, "stats": saved.stats,
                    "dq": dq8, "dk": dk8, "dv": dv8}
         for name in ("dq", "dk", "dv", "dp"):
@@ -338,11 +421,10 @@ class CudnnFP8Engine(Engine):
         if call.padding:
             buffers["seq_len_q"] = call.lens_q.view(-1, 1, 1, 1)
             buffers["seq_len_kv"] = call.lens_kv.view(-1, 1, 1, 1)
-        self._run(built, buffers, dev)
-        grads = tuple(fp8q.dequantize(x, bdescales[INDEX[n]:INDEX[n] + 1], saved.dtype)
-                      for n, x in (("dq", dq8), ("dk", dk8), ("dv", dv8)))
+        self._run(built, buffers, saved.key.device)
         st.update(BACKWARD, fp8.group)
-        return grads
+        descales = tuple(bdescales[INDEX[n]:INDEX[n] + 1] for n in ("dq", "dk", "dv"))
+        return (dq8, dk8, dv8), descales
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
                  flatten_heads: bool = False) -> tuple[Any, torch.Tensor, None]:

@@ -125,8 +125,6 @@ def params_failures(p) -> list[tuple[str, str, str | None]]:
         p.dropout if p.is_training else 0.0, p.softmax_type, p.return_max_logit)]
     if p.alibi_slopes_shape is not None and p.bias_type != "alibi":
         failures.append(("cp_feature", "ALiBi is not supported under context parallelism", None))
-    if p.fp8:
-        failures.append(("cp_fp8", "FP8 attention under context parallelism is not implemented in attn-dispatch", None))
     if p.inference_kv_cache:
         failures.append(("cp_kv_cache", "context parallelism with a KV cache is not supported (nor in Transformer "
                          "Engine)", None))
@@ -146,6 +144,40 @@ def params_failures(p) -> list[tuple[str, str, str | None]]:
         failures.append(("cp_window_cross", f"a sliding window under context parallelism needs self-attention; "
                          f"max_seqlen_q={p.max_seqlen_q} != max_seqlen_kv={p.max_seqlen_kv}", None))
     return failures
+
+
+FP8_COMM_TYPES = ("a2a",)
+FP8_SOURCE = ("attn_dispatch.context_parallel.fp8_a2a (our implementation); Transformer Engine (commit d0067d0) "
+              "context_parallel.py AttnFuncWithCPAndQKVOA2A quantizes q, k, v before the all-to-all and sends FP8; "
+              "backends.py: 'Amax reduction across TP+CP group is necessary when using context parallelism with FP8'")
+FP8_RING_REASON = ("the per-step backward of a ring or gathered key range runs on the merged output and log-sum-exp, "
+                   "while cudnn_fused:fp8's backward runs on the FP8 O and softmax stats its own forward saved "
+                   "(Transformer Engine re-quantizes the merged O for each step; attn-dispatch does not)")
+TE_CP_FP8_THD = ("Transformer Engine utils.py get_attention_backend: 'Disabling FusedAttention as it does not support "
+                 "context parallelism with FP8 attention and THD format'")
+
+
+def fp8_failures(p) -> list[tuple[str, str, str | None]]:
+    """Why this implementation cannot run an FP8 call (p.fp8) under p.cp_comm_type; empty when it can (or with no
+    context parallelism). The FP8 table asks (its `cudnn_fused.fp8_context_parallel` check); the other tables refuse
+    FP8 calls of their own accord.
+    FP8 runs under 'a2a' only: each rank then makes one whole-sequence FP8 call for its heads, so the FP8 engine's
+    own forward and backward pair up as on one GPU (context_parallel/fp8_a2a.py)."""
+    out = []
+    if p.cp_size <= 1 or not p.fp8:
+        return out
+    if p.cp_comm_type not in FP8_COMM_TYPES:
+        out.append(("cp_fp8_comm_type", f"FP8 attention under cp_comm_type={p.cp_comm_type!r} is not implemented in "
+                    f"attn-dispatch: {FP8_RING_REASON}",
+                    "use cp_comm_type='a2a' (each rank runs whole-sequence FP8 calls for num_heads / cp_size heads), "
+                    "or run attention in bf16 (recipe fp8_dpa=False)"))
+    if p.qkv_format == "thd":
+        out.append(("cp_fp8_thd", "FP8 attention with qkv_format='thd' under context parallelism is not supported "
+                    "(nor in Transformer Engine)", "use bshd/sbhd, or bf16 attention for packed sequences"))
+    if p.fp8_output:
+        out.append(("cp_fp8_output", "an FP8 output (fp8_output=True / recipe fp8_mha=True) under context "
+                    "parallelism is not implemented in attn-dispatch", "return bf16 outputs (fp8_output=False)"))
+    return out
 
 
 def block_params(p) -> list:

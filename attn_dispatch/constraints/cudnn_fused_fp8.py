@@ -14,6 +14,7 @@ from ..params import AttentionParams
 from ..platform import Platform
 from . import common
 from .base import Check, Failure, Table, fail
+from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD
 from .cudnn_fused import (REJECTIONS, _cudnn_text, cudnn_int, deterministic_demanded, rejection_signature,
                           version_text)
 
@@ -21,6 +22,10 @@ TE_FP8 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (FP8 cla
 TE_FP8_PY = common.TE_SELECTION + " (FP8 filters)"
 PROBE = "probe on H100, cuDNN 9.19.0, cudnn-frontend 1.32.0, 2026-11-24 (benchmarks/results/fp8/probe_h100.json)"
 OURS = "attn_dispatch.backends.cudnn_fused_fp8 (our engine)"
+FE_THD = ("cudnn-frontend 1.32 include/cudnn_frontend/node/sdpa_support_surface.h (the FP8 forward has no ragged "
+          "clause: ragged offsets need a padding mask, as for bf16) and sdpa_fp8_bwd.h ('sdpa fp8 backward with THD "
+          "is not supported on Hopper architecture'); the forward on cuDNN 9.19 is checked by "
+          "benchmarks/gpu/probe_fp8.py --thd (not yet run)")
 FP8_MASKS = ("no_mask", "causal", "padding", "padding_causal")
 
 
@@ -98,9 +103,17 @@ def _masks(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
 
 
 def _format(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    if p.qkv_format not in ("bshd", "sbhd"):
-        return fail(f"qkv_format={p.qkv_format!r}: FP8 SDPA takes bshd or sbhd (Transformer Engine's FP8 clause has "
-                    "no thd)", "use bshd with a padding mask (cu_seqlens) instead of thd")
+    if p.qkv_format != "thd":
+        return None
+    if p.is_training:
+        if plat.sm < 100:
+            return fail("qkv_format='thd' in training: cuDNN's FP8 backward takes no ragged (thd) tensors on Hopper "
+                        "(cudnn-frontend 1.32 sdpa_fp8_bwd.h: 'sdpa fp8 backward with THD is not supported on Hopper "
+                        "architecture')", "train on bshd with a padding mask (cu_seqlens), or run packed sequences "
+                        "in bf16; FP8 thd runs in inference (eval mode)")
+        return fail("qkv_format='thd' in training on Blackwell: cudnn-frontend allows a ragged FP8 backward there, "
+                    "but Transformer Engine's FP8 clause has no thd and attn-dispatch has not run it",
+                    "train on bshd with a padding mask (cu_seqlens), or run packed sequences in bf16")
     return None
 
 
@@ -171,6 +184,15 @@ def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
     return None
 
 
+def _context_parallel(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    from .context_parallel import fp8_failures
+
+    problems = fp8_failures(p)
+    if problems:
+        return fail("; ".join(message for _, message, _ in problems), next((f for _, _, f in problems if f), None))
+    return None
+
+
 def _sub_backend_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     pin = env.fused_attn_backend
     if pin is not None and pin != "2":
@@ -198,7 +220,8 @@ _CHECKS = (
      TE_FP8 + " ('sm90: fwd d<=256, bwd d=128 only'); " + PROBE, _head_dims),
     ("fp8_mask", f"attn_mask_type in {', '.join(FP8_MASKS)}; no single-query inference step", "mask",
      TE_FP8 + " (mask clause); " + PROBE + " (bottom-right and s_q = 1 refused)", _masks),
-    ("fp8_format", "qkv_format in bshd, sbhd", "format", TE_FP8 + " ('{bshd, sbhd}')", _format),
+    ("fp8_format", "qkv_format bshd or sbhd; thd in inference only", "format",
+     TE_FP8 + " ('{bshd, sbhd}'); " + FE_THD, _format),
     ("fp8_window", "no sliding window", "window",
      TE_FP8_PY + " ('does not support sliding window attention for FP8')", _no_window),
     ("fp8_bias", "no bias", "bias", TE_FP8 + " (bias_type == NVTE_NO_BIAS)", _no_bias),
@@ -210,6 +233,8 @@ _CHECKS = (
     ("fp8_kv_cache", "no KV cache", "inference", common.TE_KV_FILTER + " ('Disabling FusedAttention for FP8 KV "
      "caching')", _kv_cache),
     ("fp8_output_training", "an FP8 output only in inference", "dtype", OURS, _fp8_output_training),
+    ("fp8_context_parallel", "context parallelism: cp_comm_type='a2a' on bshd/sbhd, bf16 output", "context_parallel",
+     CP_FP8_SOURCE + "; " + TE_CP_FP8_THD, _context_parallel),
     ("sub_backend_pin", "NVTE_FUSED_ATTN_BACKEND unset or 2 (FP8)", "environment",
      "Transformer Engine env override 'NVTE_FUSED_ATTN_BACKEND'", _sub_backend_pin),
     ("cudnn_rejected", "cuDNN's own support check accepted this configuration", "platform",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -16,10 +18,12 @@ from ._comm import GroupInfo, agree, checks_enabled, group_info
 from ._layout import HEAD_DIM, NDIM, SEQ_DIM
 from .a2a import A2AAttention, A2AP2PAttention, HeadSplit
 from .all_gather import AllGatherAttention
+from .fp8_a2a import FP8A2AAttention
 from .merge import sink_logits
 from .p2p import P2PAttention, RingPlan
 from .sharding import RankOrder, local_cu_seqlens
 from .engines import SelectedPerBlock
+from ..constraints.context_parallel import fp8_failures
 from .support import COMM_TYPES, is_windowed, unsupported_features
 from .window_gather import WindowAllGatherAttention
 from .window_ring import WindowP2PAttention, WindowRingPlan
@@ -45,9 +49,10 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
     gradient on each rank covers that rank's rows (or heads, for a2a): summing over the cp group gives the
     full gradient, as for any weight whose gradients the data-parallel reduction sums.
     """
+    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    fp8 = aux.extra.get("fp8")
     if engine is None:
-        engine = SelectedPerBlock(is_training=torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)))
+        engine = SelectedPerBlock(is_training=training, fp8_recipe=None if fp8 is None else fp8.state.recipe.kind)
     try:
         infos = _groups(cp_group, cp_global_ranks, cp_comm_type)
     except ValueError as exc:  # still tell the ranks of any usable group, which would otherwise wait
@@ -64,13 +69,14 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
         signature = _signature(q, k, v, aux, cfg, cp_comm_type)
         for info in infos:
             agree(info, signature, _describe, error, q.device)
-    impl = _build(engine, q, k, aux, cfg, cp_comm_type, infos, cp_stream)
+    impl = _build(engine, q, k, aux, cfg, cp_comm_type, infos, cp_stream, training)
     learnable = cfg.softmax_type == "learnable"
     return _ContextParallel.apply(impl, cfg.softmax_type, _num_heads(q, cfg), q, k, v,
                                   aux.softmax_offset if learnable else None)
 
 
-SIGNATURE_LEN = 21  # _signature's length, the same for every format
+SIGNATURE_LEN = 22  # _signature's length, the same for every format
+_FP8_RECIPES = ("delayed", "current")
 
 
 def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_comm_type: str = "p2p",
@@ -164,6 +170,9 @@ def _check_local(engine, q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str, info
         raise ValueError(f"dtype {q.dtype} is not supported under context parallelism; use fp16, bf16, fp32 or fp64")
     problems = unsupported_features(comm, fmt, cfg.attn_mask_type, cfg.window_size, cfg.bias_type, cfg.dropout_p,
                                     cfg.softmax_type, cfg.return_max_logit)
+    fp8 = aux.extra.get("fp8")
+    if fp8 is not None:
+        problems += [m for _, m, _ in fp8_failures(_fp8_view(fmt, comm, fp8))]
     for name, value in (("attention_mask", aux.attention_mask), ("core_attention_bias", aux.bias),
                         ("alibi_slopes", aux.alibi_slopes)):
         if value is not None:
@@ -232,6 +241,11 @@ def _check_thd(q, k, aux: AttnAux, causal: bool, cp_size: int) -> None:
                              f"cp_size={cp_size} each rank must hold {cu[-1] // cp_size}")
 
 
+def _fp8_view(fmt: str, comm: str, fp8) -> Any:
+    """What fp8_failures reads of an FP8 call, for calls made without AttentionParams (this API)."""
+    return SimpleNamespace(cp_size=2, fp8=True, cp_comm_type=comm, qkv_format=fmt, fp8_output=fp8.output_fp8)
+
+
 def _cp_size(infos: list[GroupInfo]) -> int:
     size = 1
     for info in infos:
@@ -254,6 +268,8 @@ def _signature(q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str) -> list[int]:
         sig += [len(cu_q), sum(cu_q), len(cu_kv), sum(cu_kv)]
     else:
         sig += [0, 0, 0, 0]
+    fp8 = aux.extra.get("fp8")
+    sig.append(0 if fp8 is None else 1 + _FP8_RECIPES.index(fp8.state.recipe.kind))
     assert len(sig) == SIGNATURE_LEN
     return sig
 
@@ -269,11 +285,12 @@ def _describe(sig: list[int]) -> str:
             f"{names(COMM_TYPES, sig[1])} {names(_MASKS, sig[2])} {names(_SOFTMAX, sig[3])} "
             f"{names([str(d) for d in _DTYPES], sig[4])} softmax_scale={scale:.6g} window_size=({sig[6]}, {sig[7]})")
     if fmt == "thd":
-        text += f" cu_seqlens: {sig[-4] - 1} seqs, checksum {sig[-3]}"
+        text += f" cu_seqlens: {sig[-5] - 1} seqs, checksum {sig[-4]}"
+    text += " not FP8" if sig[-1] == 0 else f" FP8 ({names(_FP8_RECIPES, sig[-1] - 1)} scaling)"
     return text
 
 
-def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo], stream):
+def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo], stream, training: bool):
     fmt = cfg.qkv_format
     causal = "causal" in cfg.attn_mask_type
     if fmt == "thd":  # the engine sees thd as padding masks, one sequence at a time
@@ -298,6 +315,8 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
                                     softmax_offset=None)
         if fmt == "thd":
             whole = _thd_aux(aux, divisor=1)
+        if "fp8" in aux.extra:
+            return FP8A2AAttention(engine, cfg, whole, split, training)
         return A2AAttention(engine, cfg, whole, split)
     p2p = infos[1]
     if windowed:

@@ -20,11 +20,13 @@ from .engines import SelectedPerBlock
 from .sharding import cp_size_of, local_cu_seqlens
 
 
-def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs) -> Any:
-    """The module's output ([s, b, h*dv] / [b, s, h*dv] / [t, h*dv]) for this rank's shard."""
+def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs, fp8: tuple | None = None
+            ) -> Any:
+    """The module's output ([s, b, h*dv] / [b, s, h*dv] / [t, h*dv]) for this rank's shard. fp8: (region, output in
+    FP8) of a call inside fp8_autocast (module._fp8_context)."""
     group = module.cp_group
     try:
-        plan, aux = _prepare(module, q, k, v, args)
+        plan, aux = _prepare(module, q, k, v, args, fp8)
     except Exception as exc:  # noqa: BLE001 - any error here would leave the other ranks waiting in attention()
         fail_collectively(exc, cp_group=group, cp_global_ranks=module.cp_global_ranks,
                           cp_comm_type=module.cp_comm_type, device=q.device)
@@ -34,8 +36,10 @@ def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Cal
     return out.reshape(*out.shape[:-2], -1)
 
 
-def _prepare(module, q, k, v, args: CallArgs):
+def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
     cp_size = cp_size_of(module.cp_group)
+    if fp8 is not None:
+        amax_group = _fp8_amax_group(fp8[0], module.cp_group, module.cp_comm_type)
     fmt, mask_type, window = module._resolve(args)
     if args.checkpoint_core_attention:
         raise ValueError("checkpoint_core_attention=True is not supported under context parallelism; the ring "
@@ -53,6 +57,9 @@ def _prepare(module, q, k, v, args: CallArgs):
     params = inputs.build_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, local, module.training)
     a2a_size = dist.get_world_size(module.cp_group[0]) if module.cp_comm_type == "a2a+p2p" else None
     params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type, cp_a2a_size=a2a_size)
+    if fp8 is not None:
+        region, output_fp8 = fp8
+        params = params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
     module._check_generation()
     plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
     plan = plans.get(params)
@@ -67,7 +74,32 @@ def _prepare(module, q, k, v, args: CallArgs):
                                   cu_seqlens_q_padded=args.cu_seqlens_q_padded,
                                   cu_seqlens_kv_padded=args.cu_seqlens_kv_padded,
                                   max_seqlen_q=seq.max_q * cp_size, max_seqlen_kv=seq.max_kv * cp_size)
+    if fp8 is not None:  # made only once the call is planned: a refused call leaves the module without a state
+        call = module._fp8_call(fp8, q.device)
+        aux.extra["fp8"] = dataclasses.replace(call, group=amax_group, exchange_group=module.cp_group)
     return plan, aux
+
+
+def _fp8_amax_group(region, cp_group, comm: str):
+    """The group an FP8 call's amaxes are reduced over under context parallelism: fp8_autocast's fp8_group (as in
+    Transformer Engine, which expects it to span the TP and CP ranks), else the CP group itself. The CP ranks
+    exchange FP8 data, so they must agree on every scale: a group that misses one of them, or a recipe that
+    does not reduce, is refused."""
+    recipe = region.recipe
+    if not recipe.reduce_amax:
+        raise ValueError("fp8 recipe reduce_amax=False under context parallelism: the CP ranks exchange FP8 data and "
+                         "must share their scales (Transformer Engine: 'Amax reduction across TP+CP group is "
+                         "necessary when using context parallelism with FP8'); use reduce_amax=True")
+    if region.group is None or comm != "a2a":
+        return cp_group
+    cp_ranks = set(dist.get_process_group_ranks(cp_group))
+    fp8_ranks = set(dist.get_process_group_ranks(region.group))
+    if not cp_ranks <= fp8_ranks:
+        raise ValueError(f"fp8_autocast(fp8_group=...) holds ranks {sorted(fp8_ranks)}, which miss cp_group's ranks "
+                         f"{sorted(cp_ranks - fp8_ranks)}: the CP ranks exchange FP8 data and must reduce their amaxes "
+                         "together; pass an fp8_group that contains the CP group (TP x CP, as in Transformer Engine), "
+                         "or none (the CP group is used)")
+    return region.group
 
 
 def _plan(spec, params, cp_group) -> inputs.Plan:
@@ -75,7 +107,8 @@ def _plan(spec, params, cp_group) -> inputs.Plan:
     composition over the per-block calls); each block then runs on the engine selection picks for that block's
     own params (SelectedPerBlock), with the module's forced backend if any."""
     plan = inputs.make_plan(spec, params)
-    return dataclasses.replace(plan, engine=SelectedPerBlock(force=spec.backend, is_training=params.is_training))
+    return dataclasses.replace(plan, engine=SelectedPerBlock(force=spec.backend, is_training=params.is_training,
+                                                             fp8_recipe=params.fp8_recipe))
 
 
 def _local_cu(name: str, cu, cp_size: int):

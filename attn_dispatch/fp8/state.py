@@ -108,6 +108,17 @@ class FP8ScalingState:
         if names[0] == FORWARD[0]:
             self.steps += 1
 
+    def snapshot(self) -> tuple:
+        """What a call may change before it fails (scales, histories, step count), for restore()."""
+        return self.scale.clone(), self.amax_history.clone(), self.steps
+
+    def restore(self, snapshot: tuple) -> None:
+        """Undo a call that failed part-way (after quantizing, before or in its kernel)."""
+        scale, history, steps = snapshot
+        self.scale.copy_(scale)
+        self.amax_history.copy_(history)
+        self.steps = steps
+
     # --- checkpoints (DotProductAttention's extra state) -----------------------------------------------
     def state_dict(self) -> dict:
         r = self.recipe

@@ -407,8 +407,95 @@ def plan_survey(cudnn, handle, s=4096, b=16, h=16, d=128):
     return out
 
 
+THD_CASES = [  # (name, sequence lengths, kv heads, causal, head dim, gaps between sequences)
+    ("thd causal 4 seqs", [700, 129, 1024, 64], 8, True, 128, False),
+    ("thd nomask 4 seqs", [700, 129, 1024, 64], 8, False, 128, False),
+    ("thd causal GQA 8/2", [2048, 1000, 31], 2, True, 128, False),
+    ("thd causal gaps", [700, 129, 1024, 64], 8, True, 128, True),
+    ("thd causal d64", [512, 333, 900], 8, True, 64, False),
+    ("thd causal 16 x ~1k", [1024 - 37 * i for i in range(16)], 8, True, 128, False),
+]
+
+
+def thd_cases(out=print) -> list[dict]:
+    """FP8 on packed sequences (thd) through attn-dispatch's FP8 engine, which declares ragged offsets for q, k, v,
+    O and the stats. Forward: accuracy per sequence against float32 attention on the bf16 inputs and on the
+    dequantized FP8 inputs (the kernel's own error). Backward: whether cuDNN builds the ragged FP8 backward graph
+    (cudnn-frontend 1.32 refuses it on Hopper: 'sdpa fp8 backward with THD is not supported on Hopper')."""
+    from attn_dispatch.backends import cudnn_fused as cd
+    from attn_dispatch.backends.base import AttnAux, AttnConfig
+    from attn_dispatch.backends.cudnn_fused_fp8 import CudnnFP8Engine, FP8Call
+    from attn_dispatch.fp8 import Float8CurrentScaling, FP8ScalingState
+    from attn_dispatch.fp8 import quantize as fp8q
+
+    engine = CudnnFP8Engine()
+    rows = []
+    for name, lens, hkv, causal, d, gaps in THD_CASES:
+        row = {"case": name, "lens": lens, "hkv": hkv, "causal": causal, "d": d, "gaps": gaps}
+        try:
+            starts = [0]
+            for n in lens:
+                starts.append(starts[-1] + n + (37 if gaps else 0))
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            cu_pad = torch.tensor(starts, dtype=torch.int32, device="cuda")
+            t, h = starts[-1], 8
+            g = torch.Generator(device="cuda").manual_seed(len(rows))
+            q, k, v = (torch.randn(t, n, d, device="cuda", generator=g).to(torch.bfloat16) for n in (h, hkv, hkv))
+            mask = "padding_causal" if causal else "padding"
+            cfg = AttnConfig(qkv_format="thd", attn_mask_type=mask, window_size=(-1, 0) if causal else (-1, -1),
+                             softmax_scale=1.0 / math.sqrt(d))
+            aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                          max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            state = FP8ScalingState(Float8CurrentScaling(fp8_dpa=True))
+            aux.extra["fp8"] = FP8Call(state)
+            with torch.no_grad():
+                engine(q, k, v, aux, cfg)  # the O scale of the second call comes from this call's amax
+                out, lse, _ = engine(q, k, v, aux, cfg)
+            torch.cuda.synchronize()
+            deq = [fp8q.quantize(x, state.scale_of(n), torch.float8_e4m3fn).float() / state.scale_of(n)
+                   for n, x in (("q", q), ("k", k), ("v", v))]
+            errs_bf16, errs_deq = [], []
+            for a, n in zip(starts[:-1], lens):
+                seq = slice(a, a + n)
+                for inputs, errs in (((q, k, v), errs_bf16), (deq, errs_deq)):
+                    ref = reference(*(x[None, seq] for x in inputs), 1.0 / math.sqrt(d), causal)[0]
+                    errs.append(rel(out[seq], ref))
+            row["fwd_err_vs_bf16_ref_max"] = round(max(errs_bf16), 4)
+            row["fwd_err_vs_deq_ref_max"] = round(max(errs_deq), 4)
+            row["lse_finite"] = bool(torch.isfinite(lse[:, cu_pad[0]:cu_pad[0] + lens[0]]).all())
+            row["fwd"] = "ran"
+        except Exception as exc:  # noqa: BLE001 - what cuDNN said is the result
+            row["fwd"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            call = cd._prepare(q, k, v, aux, cfg)
+            key = engine._key("bwd", call, cfg, torch.cuda.current_device(), aux.extra["fp8"])
+            engine.graph(key, ("probe", name))
+            row["bwd_graph"] = "built"
+        except Exception as exc:  # noqa: BLE001
+            row["bwd_graph"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        out(json.dumps(row))
+    return rows
+
+
+def print_thd(rows: list[dict]) -> None:
+    print("\n== FP8 thd (ragged) through attn-dispatch's engine: worst per-sequence rel. L2 error vs float32")
+    for r in rows:
+        fwd = (f"fwd {r['fwd_err_vs_deq_ref_max']:.4f} (deq) | {r['fwd_err_vs_bf16_ref_max']:.4f} (bf16)"
+               if r["fwd"] == "ran" else f"fwd REFUSED {r['fwd'][:90]}")
+        print(f"{r['case']:<24} {fwd}; bwd graph: {r['bwd_graph'][:90]}")
+
+
 def main():
     import cudnn
+    if "--thd" in sys.argv:  # only the thd cases (benchmarks/gpu/check_fp8_cp_thd.py runs them too)
+        rows = thd_cases()
+        out_dir = os.environ.get("OUT", "/tmp/out")
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "probe_fp8_thd.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print_thd(rows)
+        return 0
     if "--survey" in sys.argv:
         handle = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
@@ -482,8 +569,9 @@ def main():
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             timings.append(row)
             print(json.dumps(row), flush=True)
+    thd = thd_cases()
     with open(os.path.join(out_dir, "probe_fp8.json"), "w") as f:
-        json.dump({"meta": meta, "cases": results, "timings": timings}, f, indent=1)
+        json.dump({"meta": meta, "cases": results, "timings": timings, "thd": thd}, f, indent=1)
     print("\n== FP8 graph probe (rel. L2 error vs float32 on dequantized inputs | vs bf16 inputs)")
     for r in results:
         if "error" in r:
@@ -493,6 +581,7 @@ def main():
                 " bwd dq %.3f|%.3f dk %.3f|%.3f dv %.3f|%.3f" % tuple(
                     r[f"{n}_err_vs_{w}_ref"] for n in ("dq", "dk", "dv") for w in ("deq", "bf16"))
             print(f"{r['case']:<38} fwd {r['fwd_err_vs_deq_ref']:.4f}|{r['fwd_err_vs_bf16_ref']:.4f}{bwd}")
+    print_thd(thd)
     print("\n== timings (ms, median interleaved)")
     for r in timings:
         print({k: v for k, v in r.items()})

@@ -89,11 +89,42 @@ def test_fp8_output_for_inference_and_refusals_with_reasons():
     thd = DotProductAttention(8, 128, qkv_format="thd", attn_mask_type="padding_causal")
     cu = torch.tensor([0, 300, 512], dtype=torch.int32, device="cuda")
     with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)), pytest.raises(NoBackendAvailableError,
-                                                                        match="bshd or sbhd"):
-        thd(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_kv=cu)
+                                                                        match="THD is not supported on Hopper"):
+        thd(q[0].requires_grad_(), k[0], v[0], cu_seqlens_q=cu, cu_seqlens_kv=cu)  # training: no ragged backward
     d64 = DotProductAttention(8, 64, qkv_format="bshd", attn_mask_type="causal")
     q64 = torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)), pytest.raises(NoBackendAvailableError,
                                                                         match="head dim 128 only"):
         d64(q64, q64, q64)
     assert math.isfinite(float(out.scale_inv))
+
+
+@pytest.mark.parametrize("mask, hkv, gaps", [("padding_causal", 8, False), ("padding", 2, False),
+                                             ("padding_causal", 8, True)])
+def test_fp8_thd_inference_through_ragged_offsets(mask, hkv, gaps):
+    """Packed sequences in FP8 (inference): cudnn-frontend 1.32 lets the FP8 forward take ragged offsets; this is
+    where cuDNN 9.19 says whether it runs them. Each sequence against float32 attention on its own bf16 tokens."""
+    lens = [700, 129, 1024, 64]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n + (37 if gaps else 0))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_pad = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    t = starts[-1]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(t, n, 128, device="cuda", generator=g).to(torch.bfloat16) for n in (8, hkv, hkv))
+    m = DotProductAttention(8, 128, num_gqa_groups=hkv, qkv_format="thd", attn_mask_type=mask).eval()
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+    with torch.no_grad(), fp8_autocast(recipe=Float8CurrentScaling(fp8_dpa=True)):
+        m(q, k, v, **kw)  # the second call's O scale comes from this one's amax
+        out = m(q, k, v, **kw).view(t, 8, 128)
+    assert m.last_decision.chosen == "cudnn_fused:fp8"
+    for a, n in zip(starts[:-1], lens):
+        seq = slice(a, a + n)
+        ref = _ref(q[None, seq], k[None, seq], v[None, seq], mask == "padding_causal")[0]
+        assert _te_close(out[seq], ref) < 0.08, (a, n)
+    if gaps:
+        hole = torch.ones(t, dtype=torch.bool, device="cuda")
+        for a, n in zip(starts[:-1], lens):
+            hole[a:a + n] = False
+        assert float(out[hole].float().abs().max()) == 0.0
