@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import build  # noqa: E402
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
     """(runs for build(), their environments)."""
     runs, envs = [], []
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_results(path)
         if "rows" not in data or "environment" not in data:
             raise ValueError(f"{path}: not a bench_user_step.py result (no rows/environment)")
         env = data["environment"]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.params import AttentionParams  # noqa: E402
+from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, build,  # noqa: E402
                                           combine_runs, group_runs)
 from build_profile import load_runs  # noqa: E402
@@ -113,7 +114,7 @@ def timed(path: str) -> None:
     """What the GPU run itself measured (bench_user_step.py --policies [--measured]): the default module's and the
     measured policy's time over the fastest provider forced, over SDPA, and default / its own pick forced (the
     same engine in two modules: the timer's noise on that row)."""
-    rows = json.loads(Path(path).read_text())["rows"]
+    rows = read_results(path)["rows"]
     found: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [], "default/sdpa": [],
                                                  "default/pick forced": []}
     for row in rows:
@@ -152,7 +153,7 @@ def main() -> int:
     for path in args.results:
         if args.timed:
             timed(path)
-        data = json.loads(Path(path).read_text())
+        data = read_results(path)
         for stock in (False, True):
             res = evaluate(data["rows"], profile, data["environment"]["device"], stock=stock)
             summarize(f"{Path(path).name} {'torch providers only' if stock else 'all providers'}", res)
