@@ -87,6 +87,18 @@ def test_a_function_slow_on_every_call_is_cut_after_its_confirmation(clock):
     assert not timings["slow"].cut_short and timings["slow"].median_ms == pytest.approx(5.0)
 
 
+def test_confirmation_takes_blocks_of_cheap_functions_and_single_calls_of_slow_ones(clock):
+    """In block mode a cut is confirmed the way the timed rounds sample (a block of a cheap function), but a slow
+    function costs one call per confirmation: confirming that it is far slower stays cheap."""
+    fns = {"cheap": clock.function("cheap", lambda i, b: 0.1), "slow": clock.function("slow", lambda i, b: 5.0)}
+    settings = TimerSettings(warmup=2, reps=3, max_reps=3, target_ms=0.0, confirm=2, block_ms=1.0)
+    timings, _ = time_interleaved(fns, "cpu", settings, cutoff_ratio=2.0)
+    assert timings["slow"].cut_short and clock.log.count("slow") == 1 + 1 + 2
+    # cheap: first call, estimate, 2 confirming blocks and 3 timed blocks of a lead-in + 10 calls
+    assert clock.log.count("cheap") == 1 + 1 + 5 * (1 + 10) and timings["cheap"].calls_per_sample == 10
+    assert timings["cheap"].median_ms == pytest.approx(0.1)
+
+
 def test_no_confirmation_rounds_when_nothing_is_over_a_cutoff(clock):
     fns = {"a": clock.function("a", lambda i, b: 1.0), "b": clock.function("b", lambda i, b: 1.5)}
     time_interleaved(fns, "cpu", TimerSettings(warmup=1, reps=2, max_reps=2, target_ms=0.0, confirm=5),

@@ -21,8 +21,10 @@ What one sample is (TimerSettings.block_ms):
   timed calls.
 
 Cutting a far slower function short (cutoff_ratio / cutoff_ms) needs confirmation: its one-call estimate right
-after a JIT compile or a graph build is no measurement of it (issue 12), so a function is cut only when the
-least of its estimate and `confirm` more timed calls is still beyond the cutoff.
+after a JIT compile or a graph build is no measurement of it, nor is one call in the shallow queue of the first
+timed round, which exposes all of its host time (issue 12: a forward timed at 0.616 ms there ran at 0.113 ms),
+so a function is cut only when the least of its estimate and `confirm` more samples (blocks where the timed
+rounds use blocks) is still beyond the cutoff.
 """
 from __future__ import annotations
 
@@ -237,7 +239,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
                      ) -> tuple[dict[str, Timing], dict[str, Exception]]:
     """Time several functions against each other (see the module docstring): ({name: Timing}, {name: error}).
     A function that raises is left out with its exception. cutoff_ratio / cutoff_ms: a function whose least time
-    over its estimate and settings.confirm more calls exceeds that multiple of the best / that many ms is reported
+    over its estimate and settings.confirm more samples exceeds that multiple of the best / that many ms is reported
     from those calls (cut_short) and not timed further: it cannot be the fastest, and a benchmark should not spend
     minutes on it. Names in never_cut are always timed in full (what a benchmark reports as the user's time)."""
     import torch
@@ -250,8 +252,12 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         early = _timed_rounds(fns, live, 1, errors, device_type)
         live = [name for name in live if name in early]
         if _over_cutoff(early, live, cutoff_ratio, cutoff_ms, never_cut) and settings.confirm:
-            # Confirm before cutting: more timed calls of every function, so that the best is re-measured too.
-            for name, times in _timed_rounds(fns, live, settings.confirm, errors, device_type).items():
+            # Confirm before cutting: more samples of every function (the best is re-measured too). Blocks where
+            # the timed rounds use blocks of several calls; single calls for the slow ones, so that confirming that
+            # a function is far slower costs `confirm` calls of it and no more.
+            calls = {name: n for name in live if (n := block_calls(early[name][0], settings.block_ms)) > 1} \
+                if settings.block_ms else None
+            for name, times in _timed_rounds(fns, live, settings.confirm, errors, device_type, calls).items():
                 early[name] += times
             live = [name for name in live if name not in errors]
         for name in _over_cutoff(early, live, cutoff_ratio, cutoff_ms, never_cut):
@@ -341,9 +347,9 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
 def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int, errors: dict[str, Exception],
                   device_type: str, calls: dict[str, int] | None = None) -> dict[str, list[float]]:
     """reps rounds, each timing every surviving function once in rotated order; milliseconds per call.
-    calls None: one call per sample; on the GPU a CUDA event pair around each call, launched back to back, one
-    synchronisation at the end. calls {name: n}: each sample is a block (synchronise, an untimed lead-in call, n
-    calls between two marks), divided by n. On the CPU time.perf_counter."""
+    A name not in `calls` (or calls None): one call per sample; on the GPU a CUDA event pair around each call,
+    launched back to back, one synchronisation at the end. calls[name] = n: each sample is a block (synchronise, an
+    untimed lead-in call, n calls between two marks), divided by n. On the CPU time.perf_counter."""
     import torch
 
     cuda = device_type == "cuda"
@@ -358,19 +364,19 @@ def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: in
     marks: dict[str, list] = {name: [] for name in names}
     for r in range(reps):
         for name in _rotated([n for n in names if n not in errors], r):
-            fn, n = fns[name], (calls[name] if calls else 1)
+            fn, n = fns[name], (calls.get(name) if calls else None)
             try:
-                if calls:
+                if n is not None:
                     if cuda:
                         torch.cuda.synchronize()
                     fn()  # the lead-in: the timed calls follow one of their own, not an empty queue
                 start = mark()
-                for _ in range(n):
+                for _ in range(n or 1):
                     fn()
             except Exception as exc:  # noqa: BLE001 - one function failing is reported, the others go on
                 errors[name] = exc
                 continue
-            marks[name].append((start, mark(), n))
+            marks[name].append((start, mark(), n or 1))
     if cuda:
         torch.cuda.synchronize()
     return {name: [(start.elapsed_time(end) if cuda else (end - start) * 1e3) / n for start, end, n in triples]
