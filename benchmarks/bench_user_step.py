@@ -15,11 +15,12 @@ inference). For every eligible provider a module is built with that provider for
     output brought back to the module's [.., h*d] layout, wherever SDPA can express the call (not thd, not
     padding, not sliding windows, not bottom-right causal with sq != skv).
 All of them are timed interleaved on the same inputs (attn_dispatch.policy.timing.time_interleaved: CUDA events,
-a warm period, rotated order, median). --timer block (the default): each sample is a block of back-to-back calls
-of one function after a synchronisation and a lead-in call, ~1 ms long: every function is timed in a steady loop
-of itself, whatever ran before it. --timer call: one call per sample, back to back on one stream (the session 3-4
-JSON): a sample then depends on the queue the previous function left (host time hidden or not), and the same
-engine in two modules differed by up to 13%. The JSON's settings record which (block_ms 0 or absent: per call).
+a warm period, rotated order, median). --timer block (the default): a sample of a call under 2 ms is a ~3 ms
+block of back-to-back calls of one function after a synchronisation and a lead-in call: every function is timed
+in a steady loop of itself, whatever ran before it (longer calls: one call per sample). --timer call: one call
+per sample, back to back on one stream (the session 3-4 JSON): a short call's sample then depends on the queue the
+previous function left (host time hidden or not), and the same engine in two modules differed by up to 13%. The
+JSON's settings record which (block_ms 0 or absent: per call); `calls_per_sample` per row.
 JSON is rewritten after every row.
 
     python3 benchmarks/bench_user_step.py --grid fit --out $OUT/fit.json            # profile measurements
@@ -51,7 +52,7 @@ from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
 
 SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)  # --timer call
-BLOCK_MS = 1.0  # --timer block: the length of one sample's block of calls
+BLOCK_MS = 3.0  # --timer block: one sample's block of calls (calls over 2 ms: one call per sample)
 USER_COLUMNS = frozenset({"default", "measured", "sdpa", "pick_twin"})  # always timed in full
 
 
@@ -273,7 +274,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the harness")
     ap.add_argument("--timer", default="block", choices=("block", "call"),
-                    help="one sample: a ~1 ms block of back-to-back calls after a sync (block) or one call (call)")
+                    help="a short call's sample: a ~3 ms block of back-to-back calls after a sync (block) or one "
+                         "call (call; the session 3-4 runs)")
     args = ap.parse_args()
     settings = settings_for(args.timer)
     if args.tag == "stock":

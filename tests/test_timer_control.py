@@ -119,19 +119,22 @@ def test_block_calls_fill_the_block_and_stay_in_bounds():
 
 
 def test_block_samples_are_block_time_over_calls_and_count_every_call(clock):
-    fns = {"a": clock.function("a", lambda i, b: 0.1), "b": clock.function("b", lambda i, b: 0.25)}
+    fns = {"a": clock.function("a", lambda i, b: 0.1), "b": clock.function("b", lambda i, b: 0.25),
+           "long": clock.function("long", lambda i, b: 0.8)}
     settings = TimerSettings(warmup=1, reps=3, max_reps=3, target_ms=0.0, confirm=0, block_ms=1.0)
     timings, errors = time_interleaved(fns, "cpu", settings)
     assert not errors
-    assert (timings["a"].calls_per_sample, timings["b"].calls_per_sample) == (10, 4)
+    assert [timings[n].calls_per_sample for n in ("a", "b", "long")] == [10, 4, 1]
     assert timings["a"].samples_ms == pytest.approx([0.1] * 3) and timings["b"].samples_ms == pytest.approx([0.25] * 3)
+    # too long for two calls in a block: one call per sample, no lead-in
+    assert timings["long"].samples_ms == pytest.approx([0.8] * 3) and clock.log.count("long") == 2 + 3
     assert timings["a"].to_dict()["calls_per_sample"] == 10 and "calls_per_sample" not in \
         timing.Timing(1.0, 1.0, 1).to_dict()
     # first call + estimate (not a sample in block mode) + 3 blocks of (lead-in + n calls)
     assert clock.log.count("a") == 2 + 3 * (1 + 10) and clock.log.count("b") == 2 + 3 * (1 + 4)
     # each block's calls run back to back (a lead-in and n calls): after the first call and the estimate, runs of
     # 11 and 5 calls (two blocks in a row where one round ends and the next begins with the same function)
-    runs, tail = [], clock.log[4:]
+    runs, tail = [], [name for name in clock.log if name != "long"][4:]
     while tail:
         n = next((i for i, name in enumerate(tail) if name != tail[0]), len(tail))
         runs.append((tail[0], n))

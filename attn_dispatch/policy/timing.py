@@ -15,10 +15,12 @@ What one sample is (TimerSettings.block_ms):
   time is near its GPU time the samples are bimodal and the median picks a mode by how often the rotation put a
   GPU-heavy call first: the same engine in two modules differed by 6-13% on the H100 (issue 12).
 - > 0, blocks: a synchronisation (empty queue), one untimed lead-in call, then n back-to-back calls of the same
-  function between two events, n = block_ms / its estimate (>= 1). Every sample is that function in a steady
-  loop of itself, whatever ran before: max(host, GPU) per call, the cost a loop of that call pays (host launch
-  overhead included where it is not hidden). The lead-in keeps the synchronisation's empty queue out of the
-  timed calls.
+  function between two events, n = block_ms / its estimate. Every sample is that function in a steady loop of
+  itself, whatever ran before: max(host, GPU) per call, the cost a loop of that call pays (host launch overhead
+  included where it is not hidden), which is what issue 12 calls a user's step. The lead-in keeps the
+  synchronisation's empty queue out of the timed calls. A function too long for two calls in a block (n < 2)
+  is sampled one call at a time as above: its host time is a small share of it, and a lead-in would double what
+  timing it costs (the long calls are most of a benchmark's time).
 
 Cutting a far slower function short (cutoff_ratio / cutoff_ms) needs confirmation: its one-call estimate right
 after a JIT compile or a graph build is no measurement of it, nor is one call in the shallow queue of the first
@@ -252,11 +254,9 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         early = _timed_rounds(fns, live, 1, errors, device_type)
         live = [name for name in live if name in early]
         if _over_cutoff(early, live, cutoff_ratio, cutoff_ms, never_cut) and settings.confirm:
-            # Confirm before cutting: more samples of every function (the best is re-measured too). Blocks where
-            # the timed rounds use blocks of several calls; single calls for the slow ones, so that confirming that
-            # a function is far slower costs `confirm` calls of it and no more.
-            calls = {name: n for name in live if (n := block_calls(early[name][0], settings.block_ms)) > 1} \
-                if settings.block_ms else None
+            # Confirm before cutting: more samples of every function (the best is re-measured too), taken as the
+            # timed rounds take theirs (a far slower function: single calls, `confirm` calls of it and no more).
+            calls = _blocks({name: early[name][0] for name in live}, settings.block_ms)
             for name, times in _timed_rounds(fns, live, settings.confirm, errors, device_type, calls).items():
                 early[name] += times
             live = [name for name in live if name not in errors]
@@ -273,11 +273,11 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         for r in range(settle_rounds):
             _call_each(fns, _rotated(live, r), errors)
         live = [name for name in live if name not in errors]
-        calls = {name: block_calls(estimates[name], settings.block_ms) for name in live} if settings.block_ms else None
+        calls = _blocks(estimates, settings.block_ms)
         # With a single warm-up call, no warm period and per-call samples, the estimate is the first sample.
         first_is_sample = settings.warmup <= 1 and settle_rounds == 0 and calls is None
         samples = {name: (list(early[name]) if first_is_sample else []) for name in live}
-        sample_ms = min(estimates[name] * (calls[name] if calls else 1) for name in live)
+        sample_ms = min(estimates[name] * (calls.get(name, 1) if calls else 1) for name in live)
         already = len(early[live[0]]) if first_is_sample else 0  # every live name has as many early samples
         reps = _reps_for(sample_ms, settings) - already
         for name, times in _timed_rounds(fns, live, max(reps, 0), errors, device_type, calls).items():
@@ -285,7 +285,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
     for name, times in samples.items():
         if name not in errors and times:
             timings[name] = Timing(statistics.median(times), min(times), len(times), times,
-                                   calls_per_sample=calls[name] if calls else 1)
+                                   calls_per_sample=calls.get(name, 1) if calls else 1)
     return timings, errors
 
 
@@ -302,6 +302,15 @@ def _over_cutoff(early: dict[str, list[float]], live: list[str], cutoff_ratio: f
 
 
 MAX_BLOCK_CALLS = 1000
+
+
+def _blocks(estimates: dict[str, float], block_ms: float) -> dict[str, int] | None:
+    """{name: calls per block} for the functions sampled in blocks (None: every one call at a time). A function
+    that fills less than two calls of a block is sampled one call at a time: its host time is a small share of
+    it, and a lead-in call would double what it costs to time."""
+    if not block_ms:
+        return None
+    return {name: n for name, est in estimates.items() if (n := block_calls(est, block_ms)) > 1}
 
 
 def block_calls(estimate_ms: float, block_ms: float) -> int:

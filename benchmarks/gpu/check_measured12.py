@@ -12,8 +12,8 @@ For each row (eval-fresh calls, the misses first), on one set of inputs (bench_u
     new one (so with warm JIT caches): its pick and entry (its time is its pick's forced column);
   - `step:<provider>`: what tuning times (timing.engine_step on synthetic inputs of the row's shape), so that the
     tuning's unit and the module's step are compared on the same clock;
-all timed interleaved twice, per call (block_ms=0, the session-4 timer) and in blocks (block_ms=1: a sync, a
-lead-in call, then n calls of one function), on the same functions. flash-attn-4 JIT compiles during tuning
+all timed interleaved twice, per call (block_ms=0, the session-4 timer) and in blocks (block_ms=3: a sync, a
+lead-in call, then n calls of one function; calls over 2 ms one at a time), on the same functions. flash-attn-4 JIT compiles during tuning
 and timing are recorded (a compile after a function's first call would make its estimate slow).
 
 JSON to $OUT/check_measured12.json (rewritten after every row); a short table last. One process, ~3-4 minutes on
@@ -63,7 +63,7 @@ ROWS = [
     "long20k d128 s20000 b1 h32/8 causal fwd+bwd",
 ]
 CALL_TIMER = TimerSettings(warmup=2, reps=12, max_reps=100, target_ms=30.0, warm_ms=40.0)
-BLOCK_TIMER = dataclasses.replace(CALL_TIMER, block_ms=1.0)
+BLOCK_TIMER = dataclasses.replace(CALL_TIMER, block_ms=3.0)
 OLD_TUNING = dataclasses.replace(TUNING_SETTINGS, confirm=0, block_ms=0.0)  # what the session-4 runs tuned with
 USER = ("default", "measured", "pick_twin")
 
