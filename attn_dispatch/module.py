@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import call_args, inputs
 from .backends._cudnn_graph import CudnnGraphError
-from .backends.base import AttnAux
+from .backends.base import AttnAux, takes_cached_path
 from .backends.unfused import draw_dropout_seed
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
@@ -424,8 +424,7 @@ class DotProductAttention(torch.nn.Module):
     def _remember_fast(self, plan: inputs.Plan, aux: AttnAux, q, k, v) -> None:
         """Lets later calls with only q, k, v of this signature skip _prepare: only for plans whose aux holds
         nothing per call (no dropout seed, no cu_seqlens, mask, bias or slopes), so one aux serves them all."""
-        if plan.cfg.dropout_p > 0.0 or plan.cfg.bias_type != "no_bias" or aux.cu_seqlens_q is not None \
-                or aux.attention_mask is not None or aux.extra:
+        if not takes_cached_path(aux, plan.cfg):
             return
         if len(self._fast) >= 64:
             self._fast.clear()

@@ -8,11 +8,20 @@ inference). For every eligible provider a module is built with that provider for
   - `measured` (--measured): a module deciding under ATTN_DISPATCH_POLICY=measured (it times the candidates on its
     first call, into a tuning cache of its own; the default module reads an empty one, so that the profile alone
     decides there);
+  - `pick_twin` (with --policies): a second module with the default's pick forced: the A/A control. It and the
+    pick's own column run the same engine on the same inputs, so `aa_ratio` (pick_twin / pick forced) is the
+    timer's own spread on that row; a difference between columns of that order is noise, not a finding;
   - `sdpa`: torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] views of the same tensors, with its
     output brought back to the module's [.., h*d] layout, wherever SDPA can express the call (not thd, not
     padding, not sliding windows, not bottom-right causal with sq != skv).
-All of them are timed interleaved call by call on the same inputs (attn_dispatch.policy.timing.time_interleaved:
-CUDA events, a warm period, rotated order, median). JSON is rewritten after every row.
+All of them are timed interleaved on the same inputs (attn_dispatch.policy.timing.time_interleaved: CUDA events,
+a warm period, rotated order, median). --timer block (the default): a sample of a call under 2 ms is a ~3 ms
+block of back-to-back calls of one function after a synchronisation and a lead-in call: every function is timed
+in a steady loop of itself, whatever ran before it (longer calls: one call per sample). --timer call: one call
+per sample, back to back on one stream (the session 3-4 JSON): a short call's sample then depends on the queue the
+previous function left (host time hidden or not), and the same engine in two modules differed by up to 13%. The
+JSON's settings record which (block_ms 0 or absent: per call); `calls_per_sample` per row.
+JSON is rewritten after every row.
 
     python3 benchmarks/bench_user_step.py --grid fit --out $OUT/fit.json            # profile measurements
     python3 benchmarks/bench_user_step.py --grid eval --policies --out $OUT/eval.json # held-out check
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -41,7 +51,15 @@ from attn_dispatch import DotProductAttention, Platform, selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
 
-SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)
+SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)  # --timer call
+BLOCK_MS = 3.0  # --timer block: one sample's block of calls (calls over 2 ms: one call per sample)
+USER_COLUMNS = frozenset({"default", "measured", "sdpa", "pick_twin"})  # always timed in full
+
+
+def settings_for(timer: str) -> TimerSettings:
+    if timer not in ("block", "call"):
+        raise ValueError(f"timer={timer!r} is not a timer; expected 'block' or 'call'")
+    return dataclasses.replace(SETTINGS, block_ms=BLOCK_MS if timer == "block" else 0.0)
 DTYPE = torch.bfloat16
 
 
@@ -138,7 +156,7 @@ def environment_set(**values: str):
 
 
 def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, device: torch.device,
-             measured_cache: str | None = None) -> dict:
+             measured_cache: str | None = None, settings: TimerSettings = SETTINGS) -> dict:
     q, k, v, dout, kwargs = make_tensors(case, device, seed)
     default = module_for(case, None, device)
     t0 = time.perf_counter()
@@ -154,27 +172,31 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     fns = {}
     for provider in eligible:
         fns[provider] = step_fn(module_for(case, provider, device), q, k, v, dout, kwargs, case.train)
+    never_cut = set(USER_COLUMNS)
     if policies:
         fns["default"] = step_fn(default, q, k, v, dout, kwargs, case.train)
         order_pick = selection.explain(selection_params(decision), policy="order").chosen
-    measured = None
+        if decision.chosen in fns:  # the A/A control: the pick forced in a second module
+            fns["pick_twin"] = step_fn(module_for(case, decision.chosen, device), q, k, v, dout, kwargs, case.train)
+            never_cut.add(decision.chosen)
+    measured = measured_module = None
     if measured_cache is not None:
         # Decided (and tuned) on its first call, with the very tensors it is then timed on: later calls take the
-        # module's cached plan, so restoring the environment afterwards leaves its pick in place.
+        # module's plan. No selection.clear_cache() after it: that makes every module's plan stale, and this one
+        # would plan again under the restored environment (the auto policy), which is what the session-4 JSON's
+        # 'measured' column timed (its measured_pick was right, its times were the default's pick).
         with environment_set(ATTN_DISPATCH_POLICY="measured", ATTN_DISPATCH_CACHE_DIR=measured_cache):
             selection.clear_cache()
-            module = module_for(case, None, device)
-            fns["measured"] = step_fn(module, q, k, v, dout, kwargs, case.train)
+            measured_module = module_for(case, None, device)
+            fns["measured"] = step_fn(measured_module, q, k, v, dout, kwargs, case.train)
             t0 = time.perf_counter()
             fns["measured"]()
-            measured = (module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
-        selection.clear_cache()
+            measured = (measured_module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
         q.grad = k.grad = v.grad = None
     sdpa = sdpa_fn(case)
     if sdpa is not None:
         fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
-    timings, errors = time_interleaved(fns, device.type, SETTINGS, cutoff_ratio=4.0,
-                                       never_cut=frozenset({"default", "measured", "sdpa"}))
+    timings, errors = time_interleaved(fns, device.type, settings, cutoff_ratio=4.0, never_cut=frozenset(never_cut))
     from attn_dispatch.params import AttentionParams
 
     p = AttentionParams(**params)
@@ -192,11 +214,19 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         "first_decision_ms": first_decision_ms,
         "sdpa_kernel": sdpa_choice(case, q, k, v) if sdpa is not None else None,
     }
+    if any(t.calls_per_sample > 1 for t in timings.values()):
+        row["calls_per_sample"] = {n: t.calls_per_sample for n, t in timings.items()}
     if policies:
         row["order_pick"] = order_pick
         row["default_reason"] = decision.policy_reason
+        times = row["times_ms"]
+        if "pick_twin" in times and decision.chosen in times:
+            row["aa_ratio"] = times["pick_twin"] / times[decision.chosen]
     if measured is not None:
         row["measured_pick"], row["measured_first_ms"] = measured
+        ran = measured_module.last_decision.chosen  # what the timed calls ran (a plan made again would differ)
+        if ran != measured[0]:
+            row["errors"]["measured"] = f"the measured module ran {ran}, not its tuned pick {measured[0]}"
     return row
 
 
@@ -243,7 +273,11 @@ def main() -> int:
     ap.add_argument("--start", type=int, default=0, help="skip the first N cases")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the harness")
+    ap.add_argument("--timer", default="block", choices=("block", "call"),
+                    help="a short call's sample: a ~3 ms block of back-to-back calls after a sync (block) or one "
+                         "call (call; the session 3-4 runs)")
     args = ap.parse_args()
+    settings = settings_for(args.timer)
     if args.tag == "stock":
         extra = [m for m in ("cudnn", "flash_attn.cute") if _importable(m)]
         if extra:
@@ -256,7 +290,7 @@ def main() -> int:
         measured_cache = tempfile.mkdtemp(prefix="attn-dispatch-measured-")
     cases = CASE_GRIDS[args.grid]()[args.start:]
     only = set(args.providers.split(",")) if args.providers else None
-    result = {"grid": args.grid, "tag": args.tag, "settings": SETTINGS.to_dict(), "environment": environment(),
+    result = {"grid": args.grid, "tag": args.tag, "settings": settings.to_dict(), "environment": environment(),
               "rows": [], "failed": []}
     out = Path(args.out)
     started = time.perf_counter()
@@ -265,7 +299,8 @@ def main() -> int:
             result["stopped_at"] = i + args.start
             break
         try:
-            row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device), measured_cache)
+            row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device), measured_cache,
+                           settings)
             result["rows"].append(row)
             times = row["times_ms"]
             best = min((t for n, t in times.items() if ":" in n), default=float("nan"))
@@ -276,6 +311,8 @@ def main() -> int:
                 extra += f" measured {row['measured_pick']} {times['measured'] / best:.3f}"
             if "sdpa" in times:
                 extra += f" sdpa {times['sdpa'] / best:.3f}"
+            if "aa_ratio" in row:
+                extra += f" A/A {row['aa_ratio']:.3f}"
             fastest = min(((t, n) for n, t in times.items() if ":" in n), default=(0, "-"))[1]
             print(f"[{i + args.start:3d}] {case.label:44s} best {fastest:22s} {best:8.3f} ms{extra}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one row failing is recorded, the grid goes on

@@ -116,7 +116,8 @@ def timed(path: str) -> None:
     same engine in two modules: the timer's noise on that row)."""
     rows = read_results(path)["rows"]
     found: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [], "default/sdpa": [],
-                                                 "default/pick forced": []}
+                                                 "default/pick forced": [], "measured pick forced/fastest": [],
+                                                 "measured/pick forced": [], "A/A twin/pick": []}
     for row in rows:
         t = row["times_ms"]
         forced = {n: v for n, v in t.items() if ":" in n}
@@ -130,11 +131,17 @@ def timed(path: str) -> None:
             found["default/sdpa"].append((t["default"] / t["sdpa"], row["label"]))
         if row.get("default_pick") in forced:
             found["default/pick forced"].append((t["default"] / forced[row["default_pick"]], row["label"]))
+        if row.get("measured_pick") in forced:  # the measured policy's pick, timed as a forced module
+            found["measured pick forced/fastest"].append((forced[row["measured_pick"]] / best, row["label"]))
+            if "measured" in t:  # far from 1: the measured column ran another engine (the session-4 harness)
+                found["measured/pick forced"].append((t["measured"] / forced[row["measured_pick"]], row["label"]))
+        if "aa_ratio" in row:
+            found["A/A twin/pick"].append((row["aa_ratio"], row["label"]))
     print(f"{Path(path).name} (timed, {len(rows)} rows):")
     for name, values in found.items():
         if values:
             worst = max(values)
-            print(f"  {name:20s} mean {statistics.mean(v for v, _ in values):.3f}  worst {worst[0]:.3f} ({worst[1]})  "
+            print(f"  {name:28s} mean {statistics.mean(v for v, _ in values):.3f}  worst {worst[0]:.3f} ({worst[1]})  "
                   f"over 1.03: {sum(v > 1.03 for v, _ in values)}/{len(values)}")
 
 

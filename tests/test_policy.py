@@ -29,7 +29,7 @@ from attn_dispatch.policy.measured import why_not_tunable
 from attn_dispatch.policy.timing import (attended_pairs, attention_flops, build_inputs, engine_step, time_engine,
                                         time_interleaved)
 
-FAST = TimerSettings(warmup=1, reps=3, max_reps=5, target_ms=0.0)
+FAST = TimerSettings(warmup=1, reps=3, max_reps=5, target_ms=0.0, confirm=1)
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +144,8 @@ def test_timing_runs_the_engine_warmup_plus_reps_and_leaves_the_random_state_alo
     assert (inference.forwards, inference.backwards) == (3, 0)
     cut = CountingEngine(delay_s=0.01)
     timing = time_engine(cut, cpu_params(is_training=False), None, TimerSettings(warmup=3, reps=5), cutoff_ms=5.0)
-    assert timing.cut_short and timing.reps == 1 and timing.median_ms >= 10.0 and cut.forwards == 2  # the first call, the estimate
+    # the first call, the estimate and two confirming calls (TimerSettings.confirm)
+    assert timing.cut_short and timing.reps == 3 and timing.min_ms >= 10.0 and cut.forwards == 4
     with pytest.raises(ValueError, match="max_reps=2 must be >= reps=3"):
         TimerSettings(reps=3, max_reps=2)
     with pytest.raises(ValueError, match="warm_ms=-1"):
@@ -192,8 +193,9 @@ def test_interleaved_timing_cuts_far_slower_functions_and_survives_a_failing_one
     timings, errors = time_interleaved(fns, "cpu", TimerSettings(warmup=2, reps=4, max_reps=4, target_ms=0.0),
                                        cutoff_ratio=3.0)
     assert set(errors) == {"broken"} and "deliberate" in str(errors["broken"])
-    assert timings["slow"].cut_short and counts["slow"] == 2  # the first call, the estimate
-    assert not timings["fast"].cut_short and timings["fast"].reps == 4 and counts["fast"] == 2 + 4  # + reps
+    # the first call, the estimate, two confirming calls (fast is timed with them: the best is re-measured)
+    assert timings["slow"].cut_short and timings["slow"].reps == 3 and counts["slow"] == 4
+    assert not timings["fast"].cut_short and timings["fast"].reps == 4 and counts["fast"] == 4 + 4  # + reps
 
 
 def test_timed_step_computes_real_attention():
@@ -331,8 +333,8 @@ def test_measured_policy_picks_the_faster_engine_and_remembers_it(two_engines, t
     assert entry["chosen"] == "unfused:fast" and entry["mode"] == "fwd_bwd"
     assert set(entry["times_ms"]) | set(entry["probe_ms"]) == {"unfused:slow", "unfused:fast"}
     assert entry["probe_ms"].get("unfused:slow", entry["times_ms"].get("unfused:slow")) >= 250.0
-    # the slow engine lost the probe by far: pruned after one warm-up and one timed call
-    assert "unfused:slow" in entry["probe_ms"] and slow.forwards == 2
+    # the slow engine lost the probe by far: pruned after one warm-up call, the estimate and its confirmation
+    assert "unfused:slow" in entry["probe_ms"] and slow.forwards == 2 + FAST.confirm
     calls = (slow.forwards, fast.forwards)
     # a new process (fresh policy, empty decision cache) reads the file; a shape in the same bucket too
     selection.clear_cache()
@@ -398,8 +400,9 @@ def test_tune_command(two_engines, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["chosen"] for r in out["results"]] == ["unfused:fast"] * 3
     assert [r["tuned_now"] for r in out["results"]] == [True, False, True]  # 30 and 32 share a bucket
+    assert all(r["tuning_s"] > 0 for r in out["results"])  # what tuning each bucket cost
     assert main(["tune", "--shapes", str(shapes)]) == 0
-    assert "[cached]" in capsys.readouterr().out
+    assert "[cached in " in capsys.readouterr().out
     assert main(["tune", "--show"]) == 0
     assert "2 buckets" in capsys.readouterr().out
     shapes.write_text(json.dumps([{"dtype": "fp32", "seqlen": 8}]))

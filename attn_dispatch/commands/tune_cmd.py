@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
                         "bucket_shape": shape_label(result.representative), "chosen": result.chosen,
                         "tuned_now": result.tuned_now, "times_ms": result.entry.get("times_ms", {}),
                         "pruned_probe_ms": result.entry.get("probe_ms", {}),
-                        "errors": result.entry.get("errors", {}), "skipped": result.entry.get("skipped", {})})
+                        "errors": result.entry.get("errors", {}), "skipped": result.entry.get("skipped", {}),
+                        "tuning_s": result.entry.get("tuning_s")})
     cache = policy.cache_for(platform)
     if args.json:
         print(json.dumps({"cache": str(cache.path), "results": results}, indent=2))
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             times = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(r["times_ms"].items(), key=lambda kv: kv[1]))
             state = "tuned" if r["tuned_now"] else "cached"
+            if r["tuning_s"] is not None:  # what timing this bucket cost (compiles and graph builds included)
+                state += f" in {r['tuning_s']:.2f} s"
             print(f"{r['shape']} {r['mode']} (bucket {r['bucket_shape']}): {r['chosen'] or 'NONE'} [{state}]"
                   f"{': ' + times if times else ''}")
             for pid, err in r["errors"].items():

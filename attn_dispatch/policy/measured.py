@@ -5,12 +5,16 @@ Opt in with ATTN_DISPATCH_POLICY=measured or select(..., policy='measured'); the
 is not cached, so the hot path never pays for it.
 
 How a bucket is tuned: every eligible provider (eligible for the call and for the bucket's representative
-shape) is timed against the others, interleaved call by call after a warm period (timing.time_interleaved;
-CUDA events on the GPU). One whose estimate is beyond `prune_ratio` times the best is not timed further.
-What is timed is what a user's step costs: the engine called through the autograd wrapper the module uses, forward
-alone in inference (no_grad), forward then backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's
-entry, all candidates are timed again together, so an entry never compares times taken at different moments.
-The result goes to the persistent cache (see cache.py), so the next process starts tuned.
+shape) is timed against the others, interleaved after a warm period (timing.time_interleaved; CUDA events on the
+GPU). One whose least time over its estimate and two confirming calls is beyond `prune_ratio` times the best is
+not timed further (a single estimate right after a JIT compile or a graph build is no measurement). A sample of
+a call under 2 ms is a block of back-to-back calls after a synchronisation and a lead-in call
+(TUNING_SETTINGS.block_ms): a provider in a steady loop of itself, whatever was timed just before it, host launch
+overhead included where the GPU does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the engine called as the module's repeat calls call it
+(timing.engine_step), forward alone in inference (no_grad), forward then backward into the leaf tensors' .grad in
+training. Whenever a candidate is missing from a bucket's entry, all candidates are timed again together, so an
+entry never compares times taken at different moments. The entry records what tuning cost (`tuning_s`). The
+result goes to the persistent cache (see cache.py), so the next process starts tuned.
 
 Tuning is skipped (the preference order decides, with one warning per bucket) when it cannot run honestly:
 during CUDA graph capture, inside torch.compile tracing, or for a platform other than this machine.
@@ -35,8 +39,13 @@ from .timing import TimerSettings, mode_of, time_engines
 logger = logging.getLogger("attn_dispatch.policy")
 
 # ~60 ms of warm period and >= 30 ms of timed rounds per bucket: close engines differ by a few percent, less than
-# a short burst's clock drift on a power-capped GPU.
-TUNING_SETTINGS = TimerSettings(warmup=2, reps=10, max_reps=60, target_ms=30.0, warm_ms=60.0)
+# a short burst's clock drift on a power-capped GPU. Blocks of ~3 ms: a 0.1 ms call is timed 30 at a time, calls
+# over 2 ms one at a time. Bound per bucket (JIT compiles and graph builds aside): per provider, at most 4 calls
+# before the warm period (first, estimate, 2 confirming samples), then max(reps, 30 ms / the fastest's sample)
+# samples, at most max_reps, of ~block_ms (+ one lead-in call) or one call: about 0.2-0.5 s for 4 providers of
+# 0.1-1 ms; above 2 ms, 10 rounds of one call each.
+TUNING_SETTINGS = TimerSettings(warmup=2, reps=10, max_reps=60, target_ms=30.0, warm_ms=60.0, confirm=2,
+                                block_ms=3.0)
 PRUNE_RATIO = 2.0
 
 

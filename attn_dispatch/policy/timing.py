@@ -1,13 +1,32 @@
 """Time engines on synthetic random inputs built from AttentionParams.
 
-Engines that are compared are timed against each other, interleaved call by call: after each one's first
-(possibly JIT-compiling) call and a warm period in which they all run (the GPU settles at the clock it
-sustains under load), every round calls each engine once in a rotated order, and each engine's result is the
-median over rounds. Timing them one after another instead hands clock drift to whichever runs first: on the
-power-capped H100 here, the first engine timed after a pause ran 5-8% faster than in steady state, which was
-enough to flip close picks. On the GPU each call sits between two CUDA events (one synchronisation per
-timing); on the CPU, time.perf_counter around each call. Engines run through their functional
-forward/backward pair under no_grad, the context autograd runs them in.
+Engines that are compared are timed against each other, interleaved: after each one's first (possibly
+JIT-compiling) call and a warm period in which they all run (the GPU settles at the clock it sustains under
+load), every round times each engine once in a rotated order, and each engine's result is the median over
+rounds. Timing them one after another instead hands clock drift to whichever runs first: on the power-capped
+H100 here, the first engine timed after a pause ran 5-8% faster than in steady state, which was enough to flip
+close picks. On the GPU, CUDA events; on the CPU, time.perf_counter. Engines run through the autograd wrapper
+the module calls (engine_step).
+
+What one sample is (TimerSettings.block_ms):
+- 0, per call: each call between two events, launched back to back on one stream, one synchronisation at the
+  end. A call's events then measure its GPU time when the calls before it left a deep queue (its host time
+  hidden), and host gaps too when they did not: the sample depends on what ran just before. Where a call's host
+  time is near its GPU time the samples are bimodal and the median picks a mode by how often the rotation put a
+  GPU-heavy call first: the same engine in two modules differed by 6-13% on the H100 (issue 12).
+- > 0, blocks: a synchronisation (empty queue), one untimed lead-in call, then n back-to-back calls of the same
+  function between two events, n = block_ms / its estimate. Every sample is that function in a steady loop of
+  itself, whatever ran before: max(host, GPU) per call, the cost a loop of that call pays (host launch overhead
+  included where it is not hidden), which is what issue 12 calls a user's step. The lead-in keeps the
+  synchronisation's empty queue out of the timed calls. A function too long for two calls in a block (n < 2)
+  is sampled one call at a time as above: its host time is a small share of it, and a lead-in would double what
+  timing it costs (the long calls are most of a benchmark's time).
+
+Cutting a far slower function short (cutoff_ratio / cutoff_ms) needs confirmation: its one-call estimate right
+after a JIT compile or a graph build is no measurement of it, nor is one call in the shallow queue of the first
+timed round, which exposes all of its host time (issue 12: a forward timed at 0.616 ms there ran at 0.113 ms),
+so a function is cut only when the least of its estimate and `confirm` more samples (blocks where the timed
+rounds use blocks) is still beyond the cutoff.
 """
 from __future__ import annotations
 
@@ -32,24 +51,29 @@ BACKWARD_FLOP_FACTOR = 2.5  # backward ~ 2.5x forward flops (FlashAttention's ac
 @dataclass(frozen=True)
 class TimerSettings:
     """warmup: untimed calls per function (at least one: the first may JIT-compile). The second call is timed
-    as the estimate that drives cutoffs and sizes the run (with warmup <= 1 and no warm period it is also the
-    first sample). Then warm_ms of untimed interleaved rounds (the clock settles), then timed rounds: at least
-    `reps` samples per function, more (up to max_reps) until the fastest has run for target_ms."""
+    as the estimate that drives cutoffs and sizes the run (with warmup <= 1, no warm period and per-call samples it
+    is also the first sample); a function over a cutoff is timed `confirm` more times before it is cut. Then
+    warm_ms of untimed interleaved rounds (the clock settles), then timed rounds: at least `reps` samples per
+    function, more (up to max_reps) until the fastest has run for target_ms. block_ms: 0 for one call per
+    sample, else the length of a sample's block of back-to-back calls (see the module docstring)."""
 
     warmup: int = 3
     reps: int = 10
     max_reps: int = 100
     target_ms: float = 50.0
     warm_ms: float = 0.0
+    confirm: int = 2
+    block_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "reps", "max_reps"):
+        for name in ("warmup", "reps", "max_reps", "confirm"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
-                raise ValueError(f"{name}={value!r} must be an integer >= {0 if name == 'warmup' else 1}")
+            least = 0 if name in ("warmup", "confirm") else 1
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}")
         if self.max_reps < self.reps:
             raise ValueError(f"max_reps={self.max_reps} must be >= reps={self.reps}")
-        for name in ("target_ms", "warm_ms"):
+        for name in ("target_ms", "warm_ms", "block_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
@@ -63,12 +87,15 @@ class Timing:
     min_ms: float
     reps: int
     samples_ms: list[float] = field(default_factory=list, repr=False)
-    cut_short: bool = False  # stopped after one call: far slower than the cutoff
+    cut_short: bool = False  # stopped after its estimate (and confirmation): far slower than the cutoff
+    calls_per_sample: int = 1  # > 1: each sample is a block of that many calls, divided by their number
 
     def to_dict(self) -> dict[str, Any]:
         result = {"median_ms": self.median_ms, "min_ms": self.min_ms, "reps": self.reps}
         if self.cut_short:
             result["cut_short"] = True
+        if self.calls_per_sample > 1:
+            result["calls_per_sample"] = self.calls_per_sample
         return result
 
 
@@ -167,32 +194,42 @@ def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = Fa
 
 
 def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[], None]:
-    """One timed unit of work, as a user's step costs it: the engine called through the autograd wrapper the
-    module calls (merged heads out), under no_grad in inference; in training, forward then backward into the
-    leaf tensors' .grad (reset to None first, as optimizer.zero_grad does). Timing the functional forward/backward
-    pair instead missed host and autograd costs: on the H100 one engine's pair took 0.40 ms where the module's
-    training step took 0.83 ms (issue 12)."""
+    """One timed unit of work, as a user's step costs it: the engine called as DotProductAttention's repeat calls
+    call it (its bind_fast function where the module's cached path takes one, else through the autograd wrapper
+    with merged heads out), under no_grad in inference; in training, forward then backward into the leaf tensors'
+    .grad (reset to None first, as optimizer.zero_grad does). Timing the functional forward/backward pair instead
+    missed host and autograd costs: on the H100 one engine's pair took 0.40 ms where the module's training step
+    took 0.83 ms (issue 12)."""
     import torch
+
+    from ..backends.base import takes_cached_path
 
     check_mode(mode)
     aux, cfg = call.aux, call.cfg
-    if mode == "fwd":
-        q, k, v = call.q, call.k, call.v
+    if mode == "fwd_bwd" and call.dout is None:
+        raise ValueError("mode='fwd_bwd' needs inputs built with with_dout=True")
+    q, k, v = call.q, call.k, call.v
+    if mode == "fwd_bwd":
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    bound = engine.bind_fast(q, k, v, aux, cfg) if takes_cached_path(aux, cfg) and not cfg.return_max_logit \
+        else None
 
+    def attend() -> "torch.Tensor":
+        if bound is not None:
+            return bound(q, k, v)
+        return engine(q, k, v, aux, cfg, flatten_heads=True)[0]
+
+    if mode == "fwd":
         def step() -> None:
             with torch.no_grad():
-                engine(q, k, v, aux, cfg, flatten_heads=True)
+                attend()
         return step
-    if call.dout is None:
-        raise ValueError("mode='fwd_bwd' needs inputs built with with_dout=True")
-    q, k, v = (t.detach().requires_grad_() for t in (call.q, call.k, call.v))
     dout = call.dout.flatten(-2)
 
     def step_bwd() -> None:
         q.grad = k.grad = v.grad = None
         with torch.enable_grad():
-            out = engine(q, k, v, aux, cfg, flatten_heads=True)[0]
-            out.backward(dout)
+            attend().backward(dout)
     return step_bwd
 
 
@@ -203,11 +240,10 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
                      cutoff_ms: float | None = None, never_cut: frozenset = frozenset()
                      ) -> tuple[dict[str, Timing], dict[str, Exception]]:
     """Time several functions against each other (see the module docstring): ({name: Timing}, {name: error}).
-    A function that raises is left out with its exception. cutoff_ratio / cutoff_ms: a function whose estimate
-    exceeds that multiple of the best estimate / that many ms is reported from its estimate (cut_short) and not
-    timed further: it cannot be the fastest, and a benchmark should not spend minutes on it. Names in never_cut are
-    always timed in full (what a benchmark reports as the user's time: a one-call estimate right after a JIT
-    compile or a graph build is no measurement of it)."""
+    A function that raises is left out with its exception. cutoff_ratio / cutoff_ms: a function whose least time
+    over its estimate and settings.confirm more samples exceeds that multiple of the best / that many ms is reported
+    from those calls (cut_short) and not timed further: it cannot be the fastest, and a benchmark should not spend
+    minutes on it. Names in never_cut are always timed in full (what a benchmark reports as the user's time)."""
     import torch
 
     errors: dict[str, Exception] = {}
@@ -215,34 +251,73 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
     with torch.no_grad():
         live = _call_each(fns, list(fns), errors)  # the first calls may JIT-compile or build graphs: untimed
         # The estimate: one timed call each (the second warm-up call); it drives the cutoffs and sizes the run.
-        estimates = {name: times[0] for name, times in _timed_rounds(fns, live, 1, errors, device_type).items()}
-        live = [name for name in live if name in estimates]
-        best = min(estimates.values(), default=0.0)
-        for name in list(live):
-            est = estimates[name]
-            if name in never_cut:
-                continue
-            if (cutoff_ms is not None and est > cutoff_ms) or (cutoff_ratio is not None and est > cutoff_ratio * best):
-                timings[name] = Timing(est, est, 1, [est], cut_short=True)
-                live.remove(name)
+        early = _timed_rounds(fns, live, 1, errors, device_type)
+        live = [name for name in live if name in early]
+        if _over_cutoff(early, live, cutoff_ratio, cutoff_ms, never_cut) and settings.confirm:
+            # Confirm before cutting: more samples of every function (the best is re-measured too), taken as the
+            # timed rounds take theirs (a far slower function: single calls, `confirm` calls of it and no more).
+            calls = _blocks({name: early[name][0] for name in live}, settings.block_ms)
+            for name, times in _timed_rounds(fns, live, settings.confirm, errors, device_type, calls).items():
+                early[name] += times
+            live = [name for name in live if name not in errors]
+        for name in _over_cutoff(early, live, cutoff_ratio, cutoff_ms, never_cut):
+            times = early[name]
+            timings[name] = Timing(statistics.median(times), min(times), len(times), times, cut_short=True)
+            live.remove(name)
         if not live:
             return timings, errors
-        round_ms = sum(estimates[name] for name in live)
+        estimates = {name: min(early[name]) for name in live}
+        round_ms = sum(estimates.values())
         settle_rounds = max(0, settings.warmup - 2)
         settle_rounds += math.ceil(settings.warm_ms / round_ms) if round_ms > 0 else 0
         for r in range(settle_rounds):
             _call_each(fns, _rotated(live, r), errors)
         live = [name for name in live if name not in errors]
-        # With a single warm-up call and no warm period, the estimate is the first sample.
-        first_is_sample = settings.warmup <= 1 and settle_rounds == 0
-        samples = {name: ([estimates[name]] if first_is_sample else []) for name in live}
-        reps = _reps_for(min(estimates[name] for name in live), settings) - (1 if first_is_sample else 0)
-        for name, times in _timed_rounds(fns, live, reps, errors, device_type).items():
+        calls = _blocks(estimates, settings.block_ms)
+        # With a single warm-up call, no warm period and per-call samples, the estimate is the first sample.
+        first_is_sample = settings.warmup <= 1 and settle_rounds == 0 and calls is None
+        samples = {name: (list(early[name]) if first_is_sample else []) for name in live}
+        sample_ms = min(estimates[name] * (calls.get(name, 1) if calls else 1) for name in live)
+        already = len(early[live[0]]) if first_is_sample else 0  # every live name has as many early samples
+        reps = _reps_for(sample_ms, settings) - already
+        for name, times in _timed_rounds(fns, live, max(reps, 0), errors, device_type, calls).items():
             samples[name] += times
     for name, times in samples.items():
         if name not in errors and times:
-            timings[name] = Timing(statistics.median(times), min(times), len(times), times)
+            timings[name] = Timing(statistics.median(times), min(times), len(times), times,
+                                   calls_per_sample=calls.get(name, 1) if calls else 1)
     return timings, errors
+
+
+def _over_cutoff(early: dict[str, list[float]], live: list[str], cutoff_ratio: float | None,
+                 cutoff_ms: float | None, never_cut: frozenset) -> list[str]:
+    """The live names whose least early time is beyond a cutoff (the best is the least over all live names)."""
+    if not live or (cutoff_ratio is None and cutoff_ms is None):
+        return []
+    least = {name: min(early[name]) for name in live}
+    best = min(least.values())
+    return [name for name in live if name not in never_cut and (
+        (cutoff_ms is not None and least[name] > cutoff_ms) or
+        (cutoff_ratio is not None and least[name] > cutoff_ratio * best))]
+
+
+MAX_BLOCK_CALLS = 1000
+
+
+def _blocks(estimates: dict[str, float], block_ms: float) -> dict[str, int] | None:
+    """{name: calls per block} for the functions sampled in blocks (None: every one call at a time). A function
+    that fills less than two calls of a block is sampled one call at a time: its host time is a small share of
+    it, and a lead-in call would double what it costs to time."""
+    if not block_ms:
+        return None
+    return {name: n for name, est in estimates.items() if (n := block_calls(est, block_ms)) > 1}
+
+
+def block_calls(estimate_ms: float, block_ms: float) -> int:
+    """Calls in one block: enough to fill block_ms at the estimate, at least one (and at most MAX_BLOCK_CALLS)."""
+    if estimate_ms <= 0:
+        return MAX_BLOCK_CALLS
+    return max(1, min(MAX_BLOCK_CALLS, round(block_ms / estimate_ms)))
 
 
 def _call_each(fns: dict[str, Callable[[], None]], names: list[str], errors: dict[str, Exception]) -> list[str]:
@@ -279,17 +354,18 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
 
 
 def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int, errors: dict[str, Exception],
-                  device_type: str) -> dict[str, list[float]]:
-    """reps rounds, each calling every surviving function once in rotated order; milliseconds per call. On the
-    GPU a CUDA event pair around each call, launched back to back, one synchronisation at the end; on the CPU
-    time.perf_counter."""
+                  device_type: str, calls: dict[str, int] | None = None) -> dict[str, list[float]]:
+    """reps rounds, each timing every surviving function once in rotated order; milliseconds per call.
+    A name not in `calls` (or calls None): one call per sample; on the GPU a CUDA event pair around each call,
+    launched back to back, one synchronisation at the end. calls[name] = n: each sample is a block (synchronise, an
+    untimed lead-in call, n calls between two marks), divided by n. On the CPU time.perf_counter."""
     import torch
 
     cuda = device_type == "cuda"
 
     def mark():
         if not cuda:
-            return time.perf_counter()
+            return _clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -297,17 +373,28 @@ def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: in
     marks: dict[str, list] = {name: [] for name in names}
     for r in range(reps):
         for name in _rotated([n for n in names if n not in errors], r):
-            start = mark()
+            fn, n = fns[name], (calls.get(name) if calls else None)
             try:
-                fns[name]()
+                if n is not None:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    fn()  # the lead-in: the timed calls follow one of their own, not an empty queue
+                start = mark()
+                for _ in range(n or 1):
+                    fn()
             except Exception as exc:  # noqa: BLE001 - one function failing is reported, the others go on
                 errors[name] = exc
                 continue
-            marks[name].append((start, mark()))
+            marks[name].append((start, mark(), n or 1))
     if cuda:
         torch.cuda.synchronize()
-    return {name: [start.elapsed_time(end) if cuda else (end - start) * 1e3 for start, end in pairs]
-            for name, pairs in marks.items() if name not in errors}
+    return {name: [(start.elapsed_time(end) if cuda else (end - start) * 1e3) / n for start, end, n in triples]
+            for name, triples in marks.items() if name not in errors}
+
+
+def _clock() -> float:
+    """The CPU's timer (a function, so that tests can drive time_interleaved with a clock of their own)."""
+    return time.perf_counter()
 
 
 def time_engines(engines: "dict[str, Engine]", params: AttentionParams, mode: str | None = None,
