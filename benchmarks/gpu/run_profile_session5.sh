@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12 (session 5): the profile's fit grids on another machine, and the blind held-out grid (eval-blind).
-#   bash benchmarks/gpu/run_profile_session5.sh stock   # torch's own providers only (~5 min): fit grids + eval-blind
+#   bash benchmarks/gpu/run_profile_session5.sh stock [blind-only]  # torch's providers only (~5 min): fit grids + eval-blind
+# Every run times call by call (--timer call), as the profile's data and the first H200 runs were.
 #   bash benchmarks/gpu/run_profile_session5.sh fit     # full stack (after .gpu-wheels/b): fit, fit-gqa, fit-extra (~8 min)
 #   bash benchmarks/gpu/run_profile_session5.sh blind   # full stack: eval-blind with default, measured, SDPA (~6 min)
 # JSON under $OUT, named <grid>[_stock]_<h100|h200>.json; summaries last.
@@ -19,21 +20,23 @@ case ${1:-} in
       python3 -m pip install -q --no-index --no-deps --target /tmp/py-deps .gpu-wheels/py/*.whl
     fi
     export PYTHONPATH=$PWD:/tmp/py-deps  # nothing from /tmp/gpu-site: a stock `pip install torch`
-    run fit 110 "fit_stock_$tag.json" --tag stock
-    run fit-gqa 25 "fit_gqa_stock_$tag.json" --tag stock
-    run fit-extra 60 "fit_extra_stock_$tag.json" --tag stock
-    run eval-blind 120 "blind_stock_$tag.json" --tag stock --policies --measured
+    if [ "${2:-}" != "blind-only" ]; then
+      run fit 110 "fit_stock_$tag.json" --tag stock --timer call
+      run fit-gqa 25 "fit_gqa_stock_$tag.json" --tag stock --timer call
+      run fit-extra 60 "fit_extra_stock_$tag.json" --tag stock --timer call
+    fi
+    run eval-blind 120 "blind_stock_$tag.json" --tag stock --policies --measured --timer call
     python3 benchmarks/evaluate_profile.py --timed "$OUT/blind_stock_$tag.json" | tail -n 4
     ;;
   fit)
     source "$(dirname "$0")/setup.sh" > /dev/null
-    run fit 300 "fit_$tag.json"
-    run fit-gqa 40 "fit_gqa_$tag.json"
-    run fit-extra 150 "fit_extra_$tag.json"
+    run fit 300 "fit_$tag.json" --timer call
+    run fit-gqa 40 "fit_gqa_$tag.json" --timer call
+    run fit-extra 150 "fit_extra_$tag.json" --timer call
     ;;
   blind)
     source "$(dirname "$0")/setup.sh" > /dev/null
-    run eval-blind 330 "blind_$tag.json" --policies --measured
+    run eval-blind 330 "blind_$tag.json" --policies --measured --timer call
     python3 benchmarks/evaluate_profile.py --timed "$OUT/blind_$tag.json" | tail -n 4
     ;;
   *) echo "usage: run_profile_session5.sh stock|fit|blind"; exit 2 ;;
