@@ -15,6 +15,7 @@
 JSON to $OUT/issue13.json; a short table last. One process, ~4-6 minutes on an H100.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/check_issue13.py
+    CHECK_PARTS=attention_alone,llama_step ...   # those parts alone (parity models and their JIT compiles left out)
 """
 from __future__ import annotations
 
@@ -223,7 +224,10 @@ def main() -> int:
     from transformers import AttentionInterface
 
     AttentionInterface.register("attn_dispatch", recording_forward)  # notes each call's engine (a dict update)
+    only = os.environ.get("CHECK_PARTS")  # e.g. "attention_alone,llama_step": rerun those parts alone
     for part in (parity, attention_alone, llama_step):
+        if only and part.__name__ not in only.split(","):
+            continue
         try:
             part()
         except Exception:  # noqa: BLE001
