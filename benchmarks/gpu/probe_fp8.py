@@ -417,7 +417,7 @@ THD_CASES = [  # (name, sequence lengths, kv heads, causal, head dim, gaps betwe
 ]
 
 
-def thd_cases(out=print) -> list[dict]:
+def thd_cases(emit=print) -> list[dict]:
     """FP8 on packed sequences (thd) through attn-dispatch's FP8 engine, which declares ragged offsets for q, k, v,
     O and the stats. Forward: accuracy per sequence against float32 attention on the bf16 inputs and on the
     dequantized FP8 inputs (the kernel's own error). Backward: whether cuDNN builds the ragged FP8 backward graph
@@ -474,7 +474,7 @@ def thd_cases(out=print) -> list[dict]:
         except Exception as exc:  # noqa: BLE001
             row["bwd_graph"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
-        out(json.dumps(row))
+        emit(json.dumps(row))
     return rows
 
 
