@@ -187,3 +187,24 @@ def test_a_packed_row_equals_its_sequences_run_apart(name, how):
     with torch.no_grad():
         packed = model(input_ids=ids, position_ids=position_ids, **extra).logits
     torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_register_packed_positions_off_skips_reading_positions():
+    """register(packed_positions=False): a batch-1 call with no mask does not read position_ids (a meta tensor
+    cannot be read); cu_seq_lens still give a packed row. The default reads them and finds the packed row."""
+    from attn_dispatch.integrations import transformers as glue
+
+    q = torch.randn(1, 2, 6, 8)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert glue._packed_offsets(q, q, None, {"position_ids": positions}).tolist() == [0, 3, 6]
+    glue.register(packed_positions=False)
+    try:
+        meta = torch.empty(1, 6, dtype=torch.long, device="meta")
+        assert glue._packed_offsets(q, q, None, {"position_ids": meta}) is None
+        cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+        assert glue._packed_offsets(q, q, None, {"cu_seq_lens_q": cu}).tolist() == [0, 3, 6]
+        with pytest.raises(ValueError, match="packed_positions='no'"):
+            glue.register(packed_positions="no")
+    finally:
+        glue.register()
+    assert glue._READ_POSITIONS[0]

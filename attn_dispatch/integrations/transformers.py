@@ -73,7 +73,7 @@ def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
         return cu_q.to(torch.int32)
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None or not isinstance(position_ids, torch.Tensor) or \
-            position_ids.shape != (1, query.shape[2]):
+            position_ids.shape != (1, query.shape[2]) or not _READ_POSITIONS[0]:
         return None  # a mask transformers built says more than the positions: follow it, as its SDPA path does
     from ..inputs import _cached_on
 
@@ -87,11 +87,24 @@ def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
     return _cached_on((position_ids,), ("hf_packed",), compute)
 
 
-def register(name: str = NAME) -> str:
-    """Register the attention function (and transformers' SDPA mask format) under `name`; returns it."""
+# Whether batch-1 calls with no mask read position_ids to find packed rows (register(packed_positions=...)).
+_READ_POSITIONS = [True]
+
+
+def register(name: str = NAME, *, packed_positions: bool = True) -> str:
+    """Register the attention function (and transformers' SDPA mask format) under `name`; returns it.
+
+    packed_positions: a batch-1 call with no mask reads position_ids to find a flattening collator's packed row
+    (transformers builds no mask for it while a KV cache is in use, and its SDPA path then attends across the
+    sequences). Reading them is one device sync per forward: on the H100 it cost a 1B Llama's unpadded batch-1
+    training step 6% against "sdpa" (benchmarks/results/issue13_b1_h100.json). False skips it, for training that
+    never packs rows by position_ids alone (collators passing cu_seq_lens are found either way)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    if not isinstance(packed_positions, bool):
+        raise ValueError(f"packed_positions={packed_positions!r} must be True or False")
+    _READ_POSITIONS[0] = packed_positions
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
