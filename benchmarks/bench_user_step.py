@@ -227,6 +227,12 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         ran = measured_module.last_decision.chosen  # what the timed calls ran (a plan made again would differ)
         if ran != measured[0]:
             row["errors"]["measured"] = f"the measured module ran {ran}, not its tuned pick {measured[0]}"
+        # what the tuning itself recorded (its times, the candidates it cut, errors), to tell a tuning miss from the
+        # timer's noise afterwards
+        from attn_dispatch.policy.measured import MeasuredPolicy
+
+        entry = MeasuredPolicy(directory=measured_cache).lookup(p, Platform.detect()) or {}
+        row["measured_entry"] = {k: entry.get(k) for k in ("times_ms", "probe_ms", "errors", "skipped", "tuning_s")}
     return row
 
 

@@ -13,9 +13,16 @@ def test_blind_grid_is_fixed_distinct_and_disjoint_from_other_grids():
     blind = eval_blind_cases()
     assert [c.label for c in blind] == [c.label for c in eval_blind_cases()]  # same seed, same draw
     assert len(blind) == 48 and len({_shape(c) for c in blind}) == 48
-    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind" for c in grid()}
+    others = {_shape(c) for name, grid in CASE_GRIDS.items() if not name.startswith("eval-blind") for c in grid()}
     assert not others & {_shape(c) for c in blind}
     assert {c.fmt for c in blind} >= {"bshd", "sbhd", "thd"}
     assert {c.d for c in blind} >= {64, 80, 96, 128, 192, 256}
     assert any(c.window for c in blind) and any(c.hkv != c.h for c in blind)
     assert sum(c.train for c in blind) == 24
+
+
+def test_second_blind_grid_is_disjoint_from_every_earlier_grid():
+    second = CASE_GRIDS["eval-blind2"]()
+    assert len(second) == 48 and len({_shape(c) for c in second}) == 48
+    earlier = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind2" for c in grid()}
+    assert not earlier & {_shape(c) for c in second}

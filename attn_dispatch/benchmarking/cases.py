@@ -190,7 +190,10 @@ def eval_fresh_cases() -> list[Case]:
     return _both(shapes)
 
 
-def eval_blind_cases(seed: int = 20261124) -> list[Case]:
+BLIND_SEEDS = (20261124, 20261125)  # eval-blind (measured in session 5), eval-blind2 (drawn for the next check)
+
+
+def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
     """A third held-out grid (issue 12, session 5), drawn at random from model-shaped families with a fixed seed and
     committed before any of it was measured or any model change was made with it in view: LLM layers with GQA, long
     context, encoders, small batches, head dims 64/80/96/128/192/256, windows, thd and sbhd, lengths on and off the
@@ -247,8 +250,10 @@ def eval_blind_cases(seed: int = 20261124) -> list[Case]:
 
     shapes: list[Case] = []
     # shapes of the other grids (fit and held-out) count as drawn: the blind grid shares no call with them
-    seen = {key(c) for grid in (fit_cases, eval_cases, fit_extra_cases, fit_gqa_cases, eval_fresh_cases)
-            for c in grid()}
+    earlier = [fit_cases, eval_cases, fit_extra_cases, fit_gqa_cases, eval_fresh_cases]
+    if seed != BLIND_SEEDS[0]:  # a later blind grid shares no call with the earlier ones either
+        earlier += [lambda s=s: eval_blind_cases(s) for s in BLIND_SEEDS[:BLIND_SEEDS.index(seed)]]
+    seen = {key(c) for grid in earlier for c in grid()}
     for family, count in ((llm, 6), (long, 3), (encoder, 4), (small, 3), (windowed, 3), (packed, 3), (mla, 1),
                           (d256, 1)):
         for i in range(count):
@@ -267,4 +272,4 @@ def smoke_cases() -> list[Case]:
 
 CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-extra": fit_extra_cases,
               "fit-gqa": fit_gqa_cases, "eval-fresh": eval_fresh_cases,
-              "eval-blind": eval_blind_cases}
+              "eval-blind": eval_blind_cases, "eval-blind2": lambda: eval_blind_cases(BLIND_SEEDS[1])}

@@ -8,6 +8,8 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+grid=${BLIND_GRID:-eval-blind}  # BLIND_GRID=eval-blind2: the second blind grid (not measured in session 5)
+name=${grid#eval-}
 tag=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')")
 run() {  # grid, seconds, file, extra args...
   local grid=$1 secs=$2 file=$3; shift 3
@@ -25,8 +27,8 @@ case ${1:-} in
       run fit-gqa 25 "fit_gqa_stock_$tag.json" --tag stock --timer call
       run fit-extra 60 "fit_extra_stock_$tag.json" --tag stock --timer call
     fi
-    run eval-blind 120 "blind_stock_$tag.json" --tag stock --policies --measured --timer call
-    python3 benchmarks/evaluate_profile.py --timed "$OUT/blind_stock_$tag.json" | tail -n 4
+    run "$grid" 120 "${name}_stock_$tag.json" --tag stock --policies --measured --timer call
+    python3 benchmarks/evaluate_profile.py --timed "$OUT/${name}_stock_$tag.json" | tail -n 4
     ;;
   fit)
     source "$(dirname "$0")/setup.sh" > /dev/null
@@ -36,8 +38,8 @@ case ${1:-} in
     ;;
   blind)
     source "$(dirname "$0")/setup.sh" > /dev/null
-    run eval-blind 330 "blind_$tag.json" --policies --measured --timer call
-    python3 benchmarks/evaluate_profile.py --timed "$OUT/blind_$tag.json" | tail -n 4
+    run "$grid" 330 "${name}_$tag.json" --policies --measured --timer call
+    python3 benchmarks/evaluate_profile.py --timed "$OUT/${name}_$tag.json" | tail -n 4
     ;;
   *) echo "usage: run_profile_session5.sh stock|fit|blind"; exit 2 ;;
 esac
