@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import socket
 import time
 import traceback
 import zlib
@@ -18,12 +17,12 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from attn_dispatch import context_parallel as cp
 from attn_dispatch.backends import AttnAux, AttnConfig, Engine, get_engine
 
 from reference import reference_attention
+from spawn_ranks import free_port, spawn_ranks
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -394,12 +393,6 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _RESULTS: dict[int, list] = {}
 
 
@@ -413,20 +406,8 @@ def _results(world: int, tmp_path_factory) -> list[dict]:
 
 
 def _spawn(world: int, out_path: str):
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), out_path), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                return f"context-parallel workers (world={world}) did not finish in {SPAWN_DEADLINE_S} s"
-    except Exception as exc:  # noqa: BLE001 - a worker died: report it for every test of this world size
-        return f"a context-parallel worker (world={world}) failed: {exc}"
-    with open(out_path) as f:
-        return json.load(f)
+    return spawn_ranks(_worker, (world, free_port(), out_path), world, out_path,
+                       f"context-parallel (world={world})", SPAWN_DEADLINE_S)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,13 +15,14 @@ import contextlib
 import datetime
 import json
 import math
-import socket
 import sys
 import time
 import traceback
 
 import pytest
 import torch
+
+from spawn_ranks import free_port, spawn_ranks
 
 SPAWN_DEADLINE_S = 180
 STEPS = 4
@@ -256,24 +257,7 @@ def _results(tmp_path_factory):
 
 
 def _spawn(out_path: str):
-    import torch.multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(port, out_path), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                return f"FP8 context-parallel workers did not finish in {SPAWN_DEADLINE_S} s"
-    except Exception as exc:  # noqa: BLE001 - a worker died: report it for every test
-        return f"an FP8 context-parallel worker failed: {exc}"
-    with open(out_path) as f:
-        return json.load(f)
+    return spawn_ranks(_worker, (free_port(), out_path), 2, out_path, "FP8 context-parallel", SPAWN_DEADLINE_S)
 
 
 @pytest.mark.parametrize("name", list(CASES))

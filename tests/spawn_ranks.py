@@ -1,0 +1,33 @@
+"""Run a multi-rank test worker in spawned processes (gloo on the CPU) and read what the ranks wrote."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable, args: tuple, nprocs: int, out_path: str, what: str, deadline_s: float) -> Any:
+    """worker(rank, *args) in nprocs spawned processes; the JSON they leave at out_path, or a message saying why not
+    (a hung or failed spawn is reported, once, to every test that reads it)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                return f"{what} workers did not finish in {deadline_s} s"
+    except Exception as exc:  # noqa: BLE001 - a worker died: report it for every test
+        return f"a {what} worker failed: {exc}"
+    with open(out_path) as f:
+        return json.load(f)
