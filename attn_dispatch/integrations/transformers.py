@@ -6,14 +6,15 @@ says it, else a bool mask, True = take part), and the attention runs through
 `attn_dispatch.scaled_dot_product_attention`: the same decision, explanations and errors as the module. A plain
 causal call (no padding) reaches the fused engines as 'causal'; decode steps (one query, every cached key visible)
 as 'no_mask'; a packed row from a flattening collator (`cu_seq_lens_q`, or, where transformers passes no mask,
-`position_ids` restarting at 0) runs as thd, each sequence attending only to itself (as transformers'
-FlashAttention path treats it; sliding windows kept); padded batches carry a bool mask that the SDPA function
-recognises as a padding pattern (attn_dispatch.mask_patterns: right padding as bshd 'padding_causal' with every
-query row real, left padding and decode steps over a padded cache as thd views with offsets), exact on every row
-as transformers' SDPA path is, so they reach cuDNN on a GPU; sliding-window masks are recognised as causal with
-a window (padded or not). A mask that is no such pattern runs as 'arbitrary' (explain_sdpa's notes say why). Attention logit softcapping (Gemma 2's) runs on the engines that implement it
-(the unfused one, and flash-attn-4 where its table takes it; the others refuse it with the reason). Whatever the interface passes that no engine here can do is
-refused with the reason (attention weights as output, position_bias).
+`position_ids` restarting at 0) runs as thd, each sequence attending only to itself (as transformers' FlashAttention
+path treats it; sliding windows kept); padded batches carry a bool mask that the SDPA function recognises as a
+padding pattern (attn_dispatch.mask_patterns: right padding as bshd 'padding_causal' with every query row real, left
+padding and decode steps over a padded cache as thd views with offsets), exact on every row as transformers' SDPA
+path is, so they reach cuDNN on a GPU; sliding-window masks are recognised as causal with a window (padded or not).
+A mask that is no such pattern runs as 'arbitrary' (explain_sdpa's notes say why). Attention logit softcapping
+(Gemma 2's) runs on the engines that implement it (the unfused one, and flash-attn-4 where its table takes it; the
+others refuse it with the reason). Whatever the interface passes that no engine here can do is refused with the
+reason (attention weights as output, position_bias).
 """
 from __future__ import annotations
 

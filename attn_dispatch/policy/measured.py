@@ -4,17 +4,18 @@ Opt in with ATTN_DISPATCH_POLICY=measured or select(..., policy='measured'); the
 (the shipped profile), which also reads the buckets tuned here. Selection consults a policy only when a decision
 is not cached, so the hot path never pays for it.
 
-How a bucket is tuned: every eligible provider (eligible for the call and for the bucket's representative
-shape) is timed against the others, interleaved after a warm period (timing.time_interleaved; CUDA events on the
-GPU). One whose least time over its estimate and two confirming calls is beyond `prune_ratio` times the best is
-not timed further (a single estimate right after a JIT compile or a graph build is no measurement). A sample of
-a call under 2 ms is a block of back-to-back calls after a synchronisation and a lead-in call
-(TUNING_SETTINGS.block_ms): a provider in a steady loop of itself, whatever was timed just before it, host launch
-overhead included where the GPU does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the engine called as the module's repeat calls call it
-(timing.engine_step), forward alone in inference (no_grad), forward then backward into the leaf tensors' .grad in
-training. Whenever a candidate is missing from a bucket's entry, all candidates are timed again together, so an
-entry never compares times taken at different moments. The entry records what tuning cost (`tuning_s`). The
-result goes to the persistent cache (see cache.py), so the next process starts tuned.
+How a bucket is tuned: every eligible provider (eligible for the call and for the bucket's representative shape) is
+timed against the others, interleaved after a warm period (timing.time_interleaved; CUDA events on the GPU). One
+whose least time over its estimate and two confirming calls is beyond `prune_ratio` times the best is not timed
+further (a single estimate right after a JIT compile or a graph build is no measurement). A sample of a call under 2
+ms is a block of back-to-back calls after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a
+provider in a steady loop of itself, whatever was timed just before it, host launch overhead included where the GPU
+does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the engine
+called as the module's repeat calls call it (timing.engine_step), forward alone in inference (no_grad), forward then
+backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's entry, all
+candidates are timed again together, so an entry never compares times taken at different moments. The entry records
+what tuning cost (`tuning_s`). The result goes to the persistent cache (see cache.py), so the next process starts
+tuned.
 
 Tuning is skipped (the preference order decides, with one warning per bucket) when it cannot run honestly:
 during CUDA graph capture, inside torch.compile tracing, or for a platform other than this machine.
