@@ -275,9 +275,9 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         live = [name for name in live if name not in errors]
         calls = _blocks(estimates, settings.block_ms)
         # With a single warm-up call, no warm period and per-call samples, the estimate is the first sample.
-        first_is_sample = settings.warmup <= 1 and settle_rounds == 0 and calls is None
+        first_is_sample = settings.warmup <= 1 and settle_rounds == 0 and not settings.block_ms
         samples = {name: (list(early[name]) if first_is_sample else []) for name in live}
-        sample_ms = min(estimates[name] * (calls.get(name, 1) if calls else 1) for name in live)
+        sample_ms = min(estimates[name] * calls.get(name, 1) for name in live)
         already = len(early[live[0]]) if first_is_sample else 0  # every live name has as many early samples
         reps = _reps_for(sample_ms, settings) - already
         for name, times in _timed_rounds(fns, live, max(reps, 0), errors, device_type, calls).items():
@@ -285,7 +285,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
     for name, times in samples.items():
         if name not in errors and times:
             timings[name] = Timing(statistics.median(times), min(times), len(times), times,
-                                   calls_per_sample=calls.get(name, 1) if calls else 1)
+                                   calls_per_sample=calls.get(name, 1))
     return timings, errors
 
 
@@ -304,12 +304,12 @@ def _over_cutoff(early: dict[str, list[float]], live: list[str], cutoff_ratio: f
 MAX_BLOCK_CALLS = 1000
 
 
-def _blocks(estimates: dict[str, float], block_ms: float) -> dict[str, int] | None:
-    """{name: calls per block} for the functions sampled in blocks (None: every one call at a time). A function
+def _blocks(estimates: dict[str, float], block_ms: float) -> dict[str, int]:
+    """{name: calls per block} for the functions sampled in blocks (the others: one call at a time). A function
     that fills less than two calls of a block is sampled one call at a time: its host time is a small share of
     it, and a lead-in call would double what it costs to time."""
     if not block_ms:
-        return None
+        return {}
     return {name: n for name, est in estimates.items() if (n := block_calls(est, block_ms)) > 1}
 
 
@@ -356,7 +356,7 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
 def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int, errors: dict[str, Exception],
                   device_type: str, calls: dict[str, int] | None = None) -> dict[str, list[float]]:
     """reps rounds, each timing every surviving function once in rotated order; milliseconds per call.
-    A name not in `calls` (or calls None): one call per sample; on the GPU a CUDA event pair around each call,
+    A name not in `calls`: one call per sample; on the GPU a CUDA event pair around each call,
     launched back to back, one synchronisation at the end. calls[name] = n: each sample is a block (synchronise, an
     untimed lead-in call, n calls between two marks), divided by n. On the CPU time.perf_counter."""
     import torch
@@ -373,7 +373,7 @@ def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: in
     marks: dict[str, list] = {name: [] for name in names}
     for r in range(reps):
         for name in _rotated([n for n in names if n not in errors], r):
-            fn, n = fns[name], (calls.get(name) if calls else None)
+            fn, n = fns[name], (calls or {}).get(name)
             try:
                 if n is not None:
                     if cuda:
