@@ -261,7 +261,6 @@ class DotProductAttention(torch.nn.Module):
         plan = hit.plan
         if plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic:
             return _MISS  # decisions were cleared, or torch's determinism flag changed: plan again
-        plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
         if hit.call is not None and merged:  # the engine's call bound to these tensors (no max logit, no cuDNN graph)

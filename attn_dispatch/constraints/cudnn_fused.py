@@ -786,14 +786,21 @@ def _frontend_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
 @FRONTEND_TABLE.check("cudnn_rejected", requires="cuDNN's own support check accepted this configuration",
                       topic="platform", source="observed at run time (cudnn-frontend check_support / build_plans)")
 def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    return rejected_in_this_process(p, plat, env, ("fwd", "bwd"), "configuration",
+                                    "choose another backend (it is excluded for this signature from now on)")
+
+
+def rejected_in_this_process(p: AttentionParams, plat: Platform, env: EnvFlags, phases: tuple[str, str],
+                             what: str, fix: str) -> Failure | None:
+    """The failure for a call whose graph cuDNN refused earlier in this process (REJECTIONS, recorded by the
+    engines), by phase: phases[0] (the forward) always, phases[1] (the backward) in training."""
     if plat.name != "live" or not REJECTIONS:
         return None
     det = deterministic_demanded(p, env)
-    for phase in ("fwd", "bwd") if p.is_training else ("fwd",):
+    for phase in phases if p.is_training else phases[:1]:
         message = REJECTIONS.get(rejection_signature(p, det, phase))
         if message:
-            return fail(f"cuDNN rejected this configuration ({phase} graph) in this process: {message}",
-                        "choose another backend (it is excluded for this signature from now on)")
+            return fail(f"cuDNN rejected this {what} ({phase} graph) in this process: {message}", fix)
     return None
 
 

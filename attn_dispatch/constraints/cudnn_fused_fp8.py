@@ -15,8 +15,7 @@ from ..platform import Platform
 from . import common
 from .base import Check, Failure, Table, fail
 from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD
-from .cudnn_fused import (REJECTIONS, _cudnn_text, cudnn_int, deterministic_demanded, rejection_signature,
-                          version_text)
+from .cudnn_fused import _cudnn_text, cudnn_int, deterministic_demanded, rejected_in_this_process, version_text
 
 TE_FP8 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (FP8 clause)"
 TE_FP8_PY = common.TE_SELECTION + " (FP8 filters)"
@@ -173,15 +172,8 @@ def _fp8_output_training(p: AttentionParams, plat: Platform, env: EnvFlags) -> F
 
 
 def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    if plat.name != "live" or not REJECTIONS:
-        return None
-    det = deterministic_demanded(p, env)
-    for phase in ("fp8_fwd", "fp8_bwd") if p.is_training else ("fp8_fwd",):
-        message = REJECTIONS.get(rejection_signature(p, det, phase))
-        if message:
-            return fail(f"cuDNN rejected this FP8 configuration ({phase} graph) in this process: {message}",
-                        "run this call in bf16 (it is excluded for this signature from now on)")
-    return None
+    return rejected_in_this_process(p, plat, env, ("fp8_fwd", "fp8_bwd"), "FP8 configuration",
+                                    "run this call in bf16 (it is excluded for this signature from now on)")
 
 
 def _context_parallel(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
