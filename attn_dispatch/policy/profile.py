@@ -35,7 +35,7 @@ from typing import Any
 
 from ..params import AttentionParams
 from ..platform import Platform
-from .timing import _sum_clipped, attended_pairs, attention_flops, mode_of
+from .timing import attended_pairs, attention_flops, band_sum, mode_of
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
@@ -111,19 +111,8 @@ def tiled_pairs(p: AttentionParams, tile: int) -> int:
     b = c_lo // tile if c_lo > -far else -far
     first = max(0, -((tile - 1 + c_hi) // tile)) if c_hi < far else 0  # (i + 1) * tile - 1 + c_hi >= 0
     last = min(nq - 2, (skv - 1 - c_lo) // tile if c_lo > -far else nq - 2)  # i * tile + c_lo <= skv - 1
-    total = _band(first, last + 1, nk, a, b) if last >= first else 0
+    total = band_sum(first, last + 1, nk, a, b) if last >= first else 0
     return (total + key_tiles(nq - 1)) * tile * tile
-
-
-def _band(start: int, stop: int, cols: int, a: int, b: int) -> int:
-    """sum over i in [start, stop) of max(0, min(cols - 1, i + a) - max(0, i + b) + 1)."""
-    total = 0
-    cuts = sorted({start, stop, min(max(cols - 1 - a, start), stop), min(max(-b, start), stop)})
-    for i0, i1 in zip(cuts, cuts[1:]):
-        hi_moves, lo_moves = i0 + a < cols - 1, i0 + b >= 0  # both hold across [i0, i1)
-        start = (a if hi_moves else cols - 1) - (b if lo_moves else 0) + 1
-        total += _sum_clipped(start, int(hi_moves) - int(lo_moves), i0, i1)
-    return total
 
 
 def _shape(kind: tuple, sizes: tuple[float, ...], fmt: str) -> tuple:

@@ -124,11 +124,17 @@ def attended_pairs(params: AttentionParams) -> int:
     far = 1 << 62
     c_hi = offset + right if right >= 0 else far   # row i sees keys up to min(skv - 1, i + c_hi)
     c_lo = offset - left if left >= 0 else -far    # and from max(0, i + c_lo)
-    cuts = sorted({0, sq, min(max(skv - 1 - c_hi, 0), sq), min(max(-c_lo, 0), sq)})
+    return band_sum(0, sq, skv, c_hi, c_lo)
+
+
+def band_sum(start: int, stop: int, cols: int, a: int, b: int) -> int:
+    """sum over rows i in [start, stop) of max(0, min(cols - 1, i + a) - max(0, i + b) + 1): the columns a band
+    [i + b, i + a] keeps of [0, cols), in closed form (piecewise linear between the rows where a clip starts)."""
     total = 0
+    cuts = sorted({start, stop, min(max(cols - 1 - a, start), stop), min(max(-b, start), stop)})
     for i0, i1 in zip(cuts, cuts[1:]):
-        hi_moves, lo_moves = i0 + c_hi < skv - 1, i0 + c_lo >= 0  # both hold across [i0, i1)
-        count_at_0 = (c_hi if hi_moves else skv - 1) - (c_lo if lo_moves else 0) + 1
+        hi_moves, lo_moves = i0 + a < cols - 1, i0 + b >= 0  # both hold across [i0, i1)
+        count_at_0 = (a if hi_moves else cols - 1) - (b if lo_moves else 0) + 1
         total += _sum_clipped(count_at_0, int(hi_moves) - int(lo_moves), i0, i1)
     return total
 
