@@ -23,8 +23,9 @@ PROBE = "probe on H100, cuDNN 9.19.0, cudnn-frontend 1.32.0, 2026-11-24 (benchma
 OURS = "attn_dispatch.backends.cudnn_fused_fp8 (our engine)"
 FE_THD = ("cudnn-frontend 1.32 include/cudnn_frontend/node/sdpa_support_surface.h (the FP8 forward has no ragged "
           "clause: ragged offsets need a padding mask, as for bf16) and sdpa_fp8_bwd.h ('sdpa fp8 backward with THD "
-          "is not supported on Hopper architecture'); the forward on cuDNN 9.19 is checked by "
-          "benchmarks/gpu/probe_fp8.py --thd (not yet run)")
+          "is not supported on Hopper architecture'); probe on H100, cuDNN 9.19.0, 2026-11-24 "
+          "(benchmarks/results/fp8/check_fp8_cp_thd_h100.json): the ragged FP8 forward ran on 6 cases within the "
+          "dense calls' error, the ragged backward graph was refused on every case")
 FP8_MASKS = ("no_mask", "causal", "padding", "padding_causal")
 
 
