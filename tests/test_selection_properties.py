@@ -81,3 +81,17 @@ def test_select_raises_only_documented_errors_and_always_explains(p, plat, envir
         if env.forced_backend:
             assert decision.backend == env.forced_family
     assert explain(p, plat, env) == explain(p, plat, env, use_cache=False) == decision
+
+
+def test_odd_local_length_under_causal_cp_is_refused_with_the_reason():
+    """A causal call under p2p context parallelism with an odd local length (hypothesis found sq=skv=1, cp_size=2)
+    is refused by the CP check, with the lengths and the fix, instead of building per-block calls of length 0."""
+    from attn_dispatch import AttentionParams, Platform, explain
+
+    p = AttentionParams(batch_size=1, num_heads=1, head_dim_qk=32, max_seqlen_q=1, max_seqlen_kv=1,
+                        attn_mask_type="causal", cp_size=2, cp_comm_type="p2p", device_type="cuda")
+    decision = explain(p, Platform.parse("h100-cudnn9"))
+    reasons = [r for v in decision.verdicts for r in v.reasons if "local max_seqlen_q=1" in r.message]
+    assert len(reasons) == len(decision.verdicts)  # every engine's CP check says it
+    assert all("must be even" in r.message and "2*cp_size=4" in (r.fix or "") for r in reasons)
+    assert decision.chosen is None

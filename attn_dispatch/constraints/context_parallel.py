@@ -137,6 +137,12 @@ def params_failures(p) -> list[tuple[str, str, str | None]]:
             failures.append(("cp_heads", f"cp_comm_type={p.cp_comm_type!r} splits heads across {group} ranks: "
                              f"num_heads={p.num_heads} and num_gqa_groups={p.num_gqa_groups} must be divisible by "
                              f"{group}", "use cp_comm_type='p2p'"))
+    if (p.is_causal or p.has_sliding_window or p.qkv_format == "thd") and (p.max_seqlen_q % 2 or p.max_seqlen_kv % 2):
+        # context_parallel.api checks the same on the tensors; the per-block calls (block_params) halve these lengths
+        failures.append(("cp_seqlen_even", f"local max_seqlen_q={p.max_seqlen_q} / max_seqlen_kv={p.max_seqlen_kv}: "
+                         "with a causal mask, a window or thd each rank holds two equal chunks of every sequence (the "
+                         "sequence cut in 2*cp_size chunks), so local lengths must be even",
+                         f"pad the sequences to a multiple of 2*cp_size={2 * p.cp_size}"))
     if p.is_causal and p.max_seqlen_q != p.max_seqlen_kv:
         failures.append(("cp_causal_cross", f"a causal mask under context parallelism needs self-attention; "
                          f"max_seqlen_q={p.max_seqlen_q} != max_seqlen_kv={p.max_seqlen_kv}", None))
