@@ -26,3 +26,19 @@ def test_second_blind_grid_is_disjoint_from_every_earlier_grid():
     assert len(second) == 48 and len({_shape(c) for c in second}) == 48
     earlier = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind2" for c in grid()}
     assert not earlier & {_shape(c) for c in second}
+
+
+def test_third_blind_grid_is_disjoint_from_every_other_grid():
+    third = CASE_GRIDS["eval-blind3"]()
+    assert len(third) == 48 and len({_shape(c) for c in third}) == 48
+    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind3" for c in grid()}
+    assert not others & {_shape(c) for c in third}
+
+
+def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
+    a, b = CASE_GRIDS["fit-drawn-a"](), CASE_GRIDS["fit-drawn-b"]()
+    a_shapes, b_shapes = {_shape(c) for c in a}, {_shape(c) for c in b}
+    assert len(a_shapes) == len(a) and len(b_shapes) == len(b) and not a_shapes & b_shapes
+    blind = {_shape(c) for name, grid in CASE_GRIDS.items() if name.startswith("eval-blind") for c in grid()}
+    assert not blind & (a_shapes | b_shapes)
+    assert sum(1 for c in a if c.window) >= 30 and sum(1 for c in a if c.d == 192) >= 6

@@ -190,14 +190,24 @@ def eval_fresh_cases() -> list[Case]:
     return _both(shapes)
 
 
-BLIND_SEEDS = (20261124, 20261125)  # eval-blind (measured in session 5), eval-blind2 (drawn for the next check)
+BLIND_SEEDS = (20261124, 20261125, 20261126)  # eval-blind, eval-blind2 (session 5), eval-blind3 (session 6)
+# The fit-drawn grids (session 6): the blind grids' families drawn with other seeds, the families where engines
+# cross weighted up; every blind grid is left out of them (they are drawn after, and excluding, the blind grids).
+FIT_DRAWN_SEEDS = {"fit-drawn-a": (7001, 7002, 7003), "fit-drawn-b": (7004, 7005, 7006)}
+_BLIND_COUNTS = (("llm", 6), ("long", 3), ("encoder", 4), ("small", 3), ("windowed", 3), ("packed", 3), ("mla", 1),
+                 ("d256", 1))
+_FIT_COUNTS = (("windowed", 7), ("mla", 3), ("d256", 3), ("packed", 4), ("encoder", 5), ("llm", 5), ("small", 2),
+               ("long", 2))
 
 
-def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
-    """A third held-out grid (issue 12, session 5), drawn at random from model-shaped families with a fixed seed and
-    committed before any of it was measured or any model change was made with it in view: LLM layers with GQA, long
-    context, encoders, small batches, head dims 64/80/96/128/192/256, windows, thd and sbhd, lengths on and off the
-    128 grid. 24 distinct shapes, fwd and fwd+bwd each."""
+def _case_key(c: Case) -> tuple:
+    return (c.b, c.s, c.skv, c.h, c.hkv, c.d, c.dv, c.mask, c.window, c.fmt)
+
+
+def _draw(seed: int, counts: tuple[tuple[str, int], ...], seen: set[tuple]) -> list[Case]:
+    """Shapes drawn at random from model-shaped families (LLM layers with GQA, long context, encoders, small
+    batches, head dims 64/80/96/128/192/256, windows, thd and sbhd, lengths on and off the 128 grid); a shape in
+    `seen` is drawn again (at most 50 times, then the draw is skipped). Adds what it draws to `seen`."""
     import random
 
     rng = random.Random(seed)
@@ -228,7 +238,7 @@ def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
 
     def windowed(i: int) -> Case:
         s, w = pick((2048, 3000, 4096, 8192)), pick((128, 512, 1024, 2048))
-        causal = i != 1
+        causal = i % 3 != 1  # every third a two-sided window (no mask)
         return Case(b=batch(s, (8192, 16384)), s=s, h=pick((8, 16)), hkv=pick((4, 8)), d=pick((64, 128, 256)),
                     mask="causal" if causal else "no_mask", window=(w, 0) if causal else (w, w), name=f"win{i}")
 
@@ -245,24 +255,48 @@ def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
         return Case(b=pick((2, 4)), s=pick((2048, 3000, 4096)), h=pick((8, 16)), hkv=pick((4, 8)), d=256,
                     name=f"d256-{i}")
 
-    def key(c: Case) -> tuple:
-        return (c.b, c.s, c.skv, c.h, c.hkv, c.d, c.dv, c.mask, c.window, c.fmt)
-
+    families = {"llm": llm, "long": long, "encoder": encoder, "small": small, "windowed": windowed,
+                "packed": packed, "mla": mla, "d256": d256}
     shapes: list[Case] = []
-    # shapes of the other grids (fit and held-out) count as drawn: the blind grid shares no call with them
-    earlier = [fit_cases, eval_cases, fit_extra_cases, fit_gqa_cases, eval_fresh_cases]
-    if seed != BLIND_SEEDS[0]:  # a later blind grid shares no call with the earlier ones either
-        earlier += [lambda s=s: eval_blind_cases(s) for s in BLIND_SEEDS[:BLIND_SEEDS.index(seed)]]
-    seen = {key(c) for grid in earlier for c in grid()}
-    for family, count in ((llm, 6), (long, 3), (encoder, 4), (small, 3), (windowed, 3), (packed, 3), (mla, 1),
-                          (d256, 1)):
+    for family, count in counts:
         for i in range(count):
-            case = family(i)
-            while key(case) in seen:
-                case = family(i)  # a repeat of an earlier draw or of another grid's shape: draw again
-            seen.add(key(case))
-            shapes.append(case)
-    return _both(shapes)
+            for _ in range(50):
+                case = families[family](i)
+                if _case_key(case) not in seen:  # a repeat of an earlier draw or of another grid: draw again
+                    seen.add(_case_key(case))
+                    shapes.append(case)
+                    break
+    return shapes
+
+
+def _hand_grids() -> list:
+    return [fit_cases, eval_cases, fit_extra_cases, fit_gqa_cases, eval_fresh_cases]
+
+
+def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
+    """A held-out grid (issue 12, sessions 5-6), drawn at random from model-shaped families with a fixed seed and
+    committed before any of it was measured or any model change was made with it in view. It shares no call with
+    the hand-made grids or an earlier blind grid. 24 distinct shapes, fwd and fwd+bwd each."""
+    earlier = _hand_grids() + [lambda s=s: eval_blind_cases(s) for s in BLIND_SEEDS[:BLIND_SEEDS.index(seed)]]
+    seen = {_case_key(c) for grid in earlier for c in grid()}
+    return _both(_draw(seed, _BLIND_COUNTS, seen))
+
+
+def fit_drawn_cases(name: str) -> list[Case]:
+    """Fit rows drawn from the blind grids' families (a fit set from the distribution the blind grids test), with
+    windows, MLA, d256, thd and encoders weighted up: where flash-attn-4 and cuDNN cross. No call of any other grid
+    (blind grids included) or of an earlier fit-drawn seed."""
+    seen = {_case_key(c) for grid in _hand_grids() for c in grid()}
+    seen |= {_case_key(c) for s in BLIND_SEEDS for c in eval_blind_cases(s)}
+    shapes: list[Case] = []
+    for grid, seeds in FIT_DRAWN_SEEDS.items():
+        for seed in seeds:
+            drawn = _draw(seed, _FIT_COUNTS, seen)
+            if grid == name:
+                shapes += [Case(**{**c.to_dict(), "name": f"s{seed % 100}-{c.name}"}) for c in drawn]
+        if grid == name:
+            return _both(shapes)
+    raise ValueError(f"no fit-drawn grid {name!r}; expected one of {sorted(FIT_DRAWN_SEEDS)}")
 
 
 def smoke_cases() -> list[Case]:
@@ -272,4 +306,6 @@ def smoke_cases() -> list[Case]:
 
 CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-extra": fit_extra_cases,
               "fit-gqa": fit_gqa_cases, "eval-fresh": eval_fresh_cases,
-              "eval-blind": eval_blind_cases, "eval-blind2": lambda: eval_blind_cases(BLIND_SEEDS[1])}
+              "eval-blind": eval_blind_cases, "eval-blind2": lambda: eval_blind_cases(BLIND_SEEDS[1]),
+              "eval-blind3": lambda: eval_blind_cases(BLIND_SEEDS[2]),
+              **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}}
