@@ -193,7 +193,8 @@ def eval_fresh_cases() -> list[Case]:
 BLIND_SEEDS = (20261124, 20261125, 20261126)  # eval-blind, eval-blind2 (session 5), eval-blind3 (session 6)
 # The fit-drawn grids (session 6): the blind grids' families drawn with other seeds, the families where engines
 # cross weighted up; every blind grid is left out of them (they are drawn after, and excluding, the blind grids).
-FIT_DRAWN_SEEDS = {"fit-drawn-a": (7001, 7002, 7003), "fit-drawn-b": (7004, 7005, 7006)}
+FIT_DRAWN_SEEDS = {"fit-drawn-a": (7001, 7002, 7003), "fit-drawn-b": (7004, 7005, 7006),
+                   "fit-drawn-c": (7007, 7008, 7009)}
 _BLIND_COUNTS = (("llm", 6), ("long", 3), ("encoder", 4), ("small", 3), ("windowed", 3), ("packed", 3), ("mla", 1),
                  ("d256", 1))
 _FIT_COUNTS = (("windowed", 7), ("mla", 3), ("d256", 3), ("packed", 4), ("encoder", 5), ("llm", 5), ("small", 2),
