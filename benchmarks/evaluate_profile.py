@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, build,  # noqa: E402
-                                          combine_runs, group_runs)
+                                          pooled_calls)
 from build_profile import load_runs  # noqa: E402
 
 TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
@@ -56,8 +56,8 @@ def pooled(profile_runs: list[dict], target_runs: list[dict], model: CostModel, 
     """Each pooled (machine, call) entry of target_runs predicted by a profile of profile_runs."""
     profile = Profile(build(profile_runs, arch="sm90", stack={}, date="", model=model), model=model)
     out = []
-    for (machine, _), (label, params, times) in group_runs(target_runs).items():
-        found = score(profile, label, params, combine_runs(times), machine, leave_out=leave_out, stock=stock)
+    for (machine, _), (label, params, times, _) in pooled_calls(target_runs).items():
+        found = score(profile, label, params, times, machine, leave_out=leave_out, stock=stock)
         if found:
             out.append(found)
     return out

@@ -353,3 +353,36 @@ def test_a_host_bound_neighbour_gives_no_rate_to_a_bigger_call(tmp_path):
     # a call no bigger than the host-bound neighbour takes its rate (it is at the floor anyway)
     small = profile.predict(AttentionParams(**dict(causal, max_seqlen_q=768)))
     assert small.times_ms["x:a"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_causal_and_two_sided_windows_are_different_kinds_of_call(tmp_path):
+    # the same key span (2049), one causal window, one two-sided: engines rank them differently (fit-drawn grids:
+    # cuDNN fastest on causal windows, 1.2-3.5x slower than flash-attn-4 on two-sided ones)
+    causal = dict(max_seqlen_q=4096, attn_mask_type="causal", window_size=(2048, 0))
+    two_sided = dict(max_seqlen_q=4096, attn_mask_type="no_mask", window_size=(1024, 1024))
+    assert features(AttentionParams(**causal))[0] != features(AttentionParams(**two_sided))[0]
+    rows = [(causal, {"x:a": 1.0, "x:b": 2.0}), (two_sided, {"x:a": 3.0, "x:b": 1.0})]
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+    near_two_sided = AttentionParams(max_seqlen_q=3000, attn_mask_type="no_mask", window_size=(900, 900))
+    assert profile.predict(near_two_sided).best(["x:a", "x:b"]) == "x:b"
+    near_causal = AttentionParams(max_seqlen_q=3000, attn_mask_type="causal", window_size=(1800, 0))
+    assert profile.predict(near_causal).best(["x:a", "x:b"]) == "x:a"
+
+
+def test_a_training_time_under_its_own_forward_is_left_out_of_the_profile():
+    call = dict(max_seqlen_q=2048, attn_mask_type="causal")
+    run = {"machine": "test GPU", "rows": [
+        {"label": "train", "params": AttentionParams(**call).to_dict(), "times_ms": {"x:a": 0.2, "x:b": 0.9}},
+        {"label": "infer", "params": AttentionParams(**call, is_training=False).to_dict(),
+         "times_ms": {"x:a": 0.3, "x:b": 0.3}}]}
+    entries = {e["label"]: e["times_ms"] for e in build([run], arch="sm90", stack={}, date="")["entries"]}
+    assert entries["train"] == {"x:b": 0.9} and entries["infer"] == {"x:a": 0.3, "x:b": 0.3}
+
+
+def test_one_outlier_does_not_set_the_host_floor_once_a_kind_has_enough_calls(tmp_path):
+    rows = [(dict(max_seqlen_q=256 * (i + 1), attn_mask_type="causal"), {"x:a": 0.5 + 0.01 * i}) for i in range(40)]
+    rows[7] = (rows[7][0], {"x:a": 0.05})  # one timer outlier, 10x under every other call
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+    assert profile._host("x:a", features(AttentionParams(max_seqlen_q=256, attn_mask_type="causal"))[0]) >= 0.5
+    few = Profile(json.loads((synthetic_profile(tmp_path, rows[:5]) / "sm90.json").read_text()))
+    assert few._host("x:a", features(AttentionParams(max_seqlen_q=256, attn_mask_type="causal"))[0]) == 0.5

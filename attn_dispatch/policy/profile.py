@@ -56,6 +56,11 @@ class CostModel:
     # most of a near-floor time to the GPU): it gives no rate to a call of more work than its own.
     host_bound: float = 3.0
     tile: int = 128         # work counted in tile x tile blocks of the score matrix (0: attended pairs)
+    split_windows: bool = True  # causal windows (right bound 0) and two-sided ones as different kinds of call
+    # The host floor: the (r + 1)-th least time of a provider on calls of that kind, r = min(floor_rank, calls // 10):
+    # one timer outlier (fit-drawn-c has flash-attn-4 training at 0.195 ms on a call whose forward took 0.292)
+    # otherwise sets the floor of every call.
+    floor_rank: int = 3
 
 
 COST_MODEL = CostModel()
@@ -68,6 +73,8 @@ def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, 
     if p.has_sliding_window and left >= 0:
         span = min(span, left + (right if right >= 0 else 0) + 1)
     mask = "window" if p.has_sliding_window else ("causal" if p.is_causal else "none")
+    if mask == "window" and model.split_windows and right != 0:
+        mask = "window two-sided"
     kind = (p.is_training, mask, p.has_padding)
     if p.inference_kv_cache:  # a decode/prefill step over a cache: compared only with measured cache steps
         kind += ("kv-cache paged" if p.kv_cache_paged else "kv-cache",)
@@ -168,21 +175,25 @@ class Profile:
             self.entries.append(Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine,
                                       e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"])))
         # Host floors per (machine or None for all, provider, training, packed or None for either): the few least
-        # times with their calls' shapes (leave-one-out leaves a shape out of the floor too).
+        # times with their calls' shapes (leave-one-out leaves a shape out of the floor too), and how many calls.
         self._floors: dict[tuple, list[tuple[float, tuple]]] = {}
+        self._timed: dict[tuple, int] = {}
         self.host_ms: dict[tuple[str, bool], float] = {}  # (provider, training): the least time of any call
         for e in self.entries:
             for provider, ms in e.times_ms.items():
                 for scope in (e.machine, None):
                     for packed in (e.kind[2], None):
                         key = (scope, provider, e.kind[0], packed)
-                        self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.shape)])[:4]
+                        self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.shape)])[:model.floor_rank + 1]
+                        self._timed[key] = self._timed.get(key, 0) + 1
                 self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
         # Per kind of call, its entries: a fresh decision compares only these. And per (machine, kind), how many.
         self._by_kind: dict[tuple, list[Entry]] = {}
+        self._providers: dict[tuple, set[str]] = {}
         self._count: dict[tuple, int] = {}
         for e in self.entries:
             self._by_kind.setdefault(e.kind, []).append(e)
+            self._providers.setdefault(e.kind, set()).update(e.times_ms)
             self._count[(e.machine, e.kind)] = self._count.get((e.machine, e.kind), 0) + 1
 
     def describe(self) -> str:
@@ -206,16 +217,24 @@ class Profile:
         if own and leave_out:  # the count must not include the call left out
             mine = sum(1 for e in self._by_kind.get(kind, ()) if e.machine == own and e.shape != skip)
             own = own if mine >= m.min_own else None
+        w0, w1, w2, w3, w4, w5, w6 = m.weights  # unrolled: a fresh decision scans every entry of its kind
+        h0, h1, h2, h3, h4, h5, h6 = here
+        entries = self._by_kind.get(kind, ())
         near = sorted(
-            (sum(w * abs(a - b) for w, a, b in zip(m.weights, here, e.sizes))
-             + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
-            for i, e in enumerate(self._by_kind.get(kind, ()))
+            (w0 * abs(h0 - z[0]) + w1 * abs(h1 - z[1]) + w2 * abs(h2 - z[2]) + w3 * abs(h3 - z[3])
+             + w4 * abs(h4 - z[4]) + w5 * abs(h5 - z[5]) + w6 * abs(h6 - z[6])
+             + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i)
+            for i, e in enumerate(entries) for z in (e.sizes,)
             if e.shape != skip and (own is None or e.machine == own))
         hosts: dict[str, float] = {}
         rates: dict[str, list[tuple[float, float]]] = {}
         amount = work(params, m)
         fallback: dict[str, tuple[float, float]] = {}
-        for dist, _, _, e in near:
+        pending = set(self._providers.get(kind, ()))  # providers still short of k rates (or a fallback)
+        for dist, _, i in near:
+            if not pending:
+                break
+            e = entries[i]
             for provider, ms in e.times_ms.items():
                 found = rates.setdefault(provider, [])
                 if len(found) >= m.k:
@@ -228,6 +247,8 @@ class Profile:
                     fallback.setdefault(provider, (dist, math.log(e.work / gpu)))
                     continue
                 found.append((dist, math.log(e.work / gpu)))
+                if len(found) >= m.k:
+                    pending.discard(provider)
         for provider, found in rates.items():
             if not found:
                 found.append(fallback[provider])
@@ -237,17 +258,18 @@ class Profile:
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
             host = hosts[provider]
             times[provider] = (host ** m.combine + (amount / rate) ** m.combine) ** (1.0 / m.combine)
-        shown = tuple(e.label + ("" if own or len(self.machines) < 2 else f" ({e.machine})")
-                      for _, _, _, e in near[:max(1, m.k)])
+        shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
+                      for _, _, i in near[:max(1, m.k)])
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
 
     def _host(self, provider: str, kind: tuple, machine: str | None = None, skip: tuple | None = None) -> float:
         """The provider's host floor for this kind of call: the least time of calls of the same training mode and
         packing, else of that training mode, on the machine (None: any machine), leaving the shape skip out."""
         for packed in (kind[2], None):
-            for ms, shape in self._floors.get((machine, provider, kind[0], packed), ()):
-                if shape != skip:
-                    return ms
+            key = (machine, provider, kind[0], packed)
+            found = [ms for ms, shape in self._floors.get(key, ()) if shape != skip]
+            if found:  # a low quantile (~1 in 10 calls), robust to a timer's outlier, at most floor_rank up
+                return found[min(self.model.floor_rank, self._timed[key] // 10, len(found) - 1)]
         return 0.0
 
 
@@ -301,9 +323,33 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[
         for row in run["rows"]:
             times = _provider_times(row)
             if times:
-                params = AttentionParams(**row["params"]).to_dict()  # older runs lack newer fields' defaults
-                key = (run["machine"], json.dumps(params, sort_keys=True))
+                key = (run["machine"], _call_key(row["params"]))
                 grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
+    return grouped
+
+
+def _call_key(params: dict) -> str:
+    return json.dumps(AttentionParams(**params).to_dict(), sort_keys=True)  # older runs lack newer fields' defaults
+
+
+def _without_impossible(training: dict[str, float], inference: tuple | None) -> dict[str, float]:
+    """A training step's times without a provider's that is under its forward alone on the same call (a timer
+    artefact: fit-drawn-c has flash-attn-4 at 0.195 ms forward and backward, 0.292 ms forward)."""
+    if inference is None:
+        return training
+    forward = inference[2]
+    return {p: t for p, t in training.items() if p not in forward or t >= forward[p]}
+
+
+def pooled_calls(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, dict[str, float], int]]:
+    """(machine, call) -> (label, parameters, provider times combined over the runs, how many runs): what a
+    profile entry holds, and what the protocols score against."""
+    grouped = {key: (label, params, combine_runs(times), len(times))
+               for key, (label, params, times) in group_runs(runs).items()}
+    for (machine, _), (label, params, times, count) in list(grouped.items()):
+        if params.get("is_training"):
+            forward = grouped.get((machine, _call_key({**params, "is_training": False})))
+            grouped[(machine, _)] = (label, params, _without_impossible(times, forward), count)
     return grouped
 
 
@@ -313,10 +359,10 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
     (the same parameters) on one machine, from any number of runs, make one entry (combine_runs)."""
     machines = sorted({run["machine"] for run in runs})
     entries = []
-    for (machine, _), (label, params_dict, times) in group_runs(runs).items():
+    for (machine, _), (label, params_dict, times, count) in pooled_calls(runs).items():
         params = AttentionParams(**params_dict)
         kind, log2, fmt = features(params, model)
-        entries.append({"label": label, "machine": machines.index(machine), "runs": len(times), "kind": list(kind),
+        entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
                         "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
-                        "times_ms": {k: float(f"{v:.5g}") for k, v in combine_runs(times).items()}})
+                        "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()}})
     return {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
