@@ -403,7 +403,10 @@ def cu(lens):
 
 
 def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, skv=12, d=8, dv=8, bias=None,
-        bias_grad=False, alibi=None, softmax="vanilla", lens_q=None, lens_kv=None, gaps=False, seed=0):
+        bias_grad=False, alibi=None, softmax="vanilla", lens_q=None, lens_kv=None, gaps=False, seed=0,
+        tail=(0, 0), facts=False):
+    """tail: (q, kv) rows past the last sequence of a thd call; facts: give the host facts (AttnAux.packed) the
+    module's validation derives."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
     b = 2
@@ -412,11 +415,20 @@ def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, s
         lens_q, lens_kv = lens_q or [sq, sq - 3], lens_kv or [skv - 2, skv]
         slots_q = [n + (2 if gaps else 0) for n in lens_q]
         slots_kv = [n + (3 if gaps else 0) for n in lens_kv]
-        q, k, v = rnd(sum(slots_q), h, d), rnd(sum(slots_kv), hk, d), rnd(sum(slots_kv), hk, dv)
+        t_q, t_kv = sum(slots_q) + tail[0], sum(slots_kv) + tail[1]
+        q, k, v = rnd(t_q, h, d), rnd(t_kv, hk, d), rnd(t_kv, hk, dv)
         aux.cu_seqlens_q, aux.cu_seqlens_kv = cu(lens_q), cu(lens_kv)
         aux.max_seqlen_q, aux.max_seqlen_kv = max(lens_q), max(lens_kv)
         if gaps:
             aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = cu(slots_q), cu(slots_kv)
+        if facts:
+            from attn_dispatch import inputs
+            from attn_dispatch.call_args import CallArgs
+
+            args = CallArgs(qkv_format="thd", cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv,
+                            cu_seqlens_q_padded=aux.cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded=aux.cu_seqlens_kv_padded)
+            aux.packed = inputs.packed_facts(inputs.sequence_info("thd", mask, q, k, args), mask, window)
     elif fmt == "bshd":
         q, k, v = rnd(b, sq, h, d), rnd(b, skv, hk, d), rnd(b, skv, hk, dv)
     else:
@@ -499,6 +511,36 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_plumbing_matches_reference(engine, name):
     err = run(engine, **CASES[name])
+    assert all(e <= 1e-5 for e in err.values()), err
+
+
+class _UnwrittenIsNaN:
+    """The engine module's torch, except that fresh float buffers hold NaN: rows cuDNN leaves unwritten show."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+@pytest.mark.parametrize("facts", [False, True], ids=["facts unknown", "host facts"])
+@pytest.mark.parametrize("case", [dict(mask="padding", tail=(3, 2)), dict(mask="padding_causal", tail=(0, 4)),
+                                  dict(mask="padding_causal_bottom_right", tail=(2, 0), sq=6, skv=10),
+                                  dict(mask="padding_causal", gaps=True, tail=(1, 1)), dict(mask="padding")],
+                         ids=["tails", "kv tail", "q tail br", "gaps and tails", "no tail"])
+def test_thd_rows_past_the_last_sequence_are_zero_with_lse_minus_inf(engine, monkeypatch, case, facts):
+    """cuDNN writes only the sequences' rows: out, dq, dk, dv past cu_seqlens[-1] must still be 0 and lse -inf
+    (run() compares every row with the reference, where they are; an unwritten row is NaN here)."""
+    monkeypatch.setattr(eng, "torch", _UnwrittenIsNaN())
+    err = run(engine, fmt="thd", facts=facts, **case)
     assert all(e <= 1e-5 for e in err.values()), err
 
 
