@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from attn_dispatch.backends import cudnn_fused as eng
-from attn_dispatch.backends.base import AttnAux, AttnConfig
+from attn_dispatch.backends.base import AttnAux, AttnConfig, PackedFacts
 from reference import reference_attention
 
 
@@ -754,3 +754,43 @@ def test_a_refused_graph_excludes_the_call_in_the_live_table(engine, monkeypatch
     assert "no engine for this graph" in reasons.get("cudnn_fused.cudnn_rejected", ""), reasons
     assert "cudnn_fused.cudnn_rejected" not in {r.code for r in _frontend_table().evaluate(
         p.replace(head_dim_qk=128, head_dim_v=128), live, _no_env()).reasons}
+
+
+def test_a_repeat_thd_call_derives_nothing_from_cu_seqlens_on_the_device(engine, monkeypatch):
+    """Lengths and ragged offsets are made once per cu_seqlens tensor (a model's layers share one); with the host
+    facts showing no tail, nothing is filled either: what runs besides the graph is allocation and views."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        ops, paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    log = OpLog()
+    graph_run = eng.CudnnFrontendEngine._run
+
+    def run_paused(self, *args):
+        log.paused = True
+        try:
+            return graph_run(self, *args)
+        finally:
+            log.paused = False
+
+    monkeypatch.setattr(eng.CudnnFrontendEngine, "_run", run_paused)
+    q, k, v = (torch.randn(21, 4, 8) for _ in range(3))
+    aux = AttnAux(cu_seqlens_q=cu([12, 9]), cu_seqlens_kv=cu([12, 9]), max_seqlen_q=12, max_seqlen_kv=12)
+    cfg = AttnConfig(qkv_format="thd", attn_mask_type="padding_causal", softmax_scale=0.3)
+    for packed, expected_fills in ((PackedFacts(21, 21, False), 0), (None, 2)):
+        aux.packed = packed
+        engine.forward(q, k, v, aux, cfg)  # first call: graph built, derived tensors made
+        log.ops = []
+        with log:
+            res = engine.forward(q, k, v, aux, cfg)
+        assert not {"sub", "mul", "_to_copy", "masked_fill", "arange"} & set(log.ops), log.ops
+        assert log.ops.count("fill_") + log.ops.count("full") == expected_fills, log.ops  # unknown end: out, lse
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), qkv_format="thd", attn_mask_type="padding_causal",
+                                 cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv, softmax_scale=0.3)
+    assert _err(res.out, ref) <= 1e-5
