@@ -323,7 +323,11 @@ class FlashEngineBase(Engine):
         if cfg.softmax_type == "vanilla":
             return None
         if cfg.softmax_type == "off-by-one":  # exp(S_i) / (1 + sum exp(S)): a sink logit of 0 in every head
-            return torch.zeros(heads, dtype=torch.float32, device=q.device)
+            zeros = self.__dict__.setdefault("_zero_sinks", {})  # made once per (heads, device): no kernel per call
+            sink = zeros.get((heads, q.device))
+            if sink is None:
+                sink = zeros[(heads, q.device)] = torch.zeros(heads, dtype=torch.float32, device=q.device)
+            return sink
         offset = aux.softmax_offset
         if offset is None:
             raise ValueError("softmax_type='learnable' needs aux.softmax_offset (float32 [h], the sink logit); "

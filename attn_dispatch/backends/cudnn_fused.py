@@ -347,6 +347,7 @@ class CudnnFrontendEngine(Engine):
         self.execute_path = execute_path
         self._graphs: OrderedDict[SdpaKey, Compiled] = OrderedDict()
         self._failures: dict[SdpaKey, CudnnGraphError] = {}
+        self._backward_built: set[tuple] = set()  # forward keys (and backward extras) whose backward graph exists
         self._fast: dict[tuple, _FastFwd] = {}
         self._devices: dict[int, _DeviceState] = {}
         self._lock = threading.Lock()
@@ -639,7 +640,7 @@ class CudnnFrontendEngine(Engine):
         compiled = self._graph_or_record(key, signature)
         grad = q.requires_grad or k.requires_grad or v.requires_grad
         if grad:  # a backward cuDNN refuses is reported now, before any kernel runs
-            self._prebuild_backward(call, cfg, q, k, v, out, dev, bias, bias_grad, alibi, sink, aux, signature)
+            self._prebuild_backward(key, call, cfg, q, k, v, out, dev, bias, bias_grad, alibi, sink, aux, signature)
         buffers = self._aux_buffers(call, key, operands, bias, sink, seed)
         buffers["stats"] = lse_store
         if rng_dump is not None:
@@ -663,19 +664,27 @@ class CudnnFrontendEngine(Engine):
                         v.dtype, q.device, k.device, v.device, grad)] = fast
         return FwdResult(out, lse, _FwdState(key, call, bias, bias_grad, sink, seed, rng_dump, fast))
 
-    def _prebuild_backward(self, call: _Call, cfg: AttnConfig, q, k, v, out, dev: int, bias, bias_grad: bool,
-                           alibi: bool, sink, aux: AttnAux, signature: Callable[[str], tuple]) -> None:
+    def _prebuild_backward(self, fwd_key: SdpaKey, call: _Call, cfg: AttnConfig, q, k, v, out, dev: int, bias,
+                           bias_grad: bool, alibi: bool, sink, aux: AttnAux, signature: Callable[[str], tuple]) -> None:
         """Build (or find) the backward graph this forward's backward will ask for: dO laid out like the output,
-        gradients allocated like q, k, v, the stats as the forward returns them."""
+        gradients allocated like q, k, v, the stats as the forward returns them. Once per forward graph (and what
+        the backward key adds to it): the meta tensors and the key cost tens of us per call on the general path
+        (thd, padding, bias)."""
+        sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
+                     and aux.softmax_offset.requires_grad)
+        done = (fwd_key, sink_grad, bool(cfg.deterministic), call.t_q, call.t_kv)
+        if done in self._backward_built:
+            return
         operands = {"q": q, "k": k, "v": v, "o": out, "do": _meta_like(out), "dq": _meta_like(q),
                     "dk": _meta_like(k), "dv": _meta_like(v)}
         thd = call.fmt == "thd"
         stats_stride = (call.h * call.sq, 1, call.h, 1) if thd else (call.h * call.sq, call.sq, 1, 1)
-        sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
-                     and aux.softmax_offset.requires_grad)
         key = self._key("bwd", call, cfg, q.dtype, dev, operands, bias, bias_grad, alibi, sink, stats_stride, False,
                         sink_grad)
         self._graph_or_record(key, signature)
+        if len(self._backward_built) >= GRAPH_CACHE_SIZE:
+            self._backward_built.clear()
+        self._backward_built.add(done)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: _FwdState, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
