@@ -794,3 +794,14 @@ def test_a_repeat_thd_call_derives_nothing_from_cu_seqlens_on_the_device(engine,
     ref, _ = reference_attention(q.double(), k.double(), v.double(), qkv_format="thd", attn_mask_type="padding_causal",
                                  cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv, softmax_scale=0.3)
     assert _err(res.out, ref) <= 1e-5
+
+
+def test_a_training_forward_prebuilds_its_backward_graph_once_per_configuration(engine, monkeypatch):
+    made = []
+    meta_like = eng._meta_like
+    monkeypatch.setattr(eng, "_meta_like", lambda t: made.append(1) or meta_like(t))
+    for seed in range(2):
+        assert all(e <= 1e-5 for e in run(engine, fmt="thd", mask="padding_causal", seed=seed).values())
+    assert len(made) == 4  # dO, dq, dk, dv described once
+    err = run(engine, fmt="thd", mask="padding_causal", lens_q=[5, 9], lens_kv=[5, 9])  # other totals: other graphs
+    assert all(e <= 1e-5 for e in err.values()) and len(made) == 8
