@@ -5,6 +5,10 @@ from them (int32 lengths, ragged offsets). A model's layers call attention with 
 (Transformer Engine's users do), so both are keyed on the tensor itself: its identity (a weak reference, so that
 a dead tensor whose id is reused misses) and its version counter (an in-place write misses). Bounded: the cache
 is emptied when it reaches CACHE_LIMIT entries. Inference tensors track no version, so nothing is cached for them.
+
+While a CUDA graph is captured, device tensors are derived afresh (cached_device_tensor): the graph then owns
+them (a cached one could be freed by an eviction while the graph still reads it) and recomputes them from the
+cu_seqlens contents of each replay, which may differ from the ones seen at capture.
 """
 from __future__ import annotations
 
@@ -33,6 +37,21 @@ def cached_on(tensors: tuple[torch.Tensor, ...], context: tuple, compute: Callab
         _CACHE.clear()
     _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
     return value
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream (t: a tensor of the call, on its device). Host facts
+    read from cu_seqlens then describe the capture's contents only, not those of later replays."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def cached_device_tensor(tensors: tuple[torch.Tensor, ...], context: tuple,
+                         compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """cached_on for a device tensor derived from the tensors' contents, made afresh while a CUDA graph is
+    captured (see the module doc)."""
+    if capturing(tensors[0]):
+        return compute()
+    return cached_on(tensors, context, compute)
 
 
 def clear() -> None:

@@ -270,3 +270,23 @@ def test_a_tail_known_on_the_host_is_cleared_by_slicing():
     fwd_ops, bwd_ops = _ops_outside_the_kernel("fa2", q.detach(), k.detach(), v.detach(), aux, cfg)
     assert not DEVICE_MASKING & set(fwd_ops + bwd_ops)
     assert fwd_ops.count("fill_") == 2 and bwd_ops.count("fill_") == 3  # out and lse; dq, dk, dv
+
+
+def test_while_a_cuda_graph_is_captured_the_facts_are_not_used_and_nothing_derived_is_cached(monkeypatch):
+    """A captured call's replays may run with other cu_seqlens contents: the clean-ups must then be on the device
+    and the cu_seqlens-derived tensors made inside the graph (tests/gpu/test_thd_host_gpu.py replays one)."""
+    from attn_dispatch.backends import cudnn_fused as cd
+
+    monkeypatch.setattr(_flash_io, "capturing", lambda t: True)
+    q, k, v, aux, cfg = _with_facts("thd no tail")
+    fwd_ops, bwd_ops = _ops_outside_the_kernel("fa2", q.detach(), k.detach(), v.detach(), aux, cfg)
+    assert DEVICE_MASKING & set(fwd_ops) and DEVICE_MASKING & set(bwd_ops)
+    monkeypatch.setattr(cd, "_require_cuda", lambda q: None)
+    for capture in (False, True):
+        monkeypatch.setattr(cd, "capturing", lambda t, capture=capture: capture)
+        first, second = (cd._prepare(q, k, v, aux, cfg, io_dtypes=(q.dtype,)) for _ in range(2))
+        assert (first.end_q is None) == capture and first.capturing == capture
+        assert (first.lens_q is second.lens_q) != capture  # cached outside a capture only
+        offsets = [cd._ragged_offsets(aux.cu_seqlens_q, torch.int64, 32, first.capturing) for _ in range(2)]
+        assert (offsets[0] is offsets[1]) != capture
+        assert first.lens_q.view(-1).tolist() == [5, 1, 8]

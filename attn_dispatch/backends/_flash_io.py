@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..params import has_padding
-from ..tensor_cache import cached_on
+from ..tensor_cache import cached_device_tensor, cached_on, capturing
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, PackedFacts
 
 UNBOUNDED = -1
@@ -144,6 +144,12 @@ def empty_rows_varlen(varlen: Varlen, total_q: int, right: int) -> torch.Tensor:
     return empty
 
 
+def host_facts(aux: AttnAux, q: torch.Tensor) -> PackedFacts | None:
+    """aux.packed, except while a CUDA graph is captured: its replays may see other cu_seqlens contents, so the
+    clean-ups then run on the device (a replay costs no host time anyway)."""
+    return None if aux.packed is None or capturing(q) else aux.packed
+
+
 def _no_neg_inf_rows(facts: PackedFacts | None, total_q: int) -> bool:
     """The host facts show that this module's own thd forward gave no row lse -inf (no row without keys, no tail)."""
     return facts is not None and not facts.keyless_rows and facts.end_q >= total_q
@@ -168,7 +174,7 @@ def _int32_cu(cu: torch.Tensor, name: str, device: torch.device) -> torch.Tensor
         raise ValueError(f"{name} is on {cu.device}; it must be on {device} with q, k, v")
     if cu.dtype == torch.int32 and cu.is_contiguous():
         return cu
-    return cached_on((cu,), ("int32_contiguous",), lambda: cu.to(torch.int32).contiguous())
+    return cached_device_tensor((cu,), ("int32_contiguous",), lambda: cu.to(torch.int32).contiguous())
 
 
 def _max_seqlen(cu: torch.Tensor, given: int) -> int:
@@ -343,7 +349,7 @@ class FlashEngineBase(Engine):
         if fmt == "thd":
             varlen = thd_varlen(q, aux, cfg)
             out, lse, kstate = self._kernel_fwd(q, k, v, varlen, call, None)
-            facts = aux.packed
+            facts = host_facts(aux, q)
             if facts is None or facts.keyless_rows:
                 lse = self._fix_lse(lse, call, varlen=varlen)
             end = None if facts is None else facts.end_q
@@ -375,7 +381,7 @@ class FlashEngineBase(Engine):
         fmt = cfg.qkv_format
         if fmt == "thd":
             varlen = state.varlen or thd_varlen(q, aux, cfg)
-            facts = aux.packed
+            facts = host_facts(aux, q)
             lse_in = lse if _no_neg_inf_rows(facts, q.shape[0]) else self._kernel_lse(lse, call)
             dq, dk, dv, dsink = self._kernel_bwd(dout, q, k, v, out, lse_in, state.kernel, varlen, call)
             end_q, end_kv = (None, None) if facts is None else (facts.end_q, facts.end_kv)

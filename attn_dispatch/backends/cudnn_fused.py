@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
-from ..tensor_cache import cached_on
+from ..tensor_cache import cached_on, capturing
 from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView, _thd_positions
@@ -120,16 +120,19 @@ def _lens(cu: torch.Tensor) -> torch.Tensor:
     return (cu[1:] - cu[:-1]).to(torch.int32)
 
 
-def _cached_lens(cu: torch.Tensor) -> torch.Tensor:
-    """int32 [b, 1, 1, 1] sequence lengths of a cu_seqlens tensor, made once per tensor and version: every layer
-    of a model passes the same one."""
+def _cached_lens(cu: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """int32 [b, 1, 1, 1] sequence lengths of a cu_seqlens tensor, made once per tensor and version (every layer
+    of a model passes the same one); fresh: made now (a CUDA graph capture, see tensor_cache)."""
+    if fresh:
+        return _lens(cu).view(-1, 1, 1, 1)
     return cached_on((cu,), ("cudnn_lens",), lambda: _lens(cu).view(-1, 1, 1, 1))
 
 
-def _ragged_offsets(cu: torch.Tensor, itype: torch.dtype, stride: int) -> torch.Tensor:
+def _ragged_offsets(cu: torch.Tensor, itype: torch.dtype, stride: int, fresh: bool = False) -> torch.Tensor:
     """cuDNN's ragged offsets [b + 1, 1, 1, 1]: where each sequence starts, in elements (cu x token stride)."""
-    return cached_on((cu,), ("cudnn_ragged", itype, stride),
-                     lambda: (cu.to(itype) * stride).view(-1, 1, 1, 1))
+    if fresh:
+        return (cu.to(itype) * stride).view(-1, 1, 1, 1)
+    return cached_on((cu,), ("cudnn_ragged", itype, stride), lambda: (cu.to(itype) * stride).view(-1, 1, 1, 1))
 
 
 def _thd_buffer(like: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device, end: int | None,
@@ -221,6 +224,7 @@ class _Call:
     max_kv: int = 0
     end_q: int | None = None               # thd: cu_seqlens[-1] where the host knows it (AttnAux.packed)
     end_kv: int | None = None
+    capturing: bool = False                # a CUDA graph is captured: nothing derived from cu_seqlens is cached
 
 
 def _describe(x: torch.Tensor, fmt: str, s_graph: int) -> tuple[tuple, int | None]:
@@ -265,12 +269,14 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
         pad_kv = aux.cu_seqlens_kv_padded if aux.cu_seqlens_kv_padded is not None else cu_kv
         _check_cu("cu_seqlens_q_padded", pad_q, b, q.device)
         _check_cu("cu_seqlens_kv_padded", pad_kv, b, q.device)
-        facts = aux.packed
+        capture = capturing(q)  # a CUDA graph's replays may see other cu_seqlens contents: no host facts then
+        facts = None if capture else aux.packed
         call = _Call(fmt, b, h, hkv, _bucket(aux.max_seqlen_q), _bucket(aux.max_seqlen_kv), dqk, dv, True,
-                     _cached_lens(cu_q), _cached_lens(cu_kv), pad_q, pad_kv,
+                     _cached_lens(cu_q, capture), _cached_lens(cu_kv, capture), pad_q, pad_kv,
                      gaps=pad_q is not cu_q or pad_kv is not cu_kv, t_q=q.shape[0], t_kv=k.shape[0],
                      max_q=aux.max_seqlen_q, max_kv=aux.max_seqlen_kv,
-                     end_q=None if facts is None else facts.end_q, end_kv=None if facts is None else facts.end_kv)
+                     end_q=None if facts is None else facts.end_q, end_kv=None if facts is None else facts.end_kv,
+                     capturing=capture)
         return call
     sd = _seq_dim(fmt)
     b = q.shape[1 - sd]
@@ -278,8 +284,10 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
                  max_q=q.shape[sd], max_kv=k.shape[sd])
     if call.padding:
         if aux.cu_seqlens_q is not None or aux.cu_seqlens_kv is not None:
-            call.lens_q = _cached_lens(_check_cu("cu_seqlens_q", aux.cu_seqlens_q, b, q.device)).view(b)
-            call.lens_kv = _cached_lens(_check_cu("cu_seqlens_kv", aux.cu_seqlens_kv, b, q.device)).view(b)
+            call.capturing = capturing(q)
+            call.lens_q = _cached_lens(_check_cu("cu_seqlens_q", aux.cu_seqlens_q, b, q.device), call.capturing).view(b)
+            call.lens_kv = _cached_lens(_check_cu("cu_seqlens_kv", aux.cu_seqlens_kv, b, q.device),
+                                        call.capturing).view(b)
         elif aux.attention_mask is not None:
             call.lens_q, call.lens_kv = _lens_from_mask(aux.attention_mask, b, call.sq, call.skv)
         else:
@@ -534,8 +542,9 @@ class CudnnFrontendEngine(Engine):
                 side = "q" if name in ("q", "o", "do", "dq") else "kv"
                 off = f"off_{side}_{token}"
                 if off not in buf:
-                    buf[off] = _ragged_offsets(call.cu_q_pad if side == "q" else call.cu_kv_pad, itype, token)
-            buf["off_stats"] = _ragged_offsets(call.cu_q_pad, itype, call.h)
+                    buf[off] = _ragged_offsets(call.cu_q_pad if side == "q" else call.cu_kv_pad, itype, token,
+                                               call.capturing)
+            buf["off_stats"] = _ragged_offsets(call.cu_q_pad, itype, call.h, call.capturing)
         if bias is not None:
             buf["bias"] = bias
         if sink is not None:

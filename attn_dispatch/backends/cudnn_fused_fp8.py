@@ -117,10 +117,10 @@ def _ragged_offsets(call: Any, key: _Key) -> dict[str, torch.Tensor]:
     """thd: the ragged offset buffers the forward graph declares (_build's `ragged`): cu_seqlens_padded x the
     token stride of each operand, and x heads for the [t, h] stats."""
     itype = torch.int64 if key.offsets_int64 else torch.int32
-    out = {"off_stats": _cd._ragged_offsets(call.cu_q_pad, itype, call.h)}
+    out = {"off_stats": _cd._ragged_offsets(call.cu_q_pad, itype, call.h, call.capturing)}
     for side, cu, heads in (("q", call.cu_q_pad, call.h), ("kv", call.cu_kv_pad, call.hkv)):
         for d in (call.dqk, call.dv):
-            out[f"off_{side}_{heads * d}"] = _cd._ragged_offsets(cu, itype, heads * d)
+            out[f"off_{side}_{heads * d}"] = _cd._ragged_offsets(cu, itype, heads * d, call.capturing)
     return out
 
 

@@ -133,3 +133,44 @@ def test_thd_through_the_module_matches_the_reference(provider, name):
                     "seconds": round(time.perf_counter() - start, 3)})
     assert ok, f"{provider} {name}: {errors}"
 
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_captured_thd_call_follows_the_cu_seqlens_of_each_replay(provider):
+    """CUDA graphs: the call is captured with one set of lengths and replayed after others are copied into the same
+    cu_seqlens tensor (a tail appears): the graph must derive lengths, offsets and the tail from the replay's
+    contents, not from host facts read at capture."""
+    mask, lengths = "padding_causal", ([96, 37, 128], [50, 120, 40])
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(261 + 8, h, D, generator=g).to("cuda", torch.bfloat16) for h in (H, HKV, HKV))
+    cu_seqlens = cu(lengths[0])
+    kwargs = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=128, max_seqlen_kv=128)
+    m = _module(provider, mask, None).eval()
+    family, prov = provider.split(":")
+    verdict = m.explain(q, k, v, **kwargs).verdict(family, prov)
+    if not verdict.eligible:
+        pytest.skip(f"{provider} declares this call unsupported: " + "; ".join(r.code for r in verdict.reasons))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: validation, plan, kernels compiled
+            m(q, k, v, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = m(q, k, v, **kwargs)
+    errors = {}
+    for i, lens in enumerate(lengths):
+        cu_seqlens.copy_(cu(lens))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference_attention(*(t.cpu().double() for t in (q, k, v)), qkv_format="thd", attn_mask_type=mask,
+                                     cu_seqlens_q=cu_seqlens.cpu(), cu_seqlens_kv=cu_seqlens.cpu(),
+                                     softmax_scale=1 / math.sqrt(D))
+        errors[f"replay{i}"] = rel_err(out, ref.flatten(-2))
+        errors[f"replay{i}_tail_zero"] = 0.0 if bool((out[sum(lens):] == 0).all()) else 1.0
+    ok = all(e <= TOL[torch.bfloat16] for e in errors.values())
+    RESULTS.append({"provider": provider, "case": "cuda_graph_replay", "ok": ok, "errors": errors, "error": None,
+                    "seconds": 0.0})
+    assert ok, f"{provider}: {errors}"
