@@ -180,6 +180,7 @@ class SeqInfo:
     end_kv: int | None = None
     min_kv_minus_q: int = 0
     queries_without_keys: bool = False
+    facts: dict = field(default_factory=dict)  # (mask type, window) -> PackedFacts, made once (packed_facts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -586,8 +587,11 @@ def packed_facts(seq: SeqInfo, mask_type: str, window: tuple[int, int]) -> Packe
     """The thd host facts the engines take (AttnAux.packed); None where the lengths were not read on the host."""
     if seq.end_q is None or seq.end_kv is None:
         return None
-    return PackedFacts(seq.end_q, seq.end_kv,
-                       keyless_rows(mask_type, window, seq.min_kv_minus_q, seq.queries_without_keys))
+    facts = seq.facts.get((mask_type, window))
+    if facts is None:
+        facts = seq.facts[(mask_type, window)] = PackedFacts(
+            seq.end_q, seq.end_kv, keyless_rows(mask_type, window, seq.min_kv_minus_q, seq.queries_without_keys))
+    return facts
 
 
 def keyless_rows(mask_type: str, window: tuple[int, int], min_kv_minus_q: int, queries_without_keys: bool) -> bool:

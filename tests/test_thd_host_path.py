@@ -290,3 +290,20 @@ def test_while_a_cuda_graph_is_captured_the_facts_are_not_used_and_nothing_deriv
         offsets = [cd._ragged_offsets(aux.cu_seqlens_q, torch.int64, 32, first.capturing) for _ in range(2)]
         assert (offsets[0] is offsets[1]) != capture
         assert first.lens_q.view(-1).tolist() == [5, 1, 8]
+
+
+@pytest.mark.parametrize("mask, window, sq, skv", [("padding", (-1, -1), 16, 16), ("padding", (2, 1), 9, 23),
+                                                   ("padding_causal", (-1, 0), 16, 16),
+                                                   ("padding_causal_bottom_right", (3, 0), 24, 7),
+                                                   ("padding_causal", (1, 0), 20, 6)])
+def test_synthetic_calls_carry_the_facts_validation_would_give(mask, window, sq, skv):
+    """Timed and probed calls (attn_dispatch.synthetic) run the path the module's calls run."""
+    from attn_dispatch import AttentionParams
+    from attn_dispatch.synthetic import make_call
+
+    params = AttentionParams(dtype="float32", qkv_format="thd", batch_size=4, num_heads=2, head_dim_qk=8,
+                             max_seqlen_q=sq, max_seqlen_kv=skv, attn_mask_type=mask, window_size=window,
+                             device_type="cpu")
+    for seed in range(4):
+        call = make_call(params, seed=seed)
+        assert call.aux.packed == facts_of(call.q, call.k, call.aux, mask, params.window_size)
