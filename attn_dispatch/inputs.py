@@ -174,8 +174,9 @@ class SeqInfo:
     batch: int
     pad_between_seqs: bool
     lengths_differ: bool = False  # some sequence has a different number of query and key tokens
-    # thd only, from the validated values (None: not known on the host): where each side's sequences end
-    # (cu_seqlens[-1]), the smallest (keys - queries) of a sequence with queries, and whether one has no keys
+    # thd only, from the validated values: where each side's sequences end (cu_seqlens[-1]; None where not known
+    # on the host, or where padded offsets put gaps between them), the smallest (keys - queries) of a sequence
+    # with queries, and whether one has no keys
     end_q: int | None = None
     end_kv: int | None = None
     min_kv_minus_q: int = 0
@@ -373,11 +374,13 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
             raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest} tokens, from "
                              f"cu_seqlens_{side}); pass {name} >= {longest} or leave it None")
         limits.append(value)
+    gaps = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
     if pad_between_seqs is None:
-        pad_between_seqs = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
+        pad_between_seqs = gaps
     with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
     return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs),
-                   _lengths_differ(cu_q, cu_kv), end_q=sum(lens_q), end_kv=sum(lens_kv),
+                   _lengths_differ(cu_q, cu_kv), end_q=None if gaps else sum(lens_q),
+                   end_kv=None if gaps else sum(lens_kv),
                    min_kv_minus_q=min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
                    queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries))
 
@@ -584,7 +587,8 @@ def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi
 
 
 def packed_facts(seq: SeqInfo, mask_type: str, window: tuple[int, int]) -> PackedFacts | None:
-    """The thd host facts the engines take (AttnAux.packed); None where the lengths were not read on the host."""
+    """The thd host facts the engines take (AttnAux.packed); None where the lengths were not read on the host or
+    the sequences are not packed back to back."""
     if seq.end_q is None or seq.end_kv is None:
         return None
     facts = seq.facts.get((mask_type, window))

@@ -404,9 +404,9 @@ def cu(lens):
 
 def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, skv=12, d=8, dv=8, bias=None,
         bias_grad=False, alibi=None, softmax="vanilla", lens_q=None, lens_kv=None, gaps=False, seed=0,
-        tail=(0, 0), facts=False):
+        tail=(0, 0), facts=False, padded=False):
     """tail: (q, kv) rows past the last sequence of a thd call; facts: give the host facts (AttnAux.packed) the
-    module's validation derives."""
+    module's validation derives; padded: pass cu_seqlens_*_padded (copies of cu_seqlens unless gaps)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
     b = 2
@@ -419,7 +419,7 @@ def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, s
         q, k, v = rnd(t_q, h, d), rnd(t_kv, hk, d), rnd(t_kv, hk, dv)
         aux.cu_seqlens_q, aux.cu_seqlens_kv = cu(lens_q), cu(lens_kv)
         aux.max_seqlen_q, aux.max_seqlen_kv = max(lens_q), max(lens_kv)
-        if gaps:
+        if gaps or padded:
             aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = cu(slots_q), cu(slots_kv)
         if facts:
             from attn_dispatch import inputs
@@ -534,8 +534,9 @@ class _UnwrittenIsNaN:
 @pytest.mark.parametrize("facts", [False, True], ids=["facts unknown", "host facts"])
 @pytest.mark.parametrize("case", [dict(mask="padding", tail=(3, 2)), dict(mask="padding_causal", tail=(0, 4)),
                                   dict(mask="padding_causal_bottom_right", tail=(2, 0), sq=6, skv=10),
-                                  dict(mask="padding_causal", gaps=True, tail=(1, 1)), dict(mask="padding")],
-                         ids=["tails", "kv tail", "q tail br", "gaps and tails", "no tail"])
+                                  dict(mask="padding_causal", gaps=True, tail=(1, 1)), dict(mask="padding"),
+                                  dict(mask="padding", padded=True, tail=(2, 3))],
+                         ids=["tails", "kv tail", "q tail br", "gaps and tails", "no tail", "padded offsets, tails"])
 def test_thd_rows_past_the_last_sequence_are_zero_with_lse_minus_inf(engine, monkeypatch, case, facts):
     """cuDNN writes only the sequences' rows: out, dq, dk, dv past cu_seqlens[-1] must still be 0 and lse -inf
     (run() compares every row with the reference, where they are; an unwritten row is NaN here)."""

@@ -73,6 +73,15 @@ def test_facts_are_unknown_unless_the_caller_gives_the_window():
     assert inputs.packed_facts(dense, "padding", (-1, -1)) is None
 
 
+def test_padded_offsets_with_gaps_leave_the_facts_unknown():
+    q = torch.randn(16, 2, 8)
+    cu, gapped, same = _cu([4, 6]), _cu([5, 8]), _cu([4, 6])
+    for padded, expected in ((gapped, None), (same, PackedFacts(10, 10, False))):
+        args = CallArgs(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                        cu_seqlens_kv_padded=padded)
+        assert inputs.packed_facts(inputs.sequence_info("thd", "padding", q, q, args), "padding", (-1, -1)) == expected
+
+
 def test_the_module_hands_the_facts_to_the_engine():
     m = DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal_bottom_right")
     q, k = torch.randn(12, 2, 8), torch.randn(9, 2, 8)

@@ -37,8 +37,10 @@ class AttnConfig:
 @dataclass(frozen=True)
 class PackedFacts:
     """What validation (inputs.py) read on the host from a thd call's cu_seqlens, so that engines can skip the
-    clean-up kernels it shows to be no-ops. Callers that did not check leave AttnAux.packed None: every engine then
-    cleans up as if rows past the sequences and rows without keys existed."""
+    clean-up kernels it shows to be no-ops. Given only where the sequences are packed back to back (no padded
+    offsets with gaps between them; padded offsets equal to cu_seqlens may be given). Callers that did not check
+    leave AttnAux.packed None: every engine then cleans up as if rows outside the sequences and rows without keys
+    existed."""
 
     end_q: int          # cu_seqlens_q[-1]: q rows from here on belong to no sequence (the kernels leave them)
     end_kv: int         # cu_seqlens_kv[-1]
