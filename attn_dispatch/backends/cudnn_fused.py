@@ -273,9 +273,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
         facts = None if capture else aux.packed
         call = _Call(fmt, b, h, hkv, _bucket(aux.max_seqlen_q), _bucket(aux.max_seqlen_kv), dqk, dv, True,
                      _cached_lens(cu_q, capture), _cached_lens(cu_kv, capture), pad_q, pad_kv,
-                     gaps=facts is None and (pad_q is not cu_q or pad_kv is not cu_kv), t_q=q.shape[0],
-                     t_kv=k.shape[0],
-                     max_q=aux.max_seqlen_q, max_kv=aux.max_seqlen_kv,
+                     gaps=facts is None and (pad_q is not cu_q or pad_kv is not cu_kv),  # facts: packed back to back
+                     t_q=q.shape[0], t_kv=k.shape[0], max_q=aux.max_seqlen_q, max_kv=aux.max_seqlen_kv,
                      end_q=None if facts is None else facts.end_q, end_kv=None if facts is None else facts.end_kv,
                      capturing=capture)
         return call
