@@ -10,21 +10,22 @@ re-check tensor *contents* (cu_seqlens, padding masks), and those checks are cac
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
-from .backends.base import AttnAux, AttnConfig, Engine
+from .backends.base import AttnAux, AttnConfig, Engine, PackedFacts
 from .decision import Decision
 from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
+from .tensor_cache import cached_on
 
 if TYPE_CHECKING:
     from .call_args import CallArgs
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TOP_LEFT_MASKS = ("causal", "padding_causal")  # Transformer Engine aligns these top-left, every other bottom-right
 _SHOW = 8  # list elements shown in error messages
 
 
@@ -173,29 +174,19 @@ class SeqInfo:
     batch: int
     pad_between_seqs: bool
     lengths_differ: bool = False  # some sequence has a different number of query and key tokens
+    # thd only, from the validated values: where each side's sequences end (cu_seqlens[-1]; None where not known
+    # on the host, or where padded offsets put gaps between them), the smallest (keys - queries) of a sequence
+    # with queries, and whether one has no keys
+    end_q: int | None = None
+    end_kv: int | None = None
+    min_kv_minus_q: int = 0
+    queries_without_keys: bool = False
+    facts: dict = field(default_factory=dict)  # (mask type, window) -> PackedFacts, made once (packed_facts)
 
 
 # ------------------------------------------------------------------------------------------------
 # Content checks, cached on the tensor
 # ------------------------------------------------------------------------------------------------
-_CONTENT_CACHE: dict[tuple, tuple[weakref.ref, int, Any]] = {}
-_CONTENT_CACHE_LIMIT = 256
-
-
-def _cached_on(tensors: tuple, context: tuple, compute: Callable[[], Any]) -> Any:
-    """compute() once per (tensor objects, their versions, context); a dead or modified tensor misses."""
-    key = tuple(map(id, tensors)) + context
-    hit = _CONTENT_CACHE.get(key)
-    if hit is not None and hit[1] == tuple(t._version for t in tensors) and \
-            all(ref() is t for ref, t in zip(hit[0], tensors)):
-        return hit[2]
-    value = compute()
-    if len(_CONTENT_CACHE) >= _CONTENT_CACHE_LIMIT:
-        _CONTENT_CACHE.clear()
-    _CONTENT_CACHE[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), value)
-    return value
-
-
 def _cu_values(name: str, cu: Any, batch: int | None, device: torch.device) -> list[int]:
     """Type, dtype, shape, device and the cumulative-sum shape of a cu_seqlens tensor; its values."""
     if not isinstance(cu, torch.Tensor):
@@ -224,11 +215,11 @@ def _lengths(values: list[int]) -> list[int]:
 
 
 def _check_thd_side(side: str, tensor_name: str, cu: Any, cu_padded: Any, total: int, device: torch.device,
-                    batch: int | None) -> int:
-    """Validates one side's cu_seqlens (and padded offsets) against a thd tensor; returns the longest sequence."""
+                    batch: int | None) -> list[int]:
+    """Validates one side's cu_seqlens (and padded offsets) against a thd tensor; returns the sequence lengths."""
     name, name_p = f"cu_seqlens_{side}", f"cu_seqlens_{side}_padded"
 
-    def compute() -> int:
+    def compute() -> list[int]:
         values = _cu_values(name, cu, batch, device)
         lens = _lengths(values)
         if cu_padded is None:
@@ -244,7 +235,7 @@ def _check_thd_side(side: str, tensor_name: str, cu: Any, cu_padded: Any, total:
                 if n > slots:
                     raise ValueError(f"sequence {i} has {n} tokens ({name}) but only {slots} slots in {name_p}; "
                                      f"{name_p} must leave room for each sequence")
-        return max(lens)
+        return lens
     return compute()
 
 
@@ -258,7 +249,7 @@ def _check_dense_cu(side: str, cu: Any, batch: int, seqlen: int, device: torch.d
                 raise ValueError(f"{name}={_show(values)} gives sequence {i} {n} tokens but the tensor holds only "
                                  f"{seqlen} per sequence")
     if isinstance(cu, torch.Tensor):
-        _cached_on((cu,), ("dense", side, batch, seqlen), compute)
+        cached_on((cu,), ("dense", side, batch, seqlen), compute)
     else:
         compute()
 
@@ -284,7 +275,7 @@ def _padding_mask_to_cu(name: str, mask: Any, batch: int, seqlen: int, device: t
             raise ValueError(f"{name}: padding must come after the real tokens of each sequence (True only at the end); "
                              f"sequences {_show(rows)} are not padded that way")
         return torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
-    return _cached_on((mask,), ("padding", batch, seqlen), compute)
+    return cached_on((mask,), ("padding", batch, seqlen), compute)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,7 +304,7 @@ def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, ar
             return compute()  # raises with the precise reason
         context = ("thd", cu_q is None, cu_kv is None, cu_q_p is None, cu_kv_p is None, q.shape[0], k.shape[0],
                    q.device, max_q, max_kv, pad_between_seqs)
-        return _cached_on(tensors, context, compute)
+        return cached_on(tensors, context, compute)
     batch = q.shape[0] if fmt == "bshd" else q.shape[1]
     sq, skv = (q.shape[1], k.shape[1]) if fmt == "bshd" else (q.shape[0], k.shape[0])
     for name, value, actual in (("max_seqlen_q", max_q, sq), ("max_seqlen_kv", max_kv, skv)):
@@ -368,9 +359,10 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
         raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (torch.int32, [batch_size + 1])")
     if (cu_q_p is None) != (cu_kv_p is None):
         raise ValueError("cu_seqlens_q_padded and cu_seqlens_kv_padded must be given together")
-    longest_q = _check_thd_side("q", "query_layer", cu_q, cu_q_p, q.shape[0], q.device, None)
+    lens_q = _check_thd_side("q", "query_layer", cu_q, cu_q_p, q.shape[0], q.device, None)
     batch = cu_q.numel() - 1
-    longest_kv = _check_thd_side("kv", "key_layer", cu_kv, cu_kv_p, k.shape[0], q.device, batch)
+    lens_kv = _check_thd_side("kv", "key_layer", cu_kv, cu_kv_p, k.shape[0], q.device, batch)
+    longest_q, longest_kv = max(lens_q), max(lens_kv)
     limits = []
     for name, value, longest in (("max_seqlen_q", max_q, longest_q), ("max_seqlen_kv", max_kv, longest_kv)):
         if value is None:
@@ -382,10 +374,15 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
             raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest} tokens, from "
                              f"cu_seqlens_{side}); pass {name} >= {longest} or leave it None")
         limits.append(value)
+    gaps = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
     if pad_between_seqs is None:
-        pad_between_seqs = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
+        pad_between_seqs = gaps
+    with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
     return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs),
-                   _lengths_differ(cu_q, cu_kv))
+                   _lengths_differ(cu_q, cu_kv), end_q=None if gaps else sum(lens_q),
+                   end_kv=None if gaps else sum(lens_kv),
+                   min_kv_minus_q=min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
+                   queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -396,7 +393,7 @@ def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:
     """Validated cu_seqlens (both start at 0) give some sequence different query and key lengths; cached."""
     if cu_q is cu_kv:
         return False
-    return _cached_on((cu_q, cu_kv), ("lengths_differ",), lambda: not _same(cu_q, cu_kv))
+    return cached_on((cu_q, cu_kv), ("lengths_differ",), lambda: not _same(cu_q, cu_kv))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -578,15 +575,43 @@ def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
 
 
 def make_aux(seq: SeqInfo, mask_type: str, attention_mask: Any, bias: Any, alibi_slopes: Any,
-             softmax_offset: torch.Tensor | None) -> AttnAux:
+             softmax_offset: torch.Tensor | None, window: tuple[int, int] | None = None) -> AttnAux:
+    """window: the call's normalised window, for the thd host facts (AttnAux.packed); None leaves them unknown."""
     return AttnAux(
         cu_seqlens_q=seq.cu_q, cu_seqlens_kv=seq.cu_kv, cu_seqlens_q_padded=seq.cu_q_padded,
         cu_seqlens_kv_padded=seq.cu_kv_padded, max_seqlen_q=seq.max_q, max_seqlen_kv=seq.max_kv,
         attention_mask=attention_mask if mask_type == "arbitrary" else None, bias=bias,
         alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+        packed=None if window is None else packed_facts(seq, mask_type, window),
     )
 
 
+def packed_facts(seq: SeqInfo, mask_type: str, window: tuple[int, int]) -> PackedFacts | None:
+    """The thd host facts the engines take (AttnAux.packed); None where the lengths were not read on the host or
+    the sequences are not packed back to back."""
+    if seq.end_q is None or seq.end_kv is None:
+        return None
+    facts = seq.facts.get((mask_type, window))
+    if facts is None:
+        facts = seq.facts[(mask_type, window)] = PackedFacts(
+            seq.end_q, seq.end_kv, keyless_rows(mask_type, window, seq.min_kv_minus_q, seq.queries_without_keys))
+    return facts
+
+
+def keyless_rows(mask_type: str, window: tuple[int, int], min_kv_minus_q: int, queries_without_keys: bool) -> bool:
+    """Does some query row of some sequence see no key? Row i of a sequence with lq > 0 queries and lkv keys sees
+    key j in [0, lkv) iff i + off - left <= j <= i + off + right (-1 unbounded; off = 0 for the top-left masks,
+    lkv - lq otherwise: tests/reference.py). With lkv > 0 only the first row can fall off the right bound
+    (off + right < 0: bottom-right) and only the last off the left one (lq - 1 - left > lkv - 1: top-left); both
+    are decided by the smallest lkv - lq. window is normalised (causal masks have right = 0)."""
+    if queries_without_keys:
+        return True
+    left, right = window
+    if mask_type in TOP_LEFT_MASKS:
+        return left >= 0 and min_kv_minus_q + left < 0
+    return right >= 0 and min_kv_minus_q + right < 0
+
+
 __all__ = ["Entry", "FastHit", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
-           "build_params", "check_window", "default_alibi_slopes", "make_aux", "make_plan", "normalize_mask_type",
-           "sequence_info"]
+           "build_params", "check_window", "default_alibi_slopes", "keyless_rows", "make_aux", "make_plan",
+           "normalize_mask_type", "packed_facts", "sequence_info"]

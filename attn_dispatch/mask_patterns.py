@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .inputs import _cached_on
+from .tensor_cache import cached_on
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class NotRecognised:
 def recognise_padding(mask: torch.Tensor, mask4: torch.Tensor, b: int, sq: int, skv: int
                       ) -> PaddingLayout | NotRecognised:
     """The layout a [1|b, 1|h, sq, skv] bool view `mask4` of `mask` encodes (True = take part); cached on `mask`."""
-    return _cached_on((mask,), ("sdpa_padding", tuple(mask4.shape), b, sq, skv),
+    return cached_on((mask,), ("sdpa_padding", tuple(mask4.shape), b, sq, skv),
                       lambda: _recognise(mask4, b, sq, skv))
 
 

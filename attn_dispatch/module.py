@@ -541,7 +541,7 @@ class DotProductAttention(torch.nn.Module):
         if args.core_attention_bias_type == "alibi":
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
         aux = inputs.make_aux(seq, entry.mask_type, args.attention_mask, args.core_attention_bias, alibi_slopes,
-                              self.softmax_offset)
+                              self.softmax_offset, entry.window)
         if fp8 is not None:
             aux.extra["fp8"] = self._fp8_call(fp8, q.device)
         return plan, aux

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .decision import Decision
-from .inputs import _cached_on
+from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
 
 _MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap, mask type) -> DotProductAttention
@@ -221,7 +221,7 @@ def _pattern(mask: torch.Tensor, mask2: torch.Tensor, sq: int, skv: int) -> str 
             return "causal_bottom_right"
         return ""
 
-    return _cached_on((mask,), ("sdpa_pattern", sq, skv), compute) or None
+    return cached_on((mask,), ("sdpa_pattern", sq, skv), compute) or None
 
 
 def _packed_segments(mask: torch.Tensor, mask2: torch.Tensor) -> torch.Tensor | None:
@@ -239,4 +239,4 @@ def _packed_segments(mask: torch.Tensor, mask2: torch.Tensor) -> torch.Tensor | 
         bounds = torch.nonzero(starts).flatten().to(torch.int32)
         return torch.cat([bounds, torch.tensor([t], dtype=torch.int32, device=mask2.device)])
 
-    return _cached_on((mask,), ("sdpa_packed",), compute)
+    return cached_on((mask,), ("sdpa_packed",), compute)

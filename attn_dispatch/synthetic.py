@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import AttnAux, AttnConfig
+from .backends.base import AttnAux, AttnConfig, PackedFacts
 from .params import AttentionParams
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -79,6 +79,8 @@ def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", se
     aux = AttnAux(max_seqlen_q=sq, max_seqlen_kv=skv)
     if ragged:
         aux.cu_seqlens_q, aux.cu_seqlens_kv = _cumulative(lens_q, device), _cumulative(lens_kv, device)
+    if params.qkv_format == "thd":  # the host facts the module's validation would give (timed calls run its path)
+        aux.packed = _packed_facts(lens_q, lens_kv, params)
     if params.attn_mask_type == "arbitrary":
         masked = torch.rand(b, 1, sq, skv, generator=generator, device=device) < 0.3
         masked[..., 0] = False  # every row keeps one key
@@ -92,6 +94,16 @@ def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", se
     if params.softmax_type == "learnable":
         aux.softmax_offset = rand(h, dt=torch.float32).requires_grad_(requires_grad)
     return SyntheticCall(q, k, v, aux, config_for(params), lens_q, lens_kv)
+
+
+def _packed_facts(lens_q: list[int], lens_kv: list[int], params: AttentionParams) -> PackedFacts:
+    from .inputs import keyless_rows
+
+    with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
+    keyless = keyless_rows(params.attn_mask_type, tuple(params.window_size),
+                           min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
+                           any(n_kv == 0 for _, n_kv in with_queries))
+    return PackedFacts(sum(lens_q), sum(lens_kv), keyless)
 
 
 def cast_call(call: SyntheticCall, dtype: torch.dtype) -> SyntheticCall:

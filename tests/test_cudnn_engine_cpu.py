@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from attn_dispatch.backends import cudnn_fused as eng
-from attn_dispatch.backends.base import AttnAux, AttnConfig
+from attn_dispatch.backends.base import AttnAux, AttnConfig, PackedFacts
 from reference import reference_attention
 
 
@@ -403,7 +403,10 @@ def cu(lens):
 
 
 def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, skv=12, d=8, dv=8, bias=None,
-        bias_grad=False, alibi=None, softmax="vanilla", lens_q=None, lens_kv=None, gaps=False, seed=0):
+        bias_grad=False, alibi=None, softmax="vanilla", lens_q=None, lens_kv=None, gaps=False, seed=0,
+        tail=(0, 0), facts=False, padded=False):
+    """tail: (q, kv) rows past the last sequence of a thd call; facts: give the host facts (AttnAux.packed) the
+    module's validation derives; padded: pass cu_seqlens_*_padded (copies of cu_seqlens unless gaps)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
     b = 2
@@ -412,11 +415,20 @@ def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, s
         lens_q, lens_kv = lens_q or [sq, sq - 3], lens_kv or [skv - 2, skv]
         slots_q = [n + (2 if gaps else 0) for n in lens_q]
         slots_kv = [n + (3 if gaps else 0) for n in lens_kv]
-        q, k, v = rnd(sum(slots_q), h, d), rnd(sum(slots_kv), hk, d), rnd(sum(slots_kv), hk, dv)
+        t_q, t_kv = sum(slots_q) + tail[0], sum(slots_kv) + tail[1]
+        q, k, v = rnd(t_q, h, d), rnd(t_kv, hk, d), rnd(t_kv, hk, dv)
         aux.cu_seqlens_q, aux.cu_seqlens_kv = cu(lens_q), cu(lens_kv)
         aux.max_seqlen_q, aux.max_seqlen_kv = max(lens_q), max(lens_kv)
-        if gaps:
+        if gaps or padded:
             aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = cu(slots_q), cu(slots_kv)
+        if facts:
+            from attn_dispatch import inputs
+            from attn_dispatch.call_args import CallArgs
+
+            args = CallArgs(qkv_format="thd", cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv,
+                            cu_seqlens_q_padded=aux.cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded=aux.cu_seqlens_kv_padded)
+            aux.packed = inputs.packed_facts(inputs.sequence_info("thd", mask, q, k, args), mask, window)
     elif fmt == "bshd":
         q, k, v = rnd(b, sq, h, d), rnd(b, skv, hk, d), rnd(b, skv, hk, dv)
     else:
@@ -499,6 +511,37 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_plumbing_matches_reference(engine, name):
     err = run(engine, **CASES[name])
+    assert all(e <= 1e-5 for e in err.values()), err
+
+
+class _UnwrittenIsNaN:
+    """The engine module's torch, except that fresh float buffers hold NaN: rows cuDNN leaves unwritten show."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+@pytest.mark.parametrize("facts", [False, True], ids=["facts unknown", "host facts"])
+@pytest.mark.parametrize("case", [dict(mask="padding", tail=(3, 2)), dict(mask="padding_causal", tail=(0, 4)),
+                                  dict(mask="padding_causal_bottom_right", tail=(2, 0), sq=6, skv=10),
+                                  dict(mask="padding_causal", gaps=True, tail=(1, 1)), dict(mask="padding"),
+                                  dict(mask="padding", padded=True, tail=(2, 3))],
+                         ids=["tails", "kv tail", "q tail br", "gaps and tails", "no tail", "padded offsets, tails"])
+def test_thd_rows_past_the_last_sequence_are_zero_with_lse_minus_inf(engine, monkeypatch, case, facts):
+    """cuDNN writes only the sequences' rows: out, dq, dk, dv past cu_seqlens[-1] must still be 0 and lse -inf
+    (run() compares every row with the reference, where they are; an unwritten row is NaN here)."""
+    monkeypatch.setattr(eng, "torch", _UnwrittenIsNaN())
+    err = run(engine, fmt="thd", facts=facts, **case)
     assert all(e <= 1e-5 for e in err.values()), err
 
 
@@ -712,3 +755,54 @@ def test_a_refused_graph_excludes_the_call_in_the_live_table(engine, monkeypatch
     assert "no engine for this graph" in reasons.get("cudnn_fused.cudnn_rejected", ""), reasons
     assert "cudnn_fused.cudnn_rejected" not in {r.code for r in _frontend_table().evaluate(
         p.replace(head_dim_qk=128, head_dim_v=128), live, _no_env()).reasons}
+
+
+def test_a_repeat_thd_call_derives_nothing_from_cu_seqlens_on_the_device(engine, monkeypatch):
+    """Lengths and ragged offsets are made once per cu_seqlens tensor (a model's layers share one); with the host
+    facts showing no tail, nothing is filled either: what runs besides the graph is allocation and views."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        ops, paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    log = OpLog()
+    graph_run = eng.CudnnFrontendEngine._run
+
+    def run_paused(self, *args):
+        log.paused = True
+        try:
+            return graph_run(self, *args)
+        finally:
+            log.paused = False
+
+    monkeypatch.setattr(eng.CudnnFrontendEngine, "_run", run_paused)
+    q, k, v = (torch.randn(21, 4, 8) for _ in range(3))
+    aux = AttnAux(cu_seqlens_q=cu([12, 9]), cu_seqlens_kv=cu([12, 9]), max_seqlen_q=12, max_seqlen_kv=12)
+    cfg = AttnConfig(qkv_format="thd", attn_mask_type="padding_causal", softmax_scale=0.3)
+    for packed, expected_fills in ((PackedFacts(21, 21, False), 0), (None, 2)):
+        aux.packed = packed
+        engine.forward(q, k, v, aux, cfg)  # first call: graph built, derived tensors made
+        log.ops = []
+        with log:
+            res = engine.forward(q, k, v, aux, cfg)
+        assert not {"sub", "mul", "_to_copy", "masked_fill", "arange"} & set(log.ops), log.ops
+        assert log.ops.count("fill_") + log.ops.count("full") == expected_fills, log.ops  # unknown end: out, lse
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), qkv_format="thd", attn_mask_type="padding_causal",
+                                 cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv, softmax_scale=0.3)
+    assert _err(res.out, ref) <= 1e-5
+
+
+def test_a_training_forward_prebuilds_its_backward_graph_once_per_configuration(engine, monkeypatch):
+    made = []
+    meta_like = eng._meta_like
+    monkeypatch.setattr(eng, "_meta_like", lambda t: made.append(1) or meta_like(t))
+    for seed in range(2):
+        assert all(e <= 1e-5 for e in run(engine, fmt="thd", mask="padding_causal", seed=seed).values())
+    assert len(made) == 4  # dO, dq, dk, dv described once
+    err = run(engine, fmt="thd", mask="padding_causal", lens_q=[5, 9], lens_kv=[5, 9])  # other totals: other graphs
+    assert all(e <= 1e-5 for e in err.values()) and len(made) == 8

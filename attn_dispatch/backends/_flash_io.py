@@ -15,6 +15,9 @@ engine interface (backends/base.py) onto that:
 - A row that sees no key has lse -inf and output 0: FA2's +inf and flash-attn-4's sink-valued lse are
   normalised, and turned back into the kernel's own convention before its backward.
 - thd rows past the last sequence (cu_seqlens[-1]) come back as 0 (lse -inf), gradients too.
+- Those clean-ups cost a few small kernels (and ~25-50 us of host time each) per call: where validation read the
+  lengths on the host (AttnAux.packed), the ones it shows to be no-ops are skipped, and a tail is cleared by
+  slicing at the known end. Device tensors derived from cu_seqlens are cached on the tensor (tensor_cache).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from typing import Any
 import torch
 
 from ..params import has_padding
-from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+from ..tensor_cache import cached_device_tensor, cached_on, capturing
+from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, PackedFacts
 
 UNBOUNDED = -1
 
@@ -104,10 +108,14 @@ def empty_rows_possible(window: tuple[int, int], seqlen_q: int, seqlen_kv: int) 
     return right != UNBOUNDED and seqlen_kv - seqlen_q + right < 0
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values (a device comparison and a sync: cached on the pair)."""
+    return a is b or cached_on((a, b), ("same_values",),
+                               lambda: a.shape == b.shape and bool(torch.equal(a.to(b.dtype), b)))
+
+
 def _require_lengths_equal(cu_q: torch.Tensor, cu_kv: torch.Tensor, cfg: AttnConfig) -> None:
-    if cu_q is cu_kv:
-        return
-    if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv):
+    if not _same_values(cu_q, cu_kv):
         raise ValueError(
             f"attn_mask_type={cfg.attn_mask_type!r} is aligned top-left, but cu_seqlens_q and cu_seqlens_kv give "
             "different sequence lengths; FlashAttention aligns the diagonal bottom-right, which agrees only for "
@@ -136,10 +144,26 @@ def empty_rows_varlen(varlen: Varlen, total_q: int, right: int) -> torch.Tensor:
     return empty
 
 
-def zero_tail_(x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """Zero the rows of a thd tensor past its last sequence (the kernels leave them unwritten)."""
-    tail = torch.arange(x.shape[0], device=x.device) >= cu[-1]
-    return x.masked_fill_(tail.view(-1, *([1] * (x.dim() - 1))), 0)
+def host_facts(aux: AttnAux, q: torch.Tensor) -> PackedFacts | None:
+    """aux.packed, except while a CUDA graph is captured: its replays may see other cu_seqlens contents, so the
+    clean-ups then run on the device (a replay costs no host time anyway)."""
+    return None if aux.packed is None or capturing(q) else aux.packed
+
+
+def _no_neg_inf_rows(facts: PackedFacts | None, total_q: int) -> bool:
+    """The host facts show that this module's own thd forward gave no row lse -inf (no row without keys, no tail)."""
+    return facts is not None and not facts.keyless_rows and facts.end_q >= total_q
+
+
+def fill_rows_from_(x: torch.Tensor, end: int | None, cu: torch.Tensor, value: float, dim: int = 0) -> None:
+    """Fill the rows (along dim) of a thd tensor from its last sequence's end on (the kernels leave them unwritten):
+    sliced at end where the host knows it (one kernel, none without a tail), else compared with cu[-1] on the
+    device."""
+    if end is None:
+        tail = torch.arange(x.shape[dim], device=x.device) >= cu[-1]
+        x.masked_fill_(tail.view(-1, *([1] * (x.dim() - 1 - dim))), value)
+    elif end < x.shape[dim]:
+        x.narrow(dim, end, x.shape[dim] - end).fill_(value)
 
 
 def _int32_cu(cu: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
@@ -148,11 +172,15 @@ def _int32_cu(cu: torch.Tensor, name: str, device: torch.device) -> torch.Tensor
                          f"shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}; it must be on {device} with q, k, v")
-    return cu if cu.dtype == torch.int32 and cu.is_contiguous() else cu.to(torch.int32).contiguous()
+    if cu.dtype == torch.int32 and cu.is_contiguous():
+        return cu
+    return cached_device_tensor((cu,), ("int32_contiguous",), lambda: cu.to(torch.int32).contiguous())
 
 
 def _max_seqlen(cu: torch.Tensor, given: int) -> int:
-    return given if given > 0 else int((cu[1:] - cu[:-1]).max())
+    if given > 0:
+        return given
+    return cached_on((cu,), ("max_seqlen",), lambda: int((cu[1:] - cu[:-1]).max()))
 
 
 def thd_varlen(q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> Varlen:
@@ -160,9 +188,9 @@ def thd_varlen(q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> Varlen:
         raise ValueError("qkv_format='thd' needs aux.cu_seqlens_q (int32 [b+1]); got None")
     cu_q = _int32_cu(aux.cu_seqlens_q, "cu_seqlens_q", q.device)
     cu_kv = cu_q if aux.cu_seqlens_kv is None else _int32_cu(aux.cu_seqlens_kv, "cu_seqlens_kv", q.device)
-    for padded, real, name in ((aux.cu_seqlens_q_padded, aux.cu_seqlens_q, "cu_seqlens_q_padded"),
-                               (aux.cu_seqlens_kv_padded, aux.cu_seqlens_kv, "cu_seqlens_kv_padded")):
-        if padded is not None and padded is not real and not torch.equal(padded.to(real.dtype), real):
+    for padded, real, name in ((aux.cu_seqlens_q_padded, cu_q, "cu_seqlens_q_padded"),
+                               (aux.cu_seqlens_kv_padded, cu_kv, "cu_seqlens_kv_padded")):
+        if padded is not None and not _same_values(padded, real):
             raise ValueError(f"{name} differs from the real cu_seqlens: padding between sequences in a thd tensor "
                              "is not supported by the FlashAttention engines (Transformer Engine rule); pack the "
                              "sequences back to back, or use cudnn_fused")
@@ -301,7 +329,11 @@ class FlashEngineBase(Engine):
         if cfg.softmax_type == "vanilla":
             return None
         if cfg.softmax_type == "off-by-one":  # exp(S_i) / (1 + sum exp(S)): a sink logit of 0 in every head
-            return torch.zeros(heads, dtype=torch.float32, device=q.device)
+            zeros = self.__dict__.setdefault("_zero_sinks", {})  # made once per (heads, device): no kernel per call
+            sink = zeros.get((heads, q.device))
+            if sink is None:
+                sink = zeros[(heads, q.device)] = torch.zeros(heads, dtype=torch.float32, device=q.device)
+            return sink
         offset = aux.softmax_offset
         if offset is None:
             raise ValueError("softmax_type='learnable' needs aux.softmax_offset (float32 [h], the sink logit); "
@@ -317,10 +349,12 @@ class FlashEngineBase(Engine):
         if fmt == "thd":
             varlen = thd_varlen(q, aux, cfg)
             out, lse, kstate = self._kernel_fwd(q, k, v, varlen, call, None)
-            lse = self._fix_lse(lse, call, varlen=varlen)
-            zero_tail_(out, varlen.cu_seqlens_q)
-            lse = lse.masked_fill(torch.arange(lse.shape[1], device=lse.device) >= varlen.cu_seqlens_q[-1],
-                                  float("-inf"))
+            facts = host_facts(aux, q)
+            if facts is None or facts.keyless_rows:
+                lse = self._fix_lse(lse, call, varlen=varlen)
+            end = None if facts is None else facts.end_q
+            fill_rows_from_(out, end, varlen.cu_seqlens_q, 0.0)
+            fill_rows_from_(lse, end, varlen.cu_seqlens_q, float("-inf"), dim=1)
             return FwdResult(out, lse, FlashState(kstate, None, varlen, call))
         q_b, k_b, v_b = (to_bshd(t, fmt) for t in (q, k, v))
         if has_padding(cfg.attn_mask_type):
@@ -347,11 +381,13 @@ class FlashEngineBase(Engine):
         fmt = cfg.qkv_format
         if fmt == "thd":
             varlen = state.varlen or thd_varlen(q, aux, cfg)
-            dq, dk, dv, dsink = self._kernel_bwd(dout, q, k, v, out, self._kernel_lse(lse, call), state.kernel,
-                                                 varlen, call)
-            zero_tail_(dq, varlen.cu_seqlens_q)
-            zero_tail_(dk, varlen.cu_seqlens_kv)
-            zero_tail_(dv, varlen.cu_seqlens_kv)
+            facts = host_facts(aux, q)
+            lse_in = lse if _no_neg_inf_rows(facts, q.shape[0]) else self._kernel_lse(lse, call)
+            dq, dk, dv, dsink = self._kernel_bwd(dout, q, k, v, out, lse_in, state.kernel, varlen, call)
+            end_q, end_kv = (None, None) if facts is None else (facts.end_q, facts.end_kv)
+            fill_rows_from_(dq, end_q, varlen.cu_seqlens_q, 0.0)
+            for grad in (dk, dv):
+                fill_rows_from_(grad, end_kv, varlen.cu_seqlens_kv, 0.0)
             return BwdResult(dq, dk, dv, None, self._dsink(dsink, call))
         q_b, k_b, v_b, o_b, do_b = (to_bshd(t, fmt) for t in (q, k, v, out, dout))
         if has_padding(cfg.attn_mask_type):

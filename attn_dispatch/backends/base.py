@@ -34,6 +34,19 @@ class AttnConfig:
     softcap: float = 0.0             # scores -> softcap * tanh(scores / softcap) after scaling; 0 is off
 
 
+@dataclass(frozen=True)
+class PackedFacts:
+    """What validation (inputs.py) read on the host from a thd call's cu_seqlens, so that engines can skip the
+    clean-up kernels it shows to be no-ops. Given only where the sequences are packed back to back (no padded
+    offsets with gaps between them; padded offsets equal to cu_seqlens may be given). Callers that did not check
+    leave AttnAux.packed None: every engine then cleans up as if rows outside the sequences and rows without keys
+    existed."""
+
+    end_q: int          # cu_seqlens_q[-1]: q rows from here on belong to no sequence (the kernels leave them)
+    end_kv: int         # cu_seqlens_kv[-1]
+    keyless_rows: bool  # some query row of a sequence sees no key under the call's mask and window
+
+
 @dataclass
 class AttnAux:
     """Per-call tensors and sizes besides q, k, v."""
@@ -50,6 +63,7 @@ class AttnAux:
     softmax_offset: torch.Tensor | None = None   # fp32 [h]: the learnable sink logit
     dropout_generator: torch.Generator | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    packed: PackedFacts | None = None            # thd host facts; None: unknown (clean up everything)
 
 
 class FwdResult(NamedTuple):

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
+from ..tensor_cache import cached_on, capturing
 from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView, _thd_positions
@@ -119,6 +120,35 @@ def _lens(cu: torch.Tensor) -> torch.Tensor:
     return (cu[1:] - cu[:-1]).to(torch.int32)
 
 
+def _cached_lens(cu: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """int32 [b, 1, 1, 1] sequence lengths of a cu_seqlens tensor, made once per tensor and version (every layer
+    of a model passes the same one); fresh: made now (a CUDA graph capture, see tensor_cache)."""
+    if fresh:
+        return _lens(cu).view(-1, 1, 1, 1)
+    return cached_on((cu,), ("cudnn_lens",), lambda: _lens(cu).view(-1, 1, 1, 1))
+
+
+def _ragged_offsets(cu: torch.Tensor, itype: torch.dtype, stride: int, fresh: bool = False) -> torch.Tensor:
+    """cuDNN's ragged offsets [b + 1, 1, 1, 1]: where each sequence starts, in elements (cu x token stride)."""
+    if fresh:
+        return (cu.to(itype) * stride).view(-1, 1, 1, 1)
+    return cached_on((cu,), ("cudnn_ragged", itype, stride), lambda: (cu.to(itype) * stride).view(-1, 1, 1, 1))
+
+
+def _thd_buffer(like: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device, end: int | None,
+                gaps: bool, value: float) -> torch.Tensor:
+    """A thd output (or gradient) buffer whose rows outside every sequence hold value: cuDNN writes only the
+    sequences' rows. Whole-buffer fill with gaps between sequences or an unknown end, else only a tail past end."""
+    if gaps or end is None:
+        if like is not None:
+            return torch.full_like(like, value)
+        return torch.full(shape, value, dtype=dtype, device=device)
+    buf = torch.empty_like(like) if like is not None else torch.empty(shape, dtype=dtype, device=device)
+    if end < buf.shape[0]:
+        buf[end:].fill_(value)
+    return buf
+
+
 def _check_cu(name: str, cu: torch.Tensor | None, b: int | None, device: torch.device) -> torch.Tensor:
     if cu is None:
         raise ValueError(f"{name} is required for this call (thd format or a padding mask); got None")
@@ -192,6 +222,9 @@ class _Call:
     t_kv: int = 0
     max_q: int = 0                         # the call's real longest sequences (thd: aux.max_seqlen_*)
     max_kv: int = 0
+    end_q: int | None = None               # thd: cu_seqlens[-1] where the host knows it (AttnAux.packed)
+    end_kv: int | None = None
+    capturing: bool = False                # a CUDA graph is captured: nothing derived from cu_seqlens is cached
 
 
 def _describe(x: torch.Tensor, fmt: str, s_graph: int) -> tuple[tuple, int | None]:
@@ -236,9 +269,14 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
         pad_kv = aux.cu_seqlens_kv_padded if aux.cu_seqlens_kv_padded is not None else cu_kv
         _check_cu("cu_seqlens_q_padded", pad_q, b, q.device)
         _check_cu("cu_seqlens_kv_padded", pad_kv, b, q.device)
+        capture = capturing(q)  # a CUDA graph's replays may see other cu_seqlens contents: no host facts then
+        facts = None if capture else aux.packed
         call = _Call(fmt, b, h, hkv, _bucket(aux.max_seqlen_q), _bucket(aux.max_seqlen_kv), dqk, dv, True,
-                     _lens(cu_q), _lens(cu_kv), pad_q, pad_kv, gaps=pad_q is not cu_q or pad_kv is not cu_kv,
-                     t_q=q.shape[0], t_kv=k.shape[0], max_q=aux.max_seqlen_q, max_kv=aux.max_seqlen_kv)
+                     _cached_lens(cu_q, capture), _cached_lens(cu_kv, capture), pad_q, pad_kv,
+                     gaps=facts is None and (pad_q is not cu_q or pad_kv is not cu_kv),  # facts: packed back to back
+                     t_q=q.shape[0], t_kv=k.shape[0], max_q=aux.max_seqlen_q, max_kv=aux.max_seqlen_kv,
+                     end_q=None if facts is None else facts.end_q, end_kv=None if facts is None else facts.end_kv,
+                     capturing=capture)
         return call
     sd = _seq_dim(fmt)
     b = q.shape[1 - sd]
@@ -246,8 +284,10 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cf
                  max_q=q.shape[sd], max_kv=k.shape[sd])
     if call.padding:
         if aux.cu_seqlens_q is not None or aux.cu_seqlens_kv is not None:
-            call.lens_q = _lens(_check_cu("cu_seqlens_q", aux.cu_seqlens_q, b, q.device))
-            call.lens_kv = _lens(_check_cu("cu_seqlens_kv", aux.cu_seqlens_kv, b, q.device))
+            call.capturing = capturing(q)
+            call.lens_q = _cached_lens(_check_cu("cu_seqlens_q", aux.cu_seqlens_q, b, q.device), call.capturing).view(b)
+            call.lens_kv = _cached_lens(_check_cu("cu_seqlens_kv", aux.cu_seqlens_kv, b, q.device),
+                                        call.capturing).view(b)
         elif aux.attention_mask is not None:
             call.lens_q, call.lens_kv = _lens_from_mask(aux.attention_mask, b, call.sq, call.skv)
         else:
@@ -315,6 +355,7 @@ class CudnnFrontendEngine(Engine):
         self.execute_path = execute_path
         self._graphs: OrderedDict[SdpaKey, Compiled] = OrderedDict()
         self._failures: dict[SdpaKey, CudnnGraphError] = {}
+        self._backward_built: set[tuple] = set()  # forward keys (and backward extras) whose backward graph exists
         self._fast: dict[tuple, _FastFwd] = {}
         self._devices: dict[int, _DeviceState] = {}
         self._lock = threading.Lock()
@@ -501,9 +542,9 @@ class CudnnFrontendEngine(Engine):
                 side = "q" if name in ("q", "o", "do", "dq") else "kv"
                 off = f"off_{side}_{token}"
                 if off not in buf:
-                    cu = call.cu_q_pad if side == "q" else call.cu_kv_pad
-                    buf[off] = (cu.to(itype) * token).view(call.b + 1, 1, 1, 1)
-            buf["off_stats"] = (call.cu_q_pad.to(itype) * call.h).view(call.b + 1, 1, 1, 1)
+                    buf[off] = _ragged_offsets(call.cu_q_pad if side == "q" else call.cu_kv_pad, itype, token,
+                                               call.capturing)
+            buf["off_stats"] = _ragged_offsets(call.cu_q_pad, itype, call.h, call.capturing)
         if bias is not None:
             buf["bias"] = bias
         if sink is not None:
@@ -586,10 +627,9 @@ class CudnnFrontendEngine(Engine):
         sink = self._sink(aux, cfg, call, q.device)
         seed = self._seed(aux, q.device) if cfg.dropout_p > 0 else None
         if call.fmt == "thd":
-            fill = call.gaps
-            out = (torch.zeros if fill else torch.empty)(call.t_q, call.h, call.dv, dtype=q.dtype, device=q.device)
-            lse_store = (torch.full((call.t_q, call.h), float("-inf"), dtype=torch.float32, device=q.device) if fill
-                         else torch.empty(call.t_q, call.h, dtype=torch.float32, device=q.device))
+            out = _thd_buffer(None, (call.t_q, call.h, call.dv), q.dtype, q.device, call.end_q, call.gaps, 0.0)
+            lse_store = _thd_buffer(None, (call.t_q, call.h), torch.float32, q.device, call.end_q, call.gaps,
+                                    float("-inf"))
             stats_stride = (call.h * call.sq, 1, call.h, 1)
             operands = {"q": q, "k": k, "v": v, "o": out}
         else:
@@ -609,7 +649,7 @@ class CudnnFrontendEngine(Engine):
         compiled = self._graph_or_record(key, signature)
         grad = q.requires_grad or k.requires_grad or v.requires_grad
         if grad:  # a backward cuDNN refuses is reported now, before any kernel runs
-            self._prebuild_backward(call, cfg, q, k, v, out, dev, bias, bias_grad, alibi, sink, aux, signature)
+            self._prebuild_backward(key, call, cfg, q, k, v, out, dev, bias, bias_grad, alibi, sink, aux, signature)
         buffers = self._aux_buffers(call, key, operands, bias, sink, seed)
         buffers["stats"] = lse_store
         if rng_dump is not None:
@@ -633,19 +673,27 @@ class CudnnFrontendEngine(Engine):
                         v.dtype, q.device, k.device, v.device, grad)] = fast
         return FwdResult(out, lse, _FwdState(key, call, bias, bias_grad, sink, seed, rng_dump, fast))
 
-    def _prebuild_backward(self, call: _Call, cfg: AttnConfig, q, k, v, out, dev: int, bias, bias_grad: bool,
-                           alibi: bool, sink, aux: AttnAux, signature: Callable[[str], tuple]) -> None:
+    def _prebuild_backward(self, fwd_key: SdpaKey, call: _Call, cfg: AttnConfig, q, k, v, out, dev: int, bias,
+                           bias_grad: bool, alibi: bool, sink, aux: AttnAux, signature: Callable[[str], tuple]) -> None:
         """Build (or find) the backward graph this forward's backward will ask for: dO laid out like the output,
-        gradients allocated like q, k, v, the stats as the forward returns them."""
+        gradients allocated like q, k, v, the stats as the forward returns them. Once per forward graph (and what
+        the backward key adds to it): the meta tensors and the key cost tens of us per call on the general path
+        (thd, padding, bias)."""
+        sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
+                     and aux.softmax_offset.requires_grad)
+        done = (fwd_key, sink_grad, bool(cfg.deterministic), call.t_q, call.t_kv)
+        if done in self._backward_built:
+            return
         operands = {"q": q, "k": k, "v": v, "o": out, "do": _meta_like(out), "dq": _meta_like(q),
                     "dk": _meta_like(k), "dv": _meta_like(v)}
         thd = call.fmt == "thd"
         stats_stride = (call.h * call.sq, 1, call.h, 1) if thd else (call.h * call.sq, call.sq, 1, 1)
-        sink_grad = (cfg.softmax_type == "learnable" and aux.softmax_offset is not None
-                     and aux.softmax_offset.requires_grad)
         key = self._key("bwd", call, cfg, q.dtype, dev, operands, bias, bias_grad, alibi, sink, stats_stride, False,
                         sink_grad)
         self._graph_or_record(key, signature)
+        if len(self._backward_built) >= GRAPH_CACHE_SIZE:
+            self._backward_built.clear()
+        self._backward_built.add(done)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: _FwdState, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
@@ -679,7 +727,11 @@ class CudnnFrontendEngine(Engine):
         if aux.bias is not None and aux.bias.requires_grad and not state.bias_grad and cfg.bias_type != "alibi":
             raise ValueError(f"the bias of shape {tuple(aux.bias.shape)} requires grad, but cuDNN computes dBias only "
                              f"for a [1, {call.h}, sq, skv] bias; detach it or use that shape")
-        dq, dk, dv = (torch.zeros_like(t) if call.gaps else torch.empty_like(t) for t in (q, k, v))
+        if call.fmt == "thd":
+            dq = _thd_buffer(q, (), q.dtype, q.device, call.end_q, call.gaps, 0.0)
+            dk, dv = (_thd_buffer(t, (), t.dtype, t.device, call.end_kv, call.gaps, 0.0) for t in (k, v))
+        else:
+            dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         operands = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
         given_lse = lse
         if call.fmt == "thd":

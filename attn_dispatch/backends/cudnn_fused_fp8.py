@@ -106,9 +106,9 @@ def _bhsd_strides(layout: str, b: int, s: int, h: int, d: int) -> list[int]:
 
 
 def _empty(call: Any, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """O for a call; thd with gaps between sequences is zeroed (cuDNN writes only the sequences' own rows)."""
+    """O for a call; thd rows outside every sequence are zeroed (cuDNN writes only the sequences' own rows)."""
     if call.fmt == "thd":
-        return (torch.zeros if call.gaps else torch.empty)(call.t_q, h, d, dtype=dtype, device=device)
+        return _cd._thd_buffer(None, (call.t_q, h, d), dtype, device, call.end_q, call.gaps, 0.0)
     shape = (call.b, call.sq, h, d) if call.fmt == "bshd" else (call.sq, call.b, h, d)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -117,10 +117,10 @@ def _ragged_offsets(call: Any, key: _Key) -> dict[str, torch.Tensor]:
     """thd: the ragged offset buffers the forward graph declares (_build's `ragged`): cu_seqlens_padded x the
     token stride of each operand, and x heads for the [t, h] stats."""
     itype = torch.int64 if key.offsets_int64 else torch.int32
-    out = {"off_stats": (call.cu_q_pad.to(itype) * call.h).view(-1, 1, 1, 1)}
+    out = {"off_stats": _cd._ragged_offsets(call.cu_q_pad, itype, call.h, call.capturing)}
     for side, cu, heads in (("q", call.cu_q_pad, call.h), ("kv", call.cu_kv_pad, call.hkv)):
         for d in (call.dqk, call.dv):
-            out[f"off_{side}_{heads * d}"] = (cu.to(itype) * heads * d).view(-1, 1, 1, 1)
+            out[f"off_{side}_{heads * d}"] = _cd._ragged_offsets(cu, itype, heads * d, call.capturing)
     return out
 
 
@@ -366,10 +366,9 @@ class CudnnFP8Engine(Engine):
         scales = st.scale.clone()
         descales = scales.reciprocal()
         o8 = _empty(call, call.h, call.dv, E4M3, q8.device)
-        if call.fmt == "thd":  # ragged [t, h] stats; rows in gaps between sequences stay -inf
-            stats = torch.empty(call.t_q, call.h, dtype=torch.float32, device=q8.device)
-            if call.gaps:
-                stats.fill_(float("-inf"))
+        if call.fmt == "thd":  # ragged [t, h] stats; rows outside every sequence stay -inf
+            stats = _cd._thd_buffer(None, (call.t_q, call.h), torch.float32, q8.device, call.end_q, call.gaps,
+                                    float("-inf"))
         else:
             stats = torch.empty(call.b, call.h, call.sq, 1, dtype=torch.float32, device=q8.device)
         buffers = {"q": q8, "k": k8, "v": v8, "o": o8, "stats": stats,

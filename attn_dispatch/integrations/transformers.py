@@ -76,7 +76,7 @@ def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
     if attention_mask is not None or not isinstance(position_ids, torch.Tensor) or \
             position_ids.shape != (1, query.shape[2]) or not _READ_POSITIONS[0]:
         return None  # a mask transformers built says more than the positions: follow it, as its SDPA path does
-    from ..inputs import _cached_on
+    from ..tensor_cache import cached_on
 
     def compute():
         starts = torch.nonzero(position_ids[0] == 0).flatten()
@@ -85,7 +85,7 @@ def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
         t = position_ids.shape[1]
         return torch.cat([starts, torch.tensor([t], device=starts.device)]).to(torch.int32)
 
-    return _cached_on((position_ids,), ("hf_packed",), compute)
+    return cached_on((position_ids,), ("hf_packed",), compute)
 
 
 # Whether batch-1 calls with no mask read position_ids to find packed rows (register(packed_positions=...)).

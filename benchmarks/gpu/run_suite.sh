@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call, several stages: bash benchmarks/gpu/run_suite.sh STAGE [STAGE ...]
-# Stages: tests-cudnn tests-flash tests-unfused tests-kv bench-cudnn bench-flash bench-memory probe policy policy-grid hotpath kv-decode
+# Stages: tests-cudnn tests-flash tests-thd tests-unfused tests-kv bench-cudnn bench-flash bench-memory probe policy policy-grid hotpath kv-decode
 # Source the wheel bundles first (../shared/device/README.md); logs and JSON go to $OUT.
 # A failing stage does not stop the next; a short summary is printed last.
 set -u
@@ -19,6 +19,7 @@ for s in "$@"; do
   case $s in
     tests-cudnn) stage $s 300 python3 -m pytest -m gpu tests/gpu/test_cudnn_gpu.py -q -p no:cacheprovider -rf ;;
     tests-flash) stage $s 330 python3 -m pytest -m gpu tests/gpu/test_flash_gpu.py -q -p no:cacheprovider -rf ;;
+    tests-thd) stage $s 420 python3 -m pytest -m gpu tests/gpu/test_thd_host_gpu.py -q -p no:cacheprovider -rf ;;
     tests-unfused) stage $s 200 python3 -m pytest -m gpu tests/test_unfused_engine.py tests/test_module.py -q -p no:cacheprovider -rf ;;
     bench-cudnn) stage $s 300 python3 benchmarks/bench_cudnn.py --out "$OUT/cudnn.json" ;;
     bench-flash) stage $s 300 python3 benchmarks/bench_flash.py --out "$OUT/flash.json" ;;

@@ -1,0 +1,58 @@
+"""Values derived from a tensor's contents, computed once per tensor object and version.
+
+Validation (inputs.py) reads cu_seqlens back to the host once per tensor; the engines derive small device tensors
+from them (int32 lengths, ragged offsets). A model's layers call attention with the same cu_seqlens tensor
+(Transformer Engine's users do), so both are keyed on the tensor itself: its identity (a weak reference, so that
+a dead tensor whose id is reused misses) and its version counter (an in-place write misses). Bounded: the cache
+is emptied when it reaches CACHE_LIMIT entries. Inference tensors track no version, so nothing is cached for them.
+
+While a CUDA graph is captured, device tensors are derived afresh (cached_device_tensor): the graph then owns
+them (a cached one could be freed by an eviction while the graph still reads it) and recomputes them from the
+cu_seqlens contents of each replay, which may differ from the ones seen at capture.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+CACHE_LIMIT = 256
+_CACHE: dict[tuple, tuple[tuple, tuple, Any]] = {}
+
+
+def cached_on(tensors: tuple[torch.Tensor, ...], context: tuple, compute: Callable[[], Any]) -> Any:
+    """compute() once per (tensor objects, their versions, context); a dead or modified tensor misses. The
+    context must name everything else the value depends on (a stride, a dtype, the purpose)."""
+    try:
+        versions = tuple(t._version for t in tensors)
+    except RuntimeError:  # an inference tensor: no version counter, so a later in-place write could not be seen
+        return compute()
+    key = tuple(map(id, tensors)) + context
+    hit = _CACHE.get(key)
+    if hit is not None and hit[1] == versions and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        return hit[2]
+    value = compute()
+    if len(_CACHE) >= CACHE_LIMIT:
+        _CACHE.clear()
+    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+    return value
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream (t: a tensor of the call, on its device). Host facts
+    read from cu_seqlens then describe the capture's contents only, not those of later replays."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def cached_device_tensor(tensors: tuple[torch.Tensor, ...], context: tuple,
+                         compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """cached_on for a device tensor derived from the tensors' contents, made afresh while a CUDA graph is
+    captured (see the module doc)."""
+    if capturing(tensors[0]):
+        return compute()
+    return cached_on(tensors, context, compute)
+
+
+def clear() -> None:
+    _CACHE.clear()
