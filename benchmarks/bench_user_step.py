@@ -277,6 +277,7 @@ def main() -> int:
                     help="also time a module under ATTN_DISPATCH_POLICY=measured (tuned on its first call)")
     ap.add_argument("--max-seconds", type=float, default=540.0, help="stop starting new rows after this")
     ap.add_argument("--start", type=int, default=0, help="skip the first N cases")
+    ap.add_argument("--match", default=None, help="only the cases whose label contains this text")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the harness")
     ap.add_argument("--timer", default="block", choices=("block", "call"),
@@ -295,6 +296,8 @@ def main() -> int:
         os.environ["ATTN_DISPATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-dispatch-auto-")
         measured_cache = tempfile.mkdtemp(prefix="attn-dispatch-measured-")
     cases = CASE_GRIDS[args.grid]()[args.start:]
+    if args.match:
+        cases = [c for c in cases if args.match in c.label]
     only = set(args.providers.split(",")) if args.providers else None
     result = {"grid": args.grid, "tag": args.tag, "settings": settings.to_dict(), "environment": environment(),
               "rows": [], "failed": []}

@@ -44,5 +44,17 @@ case ${1:-} in
     run eval-blind3 420 "blind3_$tag.json" --policies --measured --timer call
     python3 benchmarks/evaluate_profile.py --timed "$OUT/blind3_$tag.json" | tail -n 4
     ;;
+  after-thd-stock)  # after the thd host-path change (merge of thd-host): stock thd profile, blind3's other stock rows
+    stock_path
+    OUT=$OUT/stock timeout 150 python3 benchmarks/gpu/profile_thd_host.py 2>&1 | tail -n 14
+    run eval-blind3 170 "blind3_stock_rest_$tag.json" --start 17 --tag stock --policies --measured --timer call
+    python3 benchmarks/evaluate_profile.py --timed "$OUT/blind3_stock_rest_$tag.json" | tail -n 4
+    ;;
+  after-thd)  # full stack: thd profile, blind3's packed rows again, the thd GPU tests
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    timeout 200 python3 benchmarks/gpu/profile_thd_host.py 2>&1 | tail -n 26
+    run eval-blind3 90 "blind3_packed_after_thd_$tag.json" --match packed --policies --measured --timer call
+    timeout 200 python3 -m pytest -m gpu tests/gpu/test_thd_host_gpu.py -q -rf 2>&1 | tail -n 15
+    ;;
   *) echo "usage: run_profile_session6.sh stock-thd|thd|fit GRID SECS|stock-blind|blind"; exit 2 ;;
 esac
