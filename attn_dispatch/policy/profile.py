@@ -8,14 +8,13 @@ and a prediction uses the machine's own entries where it has enough of that kind
 
 The cost model: a step costs its host time or its GPU time, whichever dominates (the GPU runs behind the host),
 combined smoothly as t = (H^8 + G^8)^(1/8).
-- H, the host floor of a provider, is the least it was measured to cost on calls of the same training mode and
-  packing: the tiniest calls are host-bound (flash-attn-4's Python launch costs ~0.2 ms a forward on the H100's
-  host), and packed (thd) calls cost more per call than dense ones (~0.4 ms inference, ~1.3 ms training at any size
-  in the H100 fit grid, every engine).
+- H, the host floor of a provider, is a low quantile of what it was measured to cost on calls of the same training
+  mode and packing (the least but for a timer's outliers): the tiniest calls are host-bound (flash-attn-4's Python
+  launch costs ~0.15-0.2 ms a forward on the H100's host), and packed (thd) calls cost more per call than dense ones.
 - G = work / rate: the work is the call's matmul flops counted in the 128 x 128 tiles of the score matrix that a
   tiled kernel computes (a 257-key band costs 3 key tiles per query tile, not 2), and the rate is taken from the
-  nearest measured call of the same kind (training or inference, causal, windowed or neither, packed/padded or
-  dense), nearness being a weighted distance over log2 sizes (head dims, query and key lengths, the key span a
+  nearest measured call of the same kind (training or inference; causal, a causal window, a two-sided window or
+  neither; packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims, query and key lengths, the key span a
   window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The GPU part of a measured
   time is what remains of it above the host floor; a neighbour within 3x of its floor hides it, and gives no rate
   to a call bigger than itself (the next nearest does).
@@ -263,8 +262,9 @@ class Profile:
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
 
     def _host(self, provider: str, kind: tuple, machine: str | None = None, skip: tuple | None = None) -> float:
-        """The provider's host floor for this kind of call: the least time of calls of the same training mode and
-        packing, else of that training mode, on the machine (None: any machine), leaving the shape skip out."""
+        """The provider's host floor for this kind of call: a low quantile of the times of calls of the same training
+        mode and packing, else of that training mode, on the machine (None: any machine), leaving the shape skip
+        out."""
         for packed in (kind[2], None):
             key = (machine, provider, kind[0], packed)
             found = [ms for ms, shape in self._floors.get(key, ()) if shape != skip]
