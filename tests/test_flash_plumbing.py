@@ -198,10 +198,17 @@ PAIRS = [(style, name) for name in CASES for style in ("fa2", "fa4")
 def test_plumbing_matches_the_reference(style, name):
     q, k, v, aux, cfg = make_case(**CASES[name])
     engine = StandInKernel(style)
+    out = assert_matches_reference(engine, q, k, v, aux, cfg)
+    assert out.is_contiguous()
+    if style == "fa4" and cfg.softmax_type != "vanilla":  # the kernel gets its own convention back: no -inf rows
+        assert not torch.isneginf(engine.seen_lse[-1]).any()
+
+
+def assert_matches_reference(engine, q, k, v, aux, cfg) -> torch.Tensor:
+    """The engine's out, lse (-inf exactly where the reference's is) and gradients against the float64 reference."""
     out, lse, _ = engine(q, k, v, aux, cfg)
     ref_out, ref_lse, leaves, offset = reference(q, k, v, aux, cfg)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
-    assert out.is_contiguous()
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without keys must have lse -inf"
     finite = torch.isfinite(ref_lse)
@@ -213,8 +220,7 @@ def test_plumbing_matches_the_reference(style, name):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-6, atol=1e-6)  # P comes from a float32 lse
     if cfg.softmax_type == "learnable":
         torch.testing.assert_close(aux.softmax_offset.grad.double(), offset.grad, rtol=1e-5, atol=1e-6)
-    if style == "fa4" and cfg.softmax_type != "vanilla":  # the kernel gets its own convention back: no -inf rows
-        assert not torch.isneginf(engine.seen_lse[-1]).any()
+    return out
 
 
 def test_backward_accepts_a_global_out_and_lse():
