@@ -21,7 +21,7 @@ from attn_dispatch.backends.base import AttnAux, PackedFacts
 from attn_dispatch.call_args import CallArgs
 from attn_dispatch.params import normalize_window
 from reference import reference_attention
-from test_flash_plumbing import CASES, StandInKernel, assert_matches_reference, make_case, reference
+from test_flash_plumbing import CASES, StandInKernel, assert_matches_reference, make_case
 
 THD_MASKS = ("padding", "padding_causal", "padding_causal_bottom_right")
 
