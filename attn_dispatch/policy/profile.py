@@ -14,10 +14,10 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
 - G = work / rate: the work is the call's matmul flops counted in the 128 x 128 tiles of the score matrix that a
   tiled kernel computes (a 257-key band costs 3 key tiles per query tile, not 2), and the rate is taken from the
   nearest measured call of the same kind (training or inference; causal, a causal window, a two-sided window or
-  neither; packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims, query and key lengths, the key span a
-  window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The GPU part of a measured
-  time is what remains of it above the host floor; a neighbour within 3x of its floor hides it, and gives no rate
-  to a call bigger than itself (the next nearest does).
+  neither; packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims, query and key
+  lengths, the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The
+  GPU part of a measured time is what remains of it above the host floor; a neighbour within 3x of its floor hides
+  it, and gives no rate to a call bigger than itself (the next nearest does).
 benchmarks/results/profile/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
