@@ -31,3 +31,14 @@ def spawn_ranks(worker: Callable, args: tuple, nprocs: int, out_path: str, what:
         return f"a {what} worker failed: {exc}"
     with open(out_path) as f:
         return json.load(f)
+
+
+def write_gathered(results: Any, world: int, rank: int, out_path: str) -> None:
+    """Every rank's results gathered; rank 0 writes them (a list by rank) to out_path for spawn_ranks to read."""
+    import torch.distributed as dist
+
+    everyone = [None] * world
+    dist.all_gather_object(everyone, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(everyone, f)

@@ -179,28 +179,36 @@ def test_attended_pairs_closed_form_matches_counting_rows():
     from attn_dispatch.policy.timing import attended_pairs
 
     def by_rows(p):
-        sq, skv = p.max_seqlen_q, p.max_seqlen_kv
-        left, right = p.window_size
-        offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
-        total = 0
-        for i in range(sq):
-            lo = 0 if left < 0 else max(0, i + offset - left)
-            hi = skv - 1 if right < 0 else min(skv - 1, i + offset + right)
-            total += max(0, hi - lo + 1)
-        return total
+        return sum(max(0, hi - lo + 1) for lo, hi in _key_ranges(p))
 
     rng = random.Random(0)
-    checked = 0
-    while checked < 2000:
+    for p in _random_masked_calls(rng, 2000, 50):
+        assert attended_pairs(p) == by_rows(p), p.describe()
+
+
+def _key_ranges(p):
+    """Each query row's first and last visible key, walking the rows (the closed forms' reference)."""
+    sq, skv = p.max_seqlen_q, p.max_seqlen_kv
+    left, right = p.window_size
+    offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
+    for i in range(sq):
+        yield (0 if left < 0 else max(0, i + offset - left),
+               skv - 1 if right < 0 else min(skv - 1, i + offset + right))
+
+
+def _random_masked_calls(rng, count: int, longest: int):
+    """count valid calls over masks, windows and lengths up to longest (invalid draws are drawn again)."""
+    made = 0
+    while made < count:
         mask = rng.choice(["no_mask", "causal", "causal_bottom_right", "padding_causal", "padding"])
         window = (rng.choice([-1, rng.randint(0, 40)]), rng.choice([-1, rng.randint(0, 40)]))
         try:
-            p = AttentionParams(max_seqlen_q=rng.randint(1, 50), max_seqlen_kv=rng.randint(1, 50),
+            p = AttentionParams(max_seqlen_q=rng.randint(1, longest), max_seqlen_kv=rng.randint(1, longest),
                                 attn_mask_type=mask, window_size=window)
         except ValueError:
             continue
-        assert attended_pairs(p) == by_rows(p), p.describe()
-        checked += 1
+        made += 1
+        yield p
 
 
 # --- machines of one architecture, and profiles built from several runs ------------------------------------------
@@ -306,29 +314,15 @@ def test_tiled_work_closed_form_matches_counting_tiles():
     import random
 
     def by_pairs(p, tile):
-        sq, skv = p.max_seqlen_q, p.max_seqlen_kv
-        left, right = p.window_size
-        offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
         tiles = set()
-        for i in range(sq):
-            lo = 0 if left < 0 else max(0, i + offset - left)
-            hi = skv - 1 if right < 0 else min(skv - 1, i + offset + right)
+        for i, (lo, hi) in enumerate(_key_ranges(p)):
             tiles.update((i // tile, j // tile) for j in range(lo, hi + 1))
         return len(tiles) * tile * tile
 
     rng = random.Random(1)
-    checked = 0
-    while checked < 1500:
-        mask = rng.choice(["no_mask", "causal", "causal_bottom_right", "padding_causal", "padding"])
-        window = (rng.choice([-1, rng.randint(0, 40)]), rng.choice([-1, rng.randint(0, 40)]))
-        try:
-            p = AttentionParams(max_seqlen_q=rng.randint(1, 70), max_seqlen_kv=rng.randint(1, 70),
-                                attn_mask_type=mask, window_size=window)
-        except ValueError:
-            continue
+    for p in _random_masked_calls(rng, 1500, 70):
         tile = rng.choice([4, 8, 16])
         assert tiled_pairs(p, tile) == by_pairs(p, tile), (p.describe(), tile)
-        checked += 1
     # a 257-key band over 4096 queries: 3 key tiles of 128 per query tile (2 at the edges), not 257 / 128
     band = AttentionParams(max_seqlen_q=4096, window_size=(128, 128))
     assert tiled_pairs(band, 128) == (32 * 3 - 2) * 128 * 128

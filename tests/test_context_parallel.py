@@ -22,7 +22,7 @@ from attn_dispatch import context_parallel as cp
 from attn_dispatch.backends import AttnAux, AttnConfig, Engine, get_engine
 
 from reference import reference_attention
-from spawn_ranks import free_port, spawn_ranks
+from spawn_ranks import free_port, spawn_ranks, write_gathered
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -384,11 +384,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             results["error:" + name] = value
         # the group still works after the errors: one more case on the same group
         results["after_errors"] = _run_case(_case("after_errors", "p2p", h=2 * world, hkv=world), groups)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, results)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(everyone, f)
+        write_gathered(results, world, rank, out_path)
     finally:
         dist.destroy_process_group()
 

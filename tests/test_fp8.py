@@ -19,6 +19,7 @@ from attn_dispatch.fp8 import quantize as fp8q
 from attn_dispatch.fp8.autocast import current_region
 from attn_dispatch.fp8.state import BACKWARD, FORWARD, INDEX
 from reference import reference_attention
+from spawn_ranks import free_port, write_gathered
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -465,7 +466,6 @@ def test_fp8_with_a_kv_cache_is_refused():
 # --------------------------------------------------------------------------------------------
 def _amax_worker(rank: int, port: int, out_path: str) -> None:
     import datetime
-    import json
 
     import torch.distributed as dist
 
@@ -479,26 +479,18 @@ def _amax_worker(rank: int, port: int, out_path: str) -> None:
             _record(st, FORWARD, [2.0 + 6 * rank, 1.0, 1.0, 1.0, 4.0 - 2 * rank])  # rank 0: q 2, o 4; rank 1: 8, 2
             st.update(FORWARD, group)
             result[str(reduce)] = [float(st.scale_of("q")), float(st.scale_of("o"))]
-        everyone = [None, None]
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(everyone, f)
+        write_gathered(result, 2, rank, out_path)
     finally:
         dist.destroy_process_group()
 
 
 def test_amax_reduction_over_a_group_keeps_ranks_in_step(tmp_path):
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "amax.json"
-    mp.start_processes(_amax_worker, args=(port, str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_amax_worker, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
     ranks = json.loads(out.read_text())
     assert ranks[0]["True"] == ranks[1]["True"] == [448.0 / 8.0, 448.0 / 4.0]  # the max over both ranks
     assert ranks[0]["False"] == [448.0 / 2.0, 448.0 / 4.0] and ranks[1]["False"] == [448.0 / 8.0, 448.0 / 2.0]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import math
 import sys
 import time
@@ -22,7 +21,7 @@ import traceback
 import pytest
 import torch
 
-from spawn_ranks import free_port, spawn_ranks
+from spawn_ranks import free_port, spawn_ranks, write_gathered
 
 SPAWN_DEADLINE_S = 180
 STEPS = 4
@@ -233,11 +232,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
             results["errors"] = _error_cases(engine, fake, group, singles)
         except Exception:  # noqa: BLE001
             results["errors"] = {"error": traceback.format_exc()[-3000:]}
-        everyone = [None, None]
-        dist.all_gather_object(everyone, results)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(everyone, f)
+        write_gathered(results, 2, rank, out_path)
     finally:
         dist.destroy_process_group()
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
 import time
-import warnings
-from pathlib import Path
 
 import pytest
 import torch

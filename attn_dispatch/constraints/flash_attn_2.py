@@ -1,7 +1,6 @@
 """FlashAttention 2: the flash-attn 2.x package, then the FA2 kernels vendored in torch (provider order)."""
 from __future__ import annotations
 
-from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams

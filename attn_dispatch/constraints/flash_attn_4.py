@@ -5,7 +5,6 @@ runs on the project's H100), unless a check says otherwise.
 """
 from __future__ import annotations
 
-from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams

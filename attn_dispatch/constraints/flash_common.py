@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from packaging.version import Version
 
 from ..env import EnvFlags
 from ..params import AttentionParams

@@ -40,6 +40,6 @@ if "fa4" in what:
         src = inspect.getsource(fi)
         print("interface.py lines:", src.count("\n"))
         open(sys.argv[-1] if sys.argv[-1].endswith(".py") else "/dev/null", "w").write(src)
-    except Exception as exc:  # noqa: BLE001
+    except Exception:  # noqa: BLE001
         import traceback
         traceback.print_exc()
