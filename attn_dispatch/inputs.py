@@ -18,14 +18,13 @@ import torch
 from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
 from .backends.base import AttnAux, AttnConfig, Engine, PackedFacts
 from .decision import Decision
-from .params import BIAS_TYPES, MASK_TYPES, AttentionParams, has_padding, normalize_window
-from .tensor_cache import cached_on
+from .params import BIAS_TYPES, MASK_TYPES, TOP_LEFT_MASKS, AttentionParams, has_padding, normalize_window
+from .tensor_cache import cached_on, same_values
 
 if TYPE_CHECKING:
     from .call_args import CallArgs
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TOP_LEFT_MASKS = ("causal", "padding_causal")  # Transformer Engine aligns these top-left, every other bottom-right
 _SHOW = 8  # list elements shown in error messages
 
 
@@ -374,7 +373,7 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
             raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest} tokens, from "
                              f"cu_seqlens_{side}); pass {name} >= {longest} or leave it None")
         limits.append(value)
-    gaps = cu_q_p is not None and not (_same(cu_q_p, cu_q) and _same(cu_kv_p, cu_kv))
+    gaps = cu_q_p is not None and not (same_values(cu_q_p, cu_q) and same_values(cu_kv_p, cu_kv))
     if pad_between_seqs is None:
         pad_between_seqs = gaps
     with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
@@ -385,15 +384,9 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
                    queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries))
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or bool(torch.equal(a, b))
-
-
 def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:
     """Validated cu_seqlens (both start at 0) give some sequence different query and key lengths; cached."""
-    if cu_q is cu_kv:
-        return False
-    return cached_on((cu_q, cu_kv), ("lengths_differ",), lambda: not _same(cu_q, cu_kv))
+    return not same_values(cu_q, cu_kv)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ MASK_TYPES = (
     "padding_causal_bottom_right",
     "arbitrary",
 )
+# Transformer Engine aligns these masks' diagonal top-left (query i sees key i); every other causal mask bottom-right
+TOP_LEFT_MASKS = ("causal", "padding_causal")
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss")
 ALIBI_SLOPE_SHAPES = ("h", "bh")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..params import has_padding
-from ..tensor_cache import cached_device_tensor, cached_on, capturing
+from ..params import TOP_LEFT_MASKS, has_padding
+from ..tensor_cache import cached_device_tensor, cached_on, capturing, same_values
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, PackedFacts
 
 UNBOUNDED = -1
@@ -108,21 +108,13 @@ def empty_rows_possible(window: tuple[int, int], seqlen_q: int, seqlen_kv: int) 
     return right != UNBOUNDED and seqlen_kv - seqlen_q + right < 0
 
 
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a and b hold the same values (a device comparison and a sync: cached on the pair)."""
-    return a is b or cached_on((a, b), ("same_values",),
-                               lambda: a.shape == b.shape and bool(torch.equal(a.to(b.dtype), b)))
-
-
 def _require_lengths_equal(cu_q: torch.Tensor, cu_kv: torch.Tensor, cfg: AttnConfig) -> None:
-    if not _same_values(cu_q, cu_kv):
+    if not same_values(cu_q, cu_kv):
         raise ValueError(
             f"attn_mask_type={cfg.attn_mask_type!r} is aligned top-left, but cu_seqlens_q and cu_seqlens_kv give "
             "different sequence lengths; FlashAttention aligns the diagonal bottom-right, which agrees only for "
             "equal query and key lengths. Use a *_bottom_right mask type, or equal lengths.")
 
-
-TOP_LEFT_MASKS = ("causal", "padding_causal")
 
 
 def needs_top_left(cfg: AttnConfig) -> bool:
@@ -190,7 +182,7 @@ def thd_varlen(q: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> Varlen:
     cu_kv = cu_q if aux.cu_seqlens_kv is None else _int32_cu(aux.cu_seqlens_kv, "cu_seqlens_kv", q.device)
     for padded, real, name in ((aux.cu_seqlens_q_padded, cu_q, "cu_seqlens_q_padded"),
                                (aux.cu_seqlens_kv_padded, cu_kv, "cu_seqlens_kv_padded")):
-        if padded is not None and not _same_values(padded, real):
+        if padded is not None and not same_values(padded, real):
             raise ValueError(f"{name} differs from the real cu_seqlens: padding between sequences in a thd tensor "
                              "is not supported by the FlashAttention engines (Transformer Engine rule); pack the "
                              "sequences back to back, or use cudnn_fused")

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
+from ..params import TOP_LEFT_MASKS
 from ..tensor_cache import cached_on, capturing
 from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
@@ -42,7 +43,6 @@ from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView
 __all__ = ["CudnnFrontendEngine", "CudnnGraphError", "SdpaKey", "TorchCudnnEngine", "alibi_bias",
            "alibi_default_slopes", "bhsd"]
 
-TOP_LEFT_MASKS = ("causal", "padding_causal")
 IO_DTYPES = (torch.float16, torch.bfloat16)
 GRAPH_CACHE_SIZE = 512
 FAST_CACHE_SIZE = 256

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from ..params import TOP_LEFT_MASKS
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 
 MAX_BLOCK_ELEMS = 1 << 23  # score elements (b * h * rows * skv) per query block: 32 MiB in float32
-TOP_LEFT_MASKS = ("causal", "padding_causal")
 _M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 
 from ..env import EnvFlags
-from ..params import AttentionParams
+from ..params import TOP_LEFT_MASKS, AttentionParams
 from ..platform import parse_version, Platform
 from .base import Check, Failure, Table, fail
 
@@ -18,7 +18,6 @@ FA_CHANGELOG = "flash-attn README.md, 'Changelog' (Dao-AILab/flash-attention)"
 TE_UTILS = "Transformer Engine pytorch/attention/dot_product_attention/utils.py get_attention_backend"
 CP = "attn_dispatch.context_parallel (merges per-block out/lse; the engines return lse and take a global lse)"
 MASKS = ("no_mask", "padding", "causal", "causal_bottom_right", "padding_causal", "padding_causal_bottom_right")
-TOP_LEFT_MASKS = ("causal", "padding_causal")
 # GPUs with ~100 KB of shared memory per SM, where FA2's head_dim > 192 backward kernels do not fit with dropout.
 CONSUMER_SM = (86, 87, 89, 120, 121)
 

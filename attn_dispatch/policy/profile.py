@@ -32,7 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..params import AttentionParams
+from ..params import TOP_LEFT_MASKS, AttentionParams
 from ..platform import Platform
 from .timing import attended_pairs, attention_flops, band_sum, mode_of
 
@@ -101,7 +101,7 @@ def tiled_pairs(p: AttentionParams, tile: int) -> int:
     nq, nk = -(-sq // tile), -(-skv // tile)
     if left < 0 and right < 0:
         return nq * nk * tile * tile
-    offset = 0 if p.attn_mask_type in ("causal", "padding_causal") else skv - sq
+    offset = 0 if p.attn_mask_type in TOP_LEFT_MASKS else skv - sq
     far = 1 << 40
     c_hi = offset + right if right >= 0 else far  # query row i sees keys up to i + c_hi, from i + c_lo
     c_lo = offset - left if left >= 0 else -far

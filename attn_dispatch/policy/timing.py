@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..params import AttentionParams
+from ..params import TOP_LEFT_MASKS, AttentionParams
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +120,7 @@ def attended_pairs(params: AttentionParams) -> int:
     if left < 0 and right < 0:
         return sq * skv
     # 'causal' aligns the diagonal top-left; every other mask (Transformer Engine's rule) bottom-right
-    offset = 0 if params.attn_mask_type in ("causal", "padding_causal") else skv - sq
+    offset = 0 if params.attn_mask_type in TOP_LEFT_MASKS else skv - sq
     far = 1 << 62
     c_hi = offset + right if right >= 0 else far   # row i sees keys up to min(skv - 1, i + c_hi)
     c_lo = offset - left if left >= 0 else -far    # and from max(0, i + c_lo)
