@@ -283,8 +283,11 @@ def main() -> int:
     ap.add_argument("--timer", default="block", choices=("block", "call"),
                     help="a short call's sample: a ~3 ms block of back-to-back calls after a sync (block) or one "
                          "call (call; the session 3-4 runs)")
+    ap.add_argument("--reps", type=int, default=SETTINGS.reps,
+                    help="least samples per function (a long call gets this many; short ones more, to target_ms)")
     args = ap.parse_args()
-    settings = settings_for(args.timer)
+    settings = dataclasses.replace(settings_for(args.timer), reps=args.reps,
+                                   max_reps=max(SETTINGS.max_reps, args.reps))
     if args.tag == "stock":
         extra = [m for m in ("cudnn", "flash_attn.cute") if _importable(m)]
         if extra:

@@ -7,6 +7,7 @@ Any number of result files, of any grid, machine and stack: rows of one call on 
 provider times the median over the runs after scaling each run onto the one with the most providers by the
 providers both timed (policy.profile.combine_runs; a stock-torch run times torch's providers only). Each entry
 records its machine (the run's device name). The stack named is the full-stack runs' (flash-attn-4 installed).
+A run of a refresh grid (cases.REFRESH_GRIDS: fit-thd) replaces the earlier runs of its calls on its machine.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attn_dispatch.benchmarking.cases import REFRESH_GRIDS  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import build  # noqa: E402
 
@@ -28,7 +30,9 @@ def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
         if "rows" not in data or "environment" not in data:
             raise ValueError(f"{path}: not a bench_user_step.py result (no rows/environment)")
         env = data["environment"]
-        runs.append({"machine": env["device"], "rows": data["rows"], "path": path, "grid": data.get("grid", "")})
+        grid = data.get("grid", "")
+        runs.append({"machine": env["device"], "rows": data["rows"], "path": path, "grid": grid,
+                     "replaces": grid in REFRESH_GRIDS})
         envs.append(env)
     return runs, envs
 

@@ -380,3 +380,22 @@ def test_one_outlier_does_not_set_the_host_floor_once_a_kind_has_enough_calls(tm
     assert profile._host("x:a", features(AttentionParams(max_seqlen_q=256, attn_mask_type="causal"))[0]) >= 0.5
     few = Profile(json.loads((synthetic_profile(tmp_path, rows[:5]) / "sm90.json").read_text()))
     assert few._host("x:a", features(AttentionParams(max_seqlen_q=256, attn_mask_type="causal"))[0]) == 0.5
+
+
+def test_a_refresh_run_replaces_the_earlier_runs_of_its_calls_on_its_machine_only():
+    packed = AttentionParams(qkv_format="thd", attn_mask_type="padding", max_seqlen_q=2048).to_dict()
+    dense = AttentionParams(max_seqlen_q=2048, attn_mask_type="causal").to_dict()
+    row = lambda label, params, times: {"label": label, "params": params, "times_ms": times}  # noqa: E731
+    runs = [
+        {"machine": "GPU A", "rows": [row("packed", packed, {"x:a": 0.9, "x:b": 0.5}),
+                                      row("dense", dense, {"x:a": 2.0})]},
+        {"machine": "GPU B", "rows": [row("packed", packed, {"x:a": 0.8, "x:b": 0.6})]},
+        {"machine": "GPU A", "replaces": True, "rows": [row("packed again", packed, {"x:a": 0.3, "x:b": 0.45})]},
+    ]
+    entries = {(e["machine"], e["label"]): e for e in build(runs, arch="sm90", stack={}, date="")["entries"]}
+    a, b = 0, 1  # machine indices, sorted names
+    assert (a, "packed") not in entries
+    assert entries[(a, "packed again")]["times_ms"] == {"x:a": 0.3, "x:b": 0.45}
+    assert entries[(a, "packed again")]["runs"] == 1
+    assert entries[(b, "packed")]["times_ms"] == {"x:a": 0.8, "x:b": 0.6}  # another machine's run stays
+    assert entries[(a, "dense")]["times_ms"] == {"x:a": 2.0}  # a call the refresh did not measure stays

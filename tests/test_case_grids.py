@@ -42,3 +42,23 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
     blind = {_shape(c) for name, grid in CASE_GRIDS.items() if name.startswith("eval-blind") for c in grid()}
     assert not blind & (a_shapes | b_shapes)
     assert sum(1 for c in a if c.window) >= 30 and sum(1 for c in a if c.d == 192) >= 6
+
+
+def test_fourth_blind_grid_covers_the_issue_and_is_disjoint_from_every_fit_grid():
+    fourth = CASE_GRIDS["eval-blind4"]()
+    assert len(fourth) == 48 and len({_shape(c) for c in fourth}) == 48
+    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind4" for c in grid()}
+    assert not others & {_shape(c) for c in fourth}  # fit-drawn and fit-thd included
+    assert {c.d for c in fourth} >= {64, 80, 96, 128, 192, 256} and {c.fmt for c in fourth} >= {"sbhd", "thd"}
+    assert {c.window[1] == 0 for c in fourth if c.window} == {True, False}  # causal and two-sided windows
+    assert all(c.h % c.hkv == 0 for c in fourth)
+
+
+def test_fit_thd_grid_is_every_runnable_packed_call_of_the_fit_grids():
+    refresh = CASE_GRIDS["fit-thd"]()
+    assert all(c.fmt == "thd" and c.h % c.hkv == 0 for c in refresh)
+    fit_grids = [g for name, g in CASE_GRIDS.items() if not name.startswith(("eval-blind", "fit-thd", "smoke"))]
+    packed = {_shape(c) for grid in fit_grids for c in grid() if c.fmt == "thd" and c.h % c.hkv == 0}
+    assert {_shape(c) for c in refresh} == packed and len(refresh) == len(packed)
+    blind = {_shape(c) for name, grid in CASE_GRIDS.items() if name.startswith("eval-blind") for c in grid()}
+    assert not blind & packed

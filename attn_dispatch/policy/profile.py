@@ -317,13 +317,16 @@ def combine_runs(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]]:
     """Rows of bench_user_step.py runs ({"machine": device name, "rows": its rows}) by (machine, call parameters):
-    (the first row's label, the parameters, each run's provider times)."""
+    (the first row's label, the parameters, each run's provider times). The calls a run with "replaces" set
+    measured on its machine take their times from such runs alone (a re-measure after an engine's path changed)."""
     grouped: dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]] = {}
+    replaced = {(run["machine"], _call_key(row["params"])) for run in runs if run.get("replaces")
+                for row in run["rows"] if _provider_times(row)}
     for run in runs:
         for row in run["rows"]:
             times = _provider_times(row)
-            if times:
-                key = (run["machine"], _call_key(row["params"]))
+            key = (run["machine"], _call_key(row["params"]))
+            if times and (run.get("replaces") or key not in replaced):
                 grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
     return grouped
 
