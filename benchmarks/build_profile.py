@@ -23,9 +23,11 @@ from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import build  # noqa: E402
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
-    """(runs for build(), their environments)."""
+    """(runs for build(), their environments), in the order of the files' names: the build combines a call's runs
+    in run order (combine_runs scales them onto the first with the most providers), so a shell's sort order (a
+    locale's collation) must not change the profile."""
     runs, envs = [], []
-    for path in paths:
+    for path in sorted(paths, key=lambda p: (Path(p).name, p)):
         data = read_results(path)
         if "rows" not in data or "environment" not in data:
             raise ValueError(f"{path}: not a bench_user_step.py result (no rows/environment)")
