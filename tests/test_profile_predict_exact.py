@@ -1,0 +1,147 @@
+"""Profile.predict is a faster form of a plain nearest-neighbour walk: its times must equal, to the last bit, those
+of the plain form kept here (recomputed from the profile's JSON on every run, never hard-coded), for every call of
+every benchmark grid, on both profiled machines and an unprofiled one, with and without leave-one-out."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from attn_dispatch import AttentionParams
+from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
+from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, CostModel, Profile, features, work
+
+FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
+MACHINES = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H800", None)
+
+
+def params_of(case: Case) -> AttentionParams:
+    return AttentionParams(dtype="bfloat16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
+                           num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
+                           max_seqlen_kv=case.skv, attn_mask_type=case.mask, window_size=case.window,
+                           is_training=case.train)
+
+
+def every_grid_call() -> list[AttentionParams]:
+    calls = {}
+    for grid in CASE_GRIDS.values():
+        for case in grid():
+            if case.h % case.hkv:  # a few drawn calls Transformer Engine rejects (GQA must divide the heads)
+                continue
+            for fmt in {case.fmt, "bshd", "sbhd"} if case.fmt != "thd" else {"thd"}:
+                for train in (True, False):
+                    p = params_of(replace(case, fmt=fmt, train=train, name=""))
+                    calls[p] = p
+    return list(calls.values())
+
+
+def shape_of(kind, sizes, fmt):
+    return kind, tuple(round(v, 4) for v in sizes), fmt
+
+
+class PlainProfile:
+    """The model as profile.py's docstring states it, one entry at a time, from the JSON."""
+
+    def __init__(self, data: dict, model: CostModel):
+        self.model = model
+        self.machines = data.get("machines", [])
+        self.entries = []
+        self.floors = {}  # host floors, memoised: the plain form scans every entry for one
+        for e in data["entries"]:
+            machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
+            machine = self.machines[machine] if isinstance(machine, int) else machine
+            kind, sizes = tuple(e["kind"]), tuple(e["log2"][f] for f in FEATURES)
+            self.entries.append(dict(label=e["label"], kind=kind, sizes=sizes, fmt=e["fmt"], work=e["work"],
+                                     times=e["times_ms"], machine=machine,
+                                     shape=shape_of(kind, sizes, e["fmt"])))
+
+    def host(self, provider, kind, machine, skip):
+        key = (provider, kind[0], kind[2], machine, skip)
+        if key not in self.floors:
+            self.floors[key] = self._host(provider, kind, machine, skip)
+        return self.floors[key]
+
+    def _host(self, provider, kind, machine, skip):
+        """The (r + 1)-th least time of the floor_rank + 1 least (skip's shape then left out of those), r =
+        min(floor_rank, calls // 10), of the calls of this training mode and packing, else of this training mode."""
+        m = self.model
+        for packed in (kind[2], None):
+            timed = sorted((e["times"][provider], e["shape"]) for e in self.entries
+                           if provider in e["times"] and e["kind"][0] == kind[0]
+                           and (packed is None or e["kind"][2] == packed) and (machine is None or e["machine"] == machine))
+            least = [ms for ms, shape in timed[:m.floor_rank + 1] if shape != skip]
+            if least:
+                return least[min(m.floor_rank, len(timed) // 10, len(least) - 1)]
+        return 0.0
+
+    def predict(self, params, machine, leave_out):
+        m = self.model
+        kind, log2, fmt = features(params, m)
+        here = tuple(log2[f] for f in FEATURES)
+        skip = shape_of(kind, here, fmt) if leave_out else None
+        of_kind = [e for e in self.entries if e["kind"] == kind]
+        mine = sum(1 for e in of_kind if e["machine"] == machine and e["shape"] != skip)
+        own = machine if machine and mine >= m.min_own else None
+        near = []
+        for i, e in enumerate(of_kind):
+            if e["shape"] == skip or (own is not None and e["machine"] != own):
+                continue
+            dist = 0.0
+            for w, h, z in zip(m.weights, here, e["sizes"]):
+                dist += w * abs(h - z)
+            dist += m.format_mismatch if e["fmt"] != fmt else 0.0
+            near.append((dist, e["machine"] != machine, i))
+        near.sort()
+        amount = work(params, m)
+        hosts, rates, fallback = {}, {}, {}
+        for dist, _, i in near:
+            e = of_kind[i]
+            for provider, ms in e["times"].items():
+                found = rates.setdefault(provider, [])
+                if len(found) >= m.k:
+                    continue
+                host = hosts.setdefault(provider, self.host(provider, kind, own, skip))
+                gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
+                if ms < m.host_bound * host and amount > e["work"]:
+                    fallback.setdefault(provider, (dist, math.log(e["work"] / gpu)))
+                else:
+                    found.append((dist, math.log(e["work"] / gpu)))
+        times = {}
+        for provider, found in rates.items():
+            found = found or [fallback[provider]]
+            weights = [1.0 / (dist + 0.25) for dist, _ in found]
+            rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
+            times[provider] = (hosts[provider] ** m.combine + (amount / rate) ** m.combine) ** (1.0 / m.combine)
+        shown = tuple(of_kind[i]["label"] + ("" if own or len(self.machines) < 2 else f" ({of_kind[i]['machine']})")
+                      for _, _, i in near[:max(1, m.k)])
+        return times, shown, own, sum(1 for e in of_kind if e["machine"] == machine) if machine else 0
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict:
+    return json.loads((PROFILE_DIR / "sm90.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def calls() -> list[AttentionParams]:
+    return every_grid_call()
+
+
+@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3), CostModel(tile=0, split_windows=False, min_own=5)],
+                         ids=["shipped-model", "k3", "untiled-unsplit"])
+def test_predictions_equal_the_plain_walk_bit_for_bit(shipped, calls, model):
+    fast, plain = Profile(shipped, model=model), PlainProfile(shipped, model)
+    assert len(calls) > 500 and {features(p)[0] for p in calls} >= {e["kind"] for e in plain.entries}
+    compared = 0
+    for n, params in enumerate(calls):
+        # every call on the profiled machines under the shipped model; a quarter of them otherwise (time)
+        for machine in MACHINES if n % 4 == 0 else MACHINES[:2] if model == COST_MODEL else ():
+            for leave_out in (False, True):
+                got = fast.predict(params, machine=machine, leave_out=leave_out)
+                times, shown, own, own_entries = plain.predict(params, machine, leave_out)
+                assert got.times_ms == times and list(got.times_ms) == list(times), (params.describe(), machine)
+                assert (got.neighbours, got.machine, got.own_entries) == (shown, own, own_entries)
+                compared += bool(times)
+    assert compared > len(calls) // 2  # most calls have measured neighbours
