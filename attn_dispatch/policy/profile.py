@@ -141,6 +141,43 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class _Neighbours:
+    """The entries a prediction compares, in the order that breaks ties of distance (the platform's machine's
+    first, then the profile's order), with each entry's sizes and format as indices into the distinct `values` of
+    each feature and `formats`: a fresh decision computes each distinct value's weighted distance once, then an
+    entry's distance as the sum of its terms looked up, added in the same order as the weighted sum (the same
+    float)."""
+
+    entries: tuple[Entry, ...]
+    codes: tuple[tuple[int, ...], ...]
+    values: tuple[tuple[float, ...], ...]
+    formats: tuple[str, ...]
+
+    @classmethod
+    def of(cls, entries: list[Entry]) -> _Neighbours:
+        values = tuple(tuple(sorted({e.sizes[f] for e in entries})) for f in range(len(_FEATURES)))
+        formats = tuple(sorted({e.fmt for e in entries}))
+        index = [{v: i for i, v in enumerate(vs)} for vs in values]
+        fmt_index = {f: i for i, f in enumerate(formats)}
+        codes = tuple(tuple(ix[v] for ix, v in zip(index, e.sizes)) + (fmt_index[e.fmt],) for e in entries)
+        return cls(tuple(entries), codes, values, formats)
+
+    def without(self, shape: tuple) -> _Neighbours:
+        kept = [i for i, e in enumerate(self.entries) if e.shape != shape]
+        return _Neighbours(tuple(self.entries[i] for i in kept), tuple(self.codes[i] for i in kept), self.values,
+                           self.formats)
+
+    def distances(self, here: tuple[float, ...], fmt: str, model: CostModel) -> list[float]:
+        """Each entry's distance from a call of these log2 sizes and format: the sum over the features of
+        weight x |difference|, plus model.format_mismatch for another format."""
+        t0, t1, t2, t3, t4, t5, t6 = ([w * abs(h - v) for v in vs] for w, h, vs in zip(model.weights, here,
+                                                                                       self.values))
+        mismatch = [model.format_mismatch if f != fmt else 0.0 for f in self.formats]
+        return [t0[a] + t1[b] + t2[c] + t3[d] + t4[e] + t5[f] + t6[g] + mismatch[x]
+                for a, b, c, d, e, f, g, x in self.codes]
+
+
+@dataclass(frozen=True)
 class Prediction:
     """Predicted step time (ms) of each provider the profile knows for this kind of call, the measured calls
     nearest to it, and whose measurements they were: `machine` when the platform's own machine had enough entries
@@ -186,6 +223,9 @@ class Profile:
                         self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.shape)])[:model.floor_rank + 1]
                         self._timed[key] = self._timed.get(key, 0) + 1
                 self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
+        # The floors the predictions without leave-one-out use, looked up once here (_host's answers).
+        self._host_floor = {(scope, provider, training, packed): self._host(provider, (training, "", packed), scope)
+                            for scope, provider, training, _ in self._floors for packed in (False, True)}
         # Per kind of call, its entries: a fresh decision compares only these. And per (machine, kind), how many.
         self._by_kind: dict[tuple, list[Entry]] = {}
         self._providers: dict[tuple, set[str]] = {}
@@ -194,6 +234,14 @@ class Profile:
             self._by_kind.setdefault(e.kind, []).append(e)
             self._providers.setdefault(e.kind, set()).update(e.times_ms)
             self._count[(e.machine, e.kind)] = self._count.get((e.machine, e.kind), 0) + 1
+        # What a prediction compares, per (kind, machine, own machine's entries alone): see _Neighbours.
+        self._neighbours: dict[tuple, _Neighbours] = {}
+        for kind, entries in self._by_kind.items():
+            self._neighbours[(kind, None, False)] = _Neighbours.of(entries)
+            for machine in {e.machine for e in entries}:
+                self._neighbours[(kind, machine, True)] = _Neighbours.of([e for e in entries if e.machine == machine])
+                self._neighbours[(kind, machine, False)] = _Neighbours.of(
+                    [e for e in entries if e.machine == machine] + [e for e in entries if e.machine != machine])
 
     def describe(self) -> str:
         stack = ", ".join(f"{k} {v}" for k, v in self.stack.items())
@@ -216,21 +264,20 @@ class Profile:
         if own and leave_out:  # the count must not include the call left out
             mine = sum(1 for e in self._by_kind.get(kind, ()) if e.machine == own and e.shape != skip)
             own = own if mine >= m.min_own else None
-        w0, w1, w2, w3, w4, w5, w6 = m.weights  # unrolled: a fresh decision scans every entry of its kind
-        h0, h1, h2, h3, h4, h5, h6 = here
-        entries = self._by_kind.get(kind, ())
-        near = sorted(
-            (w0 * abs(h0 - z[0]) + w1 * abs(h1 - z[1]) + w2 * abs(h2 - z[2]) + w3 * abs(h3 - z[3])
-             + w4 * abs(h4 - z[4]) + w5 * abs(h5 - z[5]) + w6 * abs(h6 - z[6])
-             + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i)
-            for i, e in enumerate(entries) for z in (e.sizes,)
-            if e.shape != skip and (own is None or e.machine == own))
+        near = (self._neighbours.get((kind, own, True)) if own else
+                self._neighbours.get((kind, machine, False)) or self._neighbours.get((kind, None, False)))
+        if near is None:
+            return Prediction({}, (), own, self._count.get((machine, kind), 0) if machine else 0)
+        if skip is not None:
+            near = near.without(skip)
+        entries, dist = near.entries, near.distances(here, fmt, m)
+        order = sorted(range(len(entries)), key=dist.__getitem__)  # stable: ties keep the neighbours' order
         hosts: dict[str, float] = {}
         rates: dict[str, list[tuple[float, float]]] = {}
         amount = work(params, m)
         fallback: dict[str, tuple[float, float]] = {}
         pending = set(self._providers.get(kind, ()))  # providers still short of k rates (or a fallback)
-        for dist, _, i in near:
+        for i in order:
             if not pending:
                 break
             e = entries[i]
@@ -240,12 +287,13 @@ class Profile:
                     continue
                 host = hosts.get(provider)
                 if host is None:
-                    host = hosts[provider] = self._host(provider, kind, own, skip)
+                    host = hosts[provider] = (self._host_floor.get((own, provider, kind[0], kind[2]), 0.0)
+                                              if skip is None else self._host(provider, kind, own, skip))
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
                 if ms < m.host_bound * host and amount > e.work:
-                    fallback.setdefault(provider, (dist, math.log(e.work / gpu)))
+                    fallback.setdefault(provider, (dist[i], math.log(e.work / gpu)))
                     continue
-                found.append((dist, math.log(e.work / gpu)))
+                found.append((dist[i], math.log(e.work / gpu)))
                 if len(found) >= m.k:
                     pending.discard(provider)
         for provider, found in rates.items():
@@ -258,7 +306,7 @@ class Profile:
             host = hosts[provider]
             times[provider] = (host ** m.combine + (amount / rate) ** m.combine) ** (1.0 / m.combine)
         shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
-                      for _, _, i in near[:max(1, m.k)])
+                      for i in order[:max(1, m.k)])
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
 
     def _host(self, provider: str, kind: tuple, machine: str | None = None, skip: tuple | None = None) -> float:
