@@ -11,7 +11,8 @@ import pytest
 
 from attn_dispatch import AttentionParams
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
-from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, CostModel, Profile, features, work
+from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, CostModel, Profile, features, tiled_pairs
+from attn_dispatch.policy.timing import attended_pairs, attention_flops, mode_of
 
 FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
 MACHINES = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H800", None)
@@ -35,6 +36,11 @@ def every_grid_call() -> list[AttentionParams]:
                     p = params_of(replace(case, fmt=fmt, train=train, name=""))
                     calls[p] = p
     return list(calls.values())
+
+
+def plain_work(p: AttentionParams, model: CostModel) -> float:
+    flops = attention_flops(p, mode_of(p))
+    return flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p)) if model.tile else flops
 
 
 def shape_of(kind, sizes, fmt):
@@ -94,7 +100,7 @@ class PlainProfile:
             dist += m.format_mismatch if e["fmt"] != fmt else 0.0
             near.append((dist, e["machine"] != machine, i))
         near.sort()
-        amount = work(params, m)
+        amount = plain_work(params, m)
         hosts, rates, fallback = {}, {}, {}
         for dist, _, i in near:
             e = of_kind[i]

@@ -88,10 +88,11 @@ def work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
     """The call's nominal matmul flops (full-length sequences, also for thd): the unit rates are kept in. With
     model.tile, the score matrix is counted in tile x tile blocks that hold an attended pair (what a tiled kernel
     computes: a 257-key band costs 3 key tiles of 128 per query tile)."""
-    flops = attention_flops(p, mode_of(p))
+    pairs = attended_pairs(p)
+    flops = attention_flops(p, mode_of(p), pairs)
     if not model.tile:
         return flops
-    return flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p))
+    return flops * tiled_pairs(p, model.tile) / max(1, pairs)
 
 
 def tiled_pairs(p: AttentionParams, tile: int) -> int:

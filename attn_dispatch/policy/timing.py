@@ -152,11 +152,12 @@ def _sum_clipped(a: int, slope: int, i0: int, i1: int) -> int:
     return n * a - (i0 + end - 1) * n // 2 if n > 0 else 0
 
 
-def attention_flops(params: AttentionParams, mode: str) -> float:
-    """Matmul flops: 2 per multiply-add for QK^T (d_qk) and PV (d_v); backward counted as 2.5x forward."""
+def attention_flops(params: AttentionParams, mode: str, pairs: int | None = None) -> float:
+    """Matmul flops: 2 per multiply-add for QK^T (d_qk) and PV (d_v); backward counted as 2.5x forward. `pairs`:
+    attended_pairs(params), where the caller has it already."""
     check_mode(mode)
-    fwd = 2.0 * attended_pairs(params) * (params.head_dim_qk + params.head_dim_v) * params.batch_size \
-        * params.num_heads
+    pairs = attended_pairs(params) if pairs is None else pairs
+    fwd = 2.0 * pairs * (params.head_dim_qk + params.head_dim_v) * params.batch_size * params.num_heads
     return fwd * (1.0 + BACKWARD_FLOP_FACTOR) if mode == "fwd_bwd" else fwd
 
 
