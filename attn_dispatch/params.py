@@ -228,12 +228,12 @@ class AttentionParams:
         return self.bias_type in ("pre_scale_bias", "post_scale_bias")
 
     def replace(self, **changes: Any) -> "AttentionParams":
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values = {name: getattr(self, name) for name in _INIT_FIELDS}
         values.update(changes)
         return AttentionParams(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {name: getattr(self, name) for name in _INIT_FIELDS}  # a fresh decision asks twice
 
     def describe(self) -> str:
         """One line for logs and error messages."""
@@ -264,3 +264,7 @@ class AttentionParams:
                           + (f"(page={self.kv_page_size})" if self.kv_page_size else ""))
         extras.append("training" if self.is_training else "inference")
         return f"{self.dtype} {self.qkv_format} {shape} {dims} {self.device_type} " + " ".join(extras)
+
+
+# AttentionParams' constructor fields, listed once (dataclasses.fields() costs more than the copy that reads them)
+_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionParams) if f.init)
