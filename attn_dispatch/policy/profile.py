@@ -224,8 +224,8 @@ class Profile:
                         self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.shape)])[:model.floor_rank + 1]
                         self._timed[key] = self._timed.get(key, 0) + 1
                 self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
-        # The floors the predictions without leave-one-out use, looked up once here (_host's answers).
-        self._host_floor = {(scope, provider, training, packed): self._host(provider, (training, "", packed), scope)
+        # _host's answers without leave-one-out (what a fresh decision asks), looked up once here; kind[1] unused.
+        self._host_floor = {(scope, provider, training, packed): self._host(provider, (training, None, packed), scope)
                             for scope, provider, training, _ in self._floors for packed in (False, True)}
         # Per kind of call, its entries: a fresh decision compares only these. And per (machine, kind), how many.
         self._by_kind: dict[tuple, list[Entry]] = {}
@@ -265,8 +265,7 @@ class Profile:
         if own and leave_out:  # the count must not include the call left out
             mine = sum(1 for e in self._by_kind.get(kind, ()) if e.machine == own and e.shape != skip)
             own = own if mine >= m.min_own else None
-        near = (self._neighbours.get((kind, own, True)) if own else
-                self._neighbours.get((kind, machine, False)) or self._neighbours.get((kind, None, False)))
+        near = self._candidates(kind, machine, own)
         if near is None:
             return Prediction({}, (), own, self._count.get((machine, kind), 0) if machine else 0)
         if skip is not None:
@@ -309,6 +308,13 @@ class Profile:
         shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
                       for i in order[:max(1, m.k)])
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
+
+    def _candidates(self, kind: tuple, machine: str | None, own: str | None) -> _Neighbours | None:
+        """The entries a prediction compares, ordered as ties of distance are broken: the own machine's alone, or
+        every machine's with `machine`'s first (the profile's order where it has none of them)."""
+        if own:
+            return self._neighbours.get((kind, own, True))
+        return self._neighbours.get((kind, machine, False)) or self._neighbours.get((kind, None, False))
 
     def _host(self, provider: str, kind: tuple, machine: str | None = None, skip: tuple | None = None) -> float:
         """The provider's host floor for this kind of call: a low quantile of the times of calls of the same training
