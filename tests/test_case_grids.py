@@ -1,5 +1,6 @@
 """The benchmark grids: the blind held-out grid is fixed by its seed, distinct, and shares no call with the grids
 the profile is fitted on or was checked against before."""
+import pytest
 from dataclasses import replace
 
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, eval_blind_cases
@@ -44,14 +45,15 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
     assert sum(1 for c in a if c.window) >= 30 and sum(1 for c in a if c.d == 192) >= 6
 
 
-def test_fourth_blind_grid_covers_the_issue_and_is_disjoint_from_every_fit_grid():
-    fourth = CASE_GRIDS["eval-blind4"]()
-    assert len(fourth) == 48 and len({_shape(c) for c in fourth}) == 48
-    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind4" for c in grid()}
-    assert not others & {_shape(c) for c in fourth}  # fit-drawn and fit-thd included
-    assert {c.d for c in fourth} >= {64, 80, 96, 128, 192, 256} and {c.fmt for c in fourth} >= {"sbhd", "thd"}
-    assert {c.window[1] == 0 for c in fourth if c.window} == {True, False}  # causal and two-sided windows
-    assert all(c.h % c.hkv == 0 for c in fourth)
+@pytest.mark.parametrize("name", ["eval-blind4", "eval-blind5"])
+def test_later_blind_grids_cover_the_issue_and_are_disjoint_from_every_other_grid(name):
+    grid = CASE_GRIDS[name]()
+    assert len(grid) == 48 and len({_shape(c) for c in grid}) == 48
+    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != name for c in cases()}
+    assert not others & {_shape(c) for c in grid}  # fit-drawn, fit-thd and the other blind grids included
+    assert {c.d for c in grid} >= {64, 80, 96, 128, 192, 256} and {c.fmt for c in grid} >= {"sbhd", "thd"}
+    assert {c.window[1] == 0 for c in grid if c.window} == {True, False}  # causal and two-sided windows
+    assert all(c.h % c.hkv == 0 for c in grid)
 
 
 def test_fit_thd_grid_is_every_runnable_packed_call_of_the_fit_grids():
