@@ -1,7 +1,8 @@
 """The benchmark grids: the blind held-out grid is fixed by its seed, distinct, and shares no call with the grids
 the profile is fitted on or was checked against before."""
-import pytest
 from dataclasses import replace
+
+import pytest
 
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, eval_blind_cases
 
@@ -74,7 +75,7 @@ def test_grids_already_measured_keep_their_draws():
     measured = {"eval-blind": "301871978b22ab7286bd071f2f2c9ca9", "eval-blind2": "072b425820337b2f0faf937afa6815e7",
                 "eval-blind3": "3446527e549e97926400a1bb66ee627e", "fit-drawn-a": "3ad045ab61988eca69ce72f3337f31da",
                 "fit-drawn-b": "a151a2549190c733d6b392759d7b6b95", "fit-drawn-c": "a49ab3d3f1499c8f1451a05bb1a65a96",
-                "eval-blind4": "a18b0e651bcbb158be68911c45367a54"}
+                "eval-blind4": "a18b0e651bcbb158be68911c45367a54", "eval-blind5": "d8ecede6e64522330adf7ccede64e931"}
     for name, digest in measured.items():
         labels = str([c.label for c in CASE_GRIDS[name]()])
         assert hashlib.md5(labels.encode()).hexdigest() == digest, name
