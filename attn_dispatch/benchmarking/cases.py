@@ -347,8 +347,7 @@ def smoke_cases() -> list[Case]:
 
 CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-extra": fit_extra_cases,
               "fit-gqa": fit_gqa_cases, "eval-fresh": eval_fresh_cases,
-              "eval-blind": eval_blind_cases, "eval-blind2": lambda: eval_blind_cases(BLIND_SEEDS[1]),
-              "eval-blind3": lambda: eval_blind_cases(BLIND_SEEDS[2]),
-              "eval-blind4": lambda: eval_blind_cases(BLIND_SEEDS[3]),
-              "eval-blind5": lambda: eval_blind_cases(BLIND_SEEDS[4]), "fit-thd": fit_thd_cases,
+              "eval-blind": eval_blind_cases,
+              **{f"eval-blind{i + 1}": (lambda s=seed: eval_blind_cases(s)) for i, seed in enumerate(BLIND_SEEDS) if i},
+              "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}}

@@ -1,7 +1,7 @@
 """Issue 12 (session 8): one provider's step split into host time and GPU time, on a few blind5 calls.
 
-Per provider forced (DotProductAttention called as a user calls it: forward, and backward into the leaves' .grad in
-training), three numbers per sample of N calls, medians over samples:
+Per provider forced (bench_user_step.step_fn: DotProductAttention called as a user calls it, forward, and backward
+into the leaves' .grad in training), three numbers per sample of N calls, medians over samples:
 - step: N calls back to back between two events (what the block timer measures);
 - gpu: the same N calls enqueued behind a spin kernel (torch.cuda._sleep, private; used here, in a benchmark only)
   that keeps the GPU busy until all N are queued: the events then bracket the GPU's work alone;
@@ -21,24 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_user_step import make_tensors, module_for  # noqa: E402
+from bench_user_step import make_tensors, module_for, step_fn  # noqa: E402
 from attn_dispatch.benchmarking.cases import CASE_GRIDS  # noqa: E402
 
 LABELS = ("llm0 ", "d256-0 ", "small1 ", "enc2 ")
 
 
-def step_fn(module, q, k, v, dout, kwargs, train):
-    if train:
-        def run():
-            out = module(q, k, v, **kwargs)
-            out.backward(dout)
-    else:
-        def run():
-            with torch.no_grad():
-                module(q, k, v, **kwargs)
-    return run
-
-
+@torch.no_grad()  # as time_interleaved runs steps: a training step enables grad itself
 def split(run, n: int, samples: int) -> dict[str, float]:
     for _ in range(3):
         run()
@@ -83,8 +72,6 @@ def main() -> int:
                                                    args.samples)
             except Exception as exc:  # not installed here, or refused for this call
                 row["providers"][provider] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-            for x in (q, k, v):
-                x.grad = None
         rows.append(row)
         print(case.label)
         for p, r in row["providers"].items():
