@@ -21,6 +21,10 @@ in a steady loop of itself, whatever ran before it (longer calls: one call per s
 per sample, back to back on one stream (the session 3-4 JSON): a short call's sample then depends on the queue the
 previous function left (host time hidden or not), and the same engine in two modules differed by up to 13%. The
 JSON's settings record which (block_ms 0 or absent: per call); `calls_per_sample` per row.
+--split adds, per provider (and SDPA), its step split into host and GPU time (split_times): the GPU time alone
+is the calls' time queued behind a spin kernel, the host time the wall time of enqueueing them; --split-only
+records that alone (no interleaved timing): the profile's host/GPU measurements. --grid takes a comma list, run in
+one process (flash-attn-4 compiles each kernel variant once per process).
 JSON is rewritten after every row.
 
     python3 benchmarks/bench_user_step.py --grid fit --out $OUT/fit.json            # profile measurements
@@ -38,6 +42,7 @@ import importlib.util
 import json
 import os
 import platform as py_platform
+import statistics
 import sys
 import tempfile
 import time
@@ -126,6 +131,52 @@ def sdpa_choice(case: Case, q, k, v) -> str | None:
         return f"unknown ({type(exc).__name__})"
 
 
+SPIN_CYCLES_PER_MS = 2.0e6  # torch.cuda._sleep spins GPU clock cycles: ~1.7-2 GHz on the H100 and H200
+
+
+@torch.no_grad()  # as time_interleaved runs steps: a training step enables grad itself
+def split_times(run, samples: int = 5, block_ms: float = 3.0) -> dict[str, float]:
+    """One function's step split into host and GPU time, medians over `samples` samples of n calls (n: a block of
+    ~block_ms, at most 16):
+    - step_ms: n calls back to back between two events (a steady loop of one function);
+    - gpu_ms: the same n calls enqueued behind a spin kernel (torch.cuda._sleep, private: a benchmark's tool)
+      that keeps the GPU busy until all n are queued: events after the spin bracket the GPU's work alone;
+    - host_ms: the wall time of enqueueing the n calls behind the spin (no launch waits on the GPU);
+    - covered: the share of samples whose spin outlasted the enqueueing. Under 1, the GPU idled before the host
+      finished: a provider that synchronises inside its call (host_ms then includes the wait), or a spin too short.
+    """
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
+    n = max(1, min(16, round(block_ms / max(first_ms, 1e-3))))
+    spin_ms = 6.0 + 3.0 * n * min(first_ms, 4.0)  # host time per call is at most the call's, and a few ms
+    step, gpu, host, covered = [], [], [], 0
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            run()
+        b.record()
+        torch.cuda.synchronize()
+        step.append(a.elapsed_time(b) / n)
+        torch.cuda._sleep(int(spin_ms * SPIN_CYCLES_PER_MS))
+        a.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        host.append((time.perf_counter() - t0) * 1e3 / n)
+        covered += not a.query()  # the spin (ahead of event a) still running
+        b.record()
+        torch.cuda.synchronize()
+        gpu.append(a.elapsed_time(b) / n)
+    return {"step_ms": statistics.median(step), "gpu_ms": statistics.median(gpu),
+            "host_ms": statistics.median(host), "covered": covered / samples, "calls_per_sample": n}
+
+
 def step_fn(call, q, k, v, dout, kwargs, train: bool):
     if train:
         def step():
@@ -156,7 +207,8 @@ def environment_set(**values: str):
 
 
 def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, device: torch.device,
-             measured_cache: str | None = None, settings: TimerSettings = SETTINGS) -> dict:
+             measured_cache: str | None = None, settings: TimerSettings = SETTINGS, split: str = "") -> dict:
+    """One row. split: "" (none), "also" (the interleaved times and each provider's split_times), "only"."""
     q, k, v, dout, kwargs = make_tensors(case, device, seed)
     default = module_for(case, None, device)
     t0 = time.perf_counter()
@@ -196,7 +248,20 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     sdpa = sdpa_fn(case)
     if sdpa is not None:
         fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
-    timings, errors = time_interleaved(fns, device.type, settings, cutoff_ratio=4.0, never_cut=frozenset(never_cut))
+    if split == "only":
+        timings, errors = {}, {}
+    else:
+        timings, errors = time_interleaved(fns, device.type, settings, cutoff_ratio=4.0,
+                                           never_cut=frozenset(never_cut))
+    splits = {}
+    if split:
+        for name in [*eligible, "sdpa"]:
+            if name in fns:
+                try:
+                    splits[name] = split_times(fns[name])
+                except Exception as exc:  # noqa: BLE001 - recorded with the row's errors
+                    errors[f"split {name}"] = exc
+        q.grad = k.grad = v.grad = None
     from attn_dispatch.params import AttentionParams
 
     p = AttentionParams(**params)
@@ -214,6 +279,8 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         "first_decision_ms": first_decision_ms,
         "sdpa_kernel": sdpa_choice(case, q, k, v) if sdpa is not None else None,
     }
+    if splits:
+        row["split"] = splits
     if any(t.calls_per_sample > 1 for t in timings.values()):
         row["calls_per_sample"] = {n: t.calls_per_sample for n, t in timings.items()}
     if policies:
@@ -268,7 +335,7 @@ def environment() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grid", required=True, choices=sorted(CASE_GRIDS))
+    ap.add_argument("--grid", required=True, help=f"a grid, or a comma list run in one process: {sorted(CASE_GRIDS)}")
     ap.add_argument("--out", required=True)
     ap.add_argument("--policies", action="store_true", help="also time the default module (and record order's pick)")
     ap.add_argument("--providers", default=None, help="comma list: time only these providers")
@@ -283,6 +350,8 @@ def main() -> int:
     ap.add_argument("--timer", default="block", choices=("block", "call"),
                     help="a short call's sample: a ~3 ms block of back-to-back calls after a sync (block) or one "
                          "call (call; the session 3-4 runs)")
+    ap.add_argument("--split", action="store_true", help="also split each provider's step into host and GPU time")
+    ap.add_argument("--split-only", action="store_true", help="the split alone, no interleaved timing")
     ap.add_argument("--reps", type=int, default=SETTINGS.reps,
                     help="least samples per function (a long call gets this many; short ones more, to target_ms)")
     args = ap.parse_args()
@@ -298,11 +367,19 @@ def main() -> int:
         # The default module must not read the measured module's tunings (auto prefers a bucket tuned here).
         os.environ["ATTN_DISPATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-dispatch-auto-")
         measured_cache = tempfile.mkdtemp(prefix="attn-dispatch-measured-")
-    cases = CASE_GRIDS[args.grid]()[args.start:]
+    grids = args.grid.split(",")
+    unknown = [g for g in grids if g not in CASE_GRIDS]
+    if unknown:
+        ap.error(f"--grid {','.join(unknown)}: not a grid; expected a comma list of {', '.join(sorted(CASE_GRIDS))}")
+    if (args.split or args.split_only) and args.device != "cuda":
+        ap.error(f"--split needs a CUDA device (its spin kernel); got --device {args.device}")
+    split = "only" if args.split_only else ("also" if args.split else "")
+    cases = [c for g in grids for c in CASE_GRIDS[g]()][args.start:]
     if args.match:
         cases = [c for c in cases if args.match in c.label]
     only = set(args.providers.split(",")) if args.providers else None
-    result = {"grid": args.grid, "tag": args.tag, "settings": settings.to_dict(), "environment": environment(),
+    result = {"grid": args.grid, "split": split, "tag": args.tag, "settings": settings.to_dict(),
+              "environment": environment(),
               "rows": [], "failed": []}
     out = Path(args.out)
     started = time.perf_counter()
@@ -312,9 +389,9 @@ def main() -> int:
             break
         try:
             row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device), measured_cache,
-                           settings)
+                           settings, split)
             result["rows"].append(row)
-            times = row["times_ms"]
+            times = row["times_ms"] or {n: r["step_ms"] for n, r in row.get("split", {}).items()}
             best = min((t for n, t in times.items() if ":" in n), default=float("nan"))
             extra = ""
             if "default" in times:
@@ -325,6 +402,10 @@ def main() -> int:
                 extra += f" sdpa {times['sdpa'] / best:.3f}"
             if "aa_ratio" in row:
                 extra += f" A/A {row['aa_ratio']:.3f}"
+            if "split" in row:
+                extra += " split " + " ".join(f"{n.split(':')[0][:6]} {r['host_ms']:.2f}/{r['gpu_ms']:.2f}"
+                                              + ("" if r["covered"] == 1 else f" (covered {r['covered']:.1f})")
+                                              for n, r in row["split"].items())
             fastest = min(((t, n) for n, t in times.items() if ":" in n), default=(0, "-"))[1]
             print(f"[{i + args.start:3d}] {case.label:44s} best {fastest:22s} {best:8.3f} ms{extra}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one row failing is recorded, the grid goes on

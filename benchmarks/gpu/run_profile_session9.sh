@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 12 (session 9): each provider's step split into host and GPU time over the profile's source grids, then
+# the sixth blind grid.
+#   bash benchmarks/gpu/run_profile_session9.sh split START SECS   # full stack (after .gpu-wheels/b): the split
+#   bash benchmarks/gpu/run_profile_session9.sh blind full|stock    # eval-blind6: default, measured, SDPA, A/A
+# JSON under $OUT; summaries last. A split run stopped by SECS prints where it stopped: the next call's START.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+tag=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')")
+SOURCES=fit,fit-drawn-a,fit-drawn-b,fit-drawn-c,fit-extra,fit-gqa,fit-thd,eval,eval-fresh  # the profile's grids
+case ${1:-} in
+  split)
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    file="split_fit_${tag}_from$2.json"
+    timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" --split-only --start "$2" \
+      --max-seconds "$3" --out "$OUT/$file" 2>&1 | tail -n 4
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
+      "$OUT/$file"
+    ;;
+  blind)
+    args=(--grid eval-blind6 --policies --measured --reps 16)
+    if [ "${2:-}" = stock ]; then
+      if ! python3 -c "import pydantic, rich" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/py-deps .gpu-wheels/py/*.whl
+      fi
+      export PYTHONPATH=$PWD:/tmp/py-deps  # nothing from /tmp/gpu-site: a stock `pip install torch`
+      file="blind6_stock_${tag}.json"
+      timeout 540 python3 benchmarks/bench_user_step.py "${args[@]}" --tag stock --out "$OUT/$file" 2>&1 | tail -n 3
+    else
+      source "$(dirname "$0")/setup.sh" > /dev/null
+      file="blind6_${tag}.json"
+      timeout 560 python3 benchmarks/bench_user_step.py "${args[@]}" --split --max-seconds 480 --out "$OUT/$file" \
+        2>&1 | tail -n 3
+    fi
+    python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
+    ;;
+  *) echo "usage: run_profile_session9.sh split START SECS | blind full|stock"; exit 2 ;;
+esac
