@@ -1,13 +1,14 @@
 """Build the shipped profile (attn_dispatch/policy/profiles/<arch>.json) from bench_user_step.py results.
 
-    python3 benchmarks/build_profile.py benchmarks/results/profile/{fit,eval,fresh}*.json \
-        --out attn_dispatch/policy/profiles/sm90.json
+    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from the runs SHIPPED_FROM selects
+    python3 benchmarks/build_profile.py FILE... --out PATH
 
 Any number of result files, of any grid, machine and stack: rows of one call on one machine make one entry, its
 provider times the median over the runs after scaling each run onto the one with the most providers by the
 providers both timed (policy.profile.combine_runs; a stock-torch run times torch's providers only). Each entry
 records its machine (the run's device name). The stack named is the full-stack runs' (flash-attn-4 installed).
 A run of a refresh grid (cases.REFRESH_GRIDS: fit-thd) replaces the earlier runs of its calls on its machine.
+Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add each provider's host and GPU time.
 """
 from __future__ import annotations
 
@@ -21,6 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.benchmarking.cases import REFRESH_GRIDS  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import build  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "profile"
+SHIPPED = Path(__file__).resolve().parents[1] / "attn_dispatch" / "policy" / "profiles" / "sm90.json"
+# Not profile data: held-out grids (blind*), the H200's fit runs (kept out: they made its held-out mean worse,
+# results/profile/README.md), a run from before the torch providers' path was fixed (session3_first), and the
+# checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*).
+NOT_FIT = ("session3_first", "gqa_cudnn", "sdpa_gap", "blind", "check_", "host_", "split_stock")
+
+
+def shipped_sources() -> list[str]:
+    """The result files the shipped profile is built from."""
+    paths = sorted(RESULTS.glob("*.json")) + sorted(RESULTS.glob("*.json.gz"))
+    return [str(p) for p in paths if not any(x in p.name for x in NOT_FIT)
+            and not (p.name.startswith("fit") and "h200" in p.name)]
+
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
     """(runs for build(), their environments), in the order of the files' names: the build combines a call's runs
@@ -55,10 +71,17 @@ def stack_of(envs: list[dict]) -> tuple[dict[str, str], str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="bench_user_step.py results (any grids, machines, stacks)")
+    ap.add_argument("results", nargs="*", help="bench_user_step.py results (any grids, machines, stacks)")
+    ap.add_argument("--shipped", action="store_true", help=f"build {SHIPPED.name} from the shipped sources")
     ap.add_argument("--arch", default="sm90")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.shipped:
+        if args.results:
+            ap.error("--shipped names its own sources: give no result files")
+        args.results, args.out = shipped_sources(), args.out or str(SHIPPED)
+    if not args.results or not args.out:
+        ap.error("give result files and --out, or --shipped")
     runs, envs = load_runs(args.results)
     stack, date = stack_of(envs)
     profile = build(runs, arch=args.arch, stack=stack, date=date)

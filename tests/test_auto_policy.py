@@ -3,6 +3,7 @@ environment variable, and that selection and policy import in one direction only
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import time
@@ -399,3 +400,60 @@ def test_a_refresh_run_replaces_the_earlier_runs_of_its_calls_on_its_machine_onl
     assert entries[(a, "packed again")]["runs"] == 1
     assert entries[(b, "packed")]["times_ms"] == {"x:a": 0.8, "x:b": 0.6}  # another machine's run stays
     assert entries[(a, "dense")]["times_ms"] == {"x:a": 2.0}  # a call the refresh did not measure stays
+
+
+def _split_run(machine: str, rows: list[tuple[dict, dict]]) -> dict:
+    """A bench_user_step.py --split-only run: per call, {provider: (host ms, GPU ms, covered)}."""
+    return {"machine": machine, "rows": [
+        {"label": f"split{i}", "params": AttentionParams(**kw).to_dict(), "times_ms": {},
+         "split": {p: {"step_ms": max(h, g), "host_ms": h, "gpu_ms": g, "covered": c} for p, (h, g, c) in s.items()}}
+        for i, (kw, s) in enumerate(rows)]}
+
+
+def test_split_runs_add_host_and_gpu_times_to_the_entries_they_measured():
+    call = dict(max_seqlen_q=1024, attn_mask_type="causal")
+    timed = {"machine": "m", "rows": [{"label": "c", "params": AttentionParams(**call).to_dict(),
+                                       "times_ms": {"x:a": 1.0, "x:b": 2.0}}]}
+    split = [_split_run("m", [(call, {"x:a": (0.3, 0.9, 1.0), "x:b": (0.5, 1.9, 0.0)})]),
+             _split_run("m", [(call, {"x:a": (0.5, 1.1, 1.0)})]),
+             _split_run("other", [(call, {"x:b": (0.1, 0.1, 1.0)})])]
+    entry, = build([timed, *split], arch="sm90", stack={}, date="")["entries"]
+    # x:a: the median of its two covered runs; x:b: its only run on this machine synchronised (covered 0)
+    assert entry["host_ms"] == {"x:a": 0.4} and entry["gpu_ms"] == {"x:a": 1.0}
+    assert entry["times_ms"] == {"x:a": 1.0, "x:b": 2.0}  # the step times come from timed runs alone
+
+
+def test_split_model_charges_each_provider_its_host_time_on_small_calls(tmp_path):
+    # 'x:fast' has the faster GPU kernel (2x) but 0.8 ms of host time a call; 'x:lean' 0.2 ms
+    sizes = (256, 512, 1024, 2048, 4096, 8192, 16384)
+    kw = [dict(max_seqlen_q=s, attn_mask_type="causal") for s in sizes]
+    gpu = {s: 0.02 * (s / 256) ** 2 for s in sizes}
+    steps = [(k, {"x:fast": max(0.8, gpu[s] / 2), "x:lean": max(0.2, gpu[s])}) for k, s in zip(kw, sizes)]
+    split = _split_run("test GPU", [(k, {"x:fast": (0.8, gpu[s] / 2, 1.0), "x:lean": (0.2, gpu[s], 1.0)})
+                                    for k, s in zip(kw, sizes)])
+    data = json.loads((synthetic_profile(tmp_path, steps, more_runs=[split]) / "sm90.json").read_text())
+    profile = Profile(data)
+    assert all(e.gpu_ms and e.host_ms for e in profile.entries)
+    small = profile.predict(AttentionParams(max_seqlen_q=768, attn_mask_type="causal"))
+    big = profile.predict(AttentionParams(max_seqlen_q=12288, attn_mask_type="causal"))
+    assert small.best(["x:fast", "x:lean"]) == "x:lean" and big.best(["x:fast", "x:lean"]) == "x:fast"
+    assert small.times_ms["x:fast"] >= 0.8  # its host time, not its (tiny) GPU time
+    # a big call costs its GPU time: 2304 * 0.02 / 2 ms for x:fast, within the smooth maximum's margin
+    assert math.isclose(big.times_ms["x:fast"], 0.01 * (12288 / 256) ** 2, rel_tol=0.05)
+    # without the split the step times alone predict (the model's setting, not the data, decides)
+    plain = Profile(data, model=dataclasses.replace(COST_MODEL, use_split=False))
+    assert plain.predict(AttentionParams(max_seqlen_q=768, attn_mask_type="causal")).times_ms != small.times_ms
+
+
+def test_the_shipped_profile_holds_host_and_gpu_splits_from_its_listed_sources():
+    import sys
+    sys.path.insert(0, str(PACKAGE.parent / "benchmarks"))
+    import build_profile
+
+    names = [Path(p).name for p in build_profile.shipped_sources()]
+    assert any(n.startswith("split_fit_") for n in names) and "fit_h100.json.gz" in names
+    assert not any("blind" in n or n.startswith("fit_h200") or "session3_first" in n for n in names)
+    profile = profile_for(H100)
+    split = [e for e in profile.entries if e.gpu_ms]
+    assert len(split) >= 0.9 * sum(e.machine.startswith("NVIDIA H100") for e in profile.entries)
+    assert all(e.host_ms.keys() == e.gpu_ms.keys() and min(e.gpu_ms.values()) > 0 for e in split)

@@ -69,7 +69,8 @@ class PlainProfile:
             kind, sizes = tuple(e["kind"]), tuple(e["log2"][f] for f in FEATURES)
             self.entries.append(dict(label=e["label"], kind=kind, sizes=sizes, fmt=e["fmt"], work=e["work"],
                                      times=e["times_ms"], machine=machine,
-                                     shape=shape_of(kind, sizes, e["fmt"])))
+                                     shape=shape_of(kind, sizes, e["fmt"]), host_ms=e.get("host_ms", {}),
+                                     gpu_ms=e.get("gpu_ms", {})))
 
     def host(self, provider, kind, machine, skip):
         key = (provider, kind[0], kind[2], machine, skip)
@@ -106,9 +107,31 @@ class PlainProfile:
         near.sort()
         amount = plain_work(params, m)
         hosts, rates, fallback = {}, {}, {}
+        # Providers split in some entry of the kind, where a neighbour holds a split of them: host = median of the
+        # host_k nearest such neighbours' host times x host_scale; rates from the k nearest such neighbours, one
+        # under min_rate_gpu_ms of GPU time and of less work than the call only a fallback.
+        split = set()
+        for provider in sorted({p for e in of_kind for p in e["gpu_ms"]} if m.use_split else ()):
+            with_split = [(dist, of_kind[i]) for dist, _, i in near if provider in of_kind[i]["gpu_ms"]]
+            if not with_split:
+                continue
+            split.add(provider)
+            found_hosts = sorted(e["host_ms"][provider] for _, e in with_split[:m.host_k])
+            half = len(found_hosts) // 2
+            median = found_hosts[half] if len(found_hosts) % 2 else (found_hosts[half - 1] + found_hosts[half]) / 2
+            hosts[provider] = median * m.host_scale
+            found = rates[provider] = []
+            for dist, e in with_split:
+                gpu = e["gpu_ms"][provider]
+                if gpu < m.min_rate_gpu_ms and amount > e["work"]:
+                    fallback.setdefault(provider, (dist, math.log(e["work"] / gpu)))
+                elif len(found) < m.k:
+                    found.append((dist, math.log(e["work"] / gpu)))
         for dist, _, i in near:
             e = of_kind[i]
             for provider, ms in e["times"].items():
+                if provider in split:
+                    continue
                 found = rates.setdefault(provider, [])
                 if len(found) >= m.k:
                     continue
@@ -123,7 +146,8 @@ class PlainProfile:
             found = found or [fallback[provider]]
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
-            times[provider] = (hosts[provider] ** m.combine + (amount / rate) ** m.combine) ** (1.0 / m.combine)
+            power = m.split_combine if provider in split else m.combine
+            times[provider] = (hosts[provider] ** power + (amount / rate) ** power) ** (1.0 / power)
         shown = tuple(of_kind[i]["label"] + ("" if own or len(self.machines) < 2 else f" ({of_kind[i]['machine']})")
                       for _, _, i in near[:max(1, m.k)])
         return times, shown, own, sum(1 for e in of_kind if e["machine"] == machine) if machine else 0
@@ -139,8 +163,9 @@ def calls() -> list[AttentionParams]:
     return every_grid_call()
 
 
-@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3), CostModel(tile=0, split_windows=False, min_own=5)],
-                         ids=["shipped-model", "k3", "untiled-unsplit"])
+@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3), CostModel(tile=0, split_windows=False, min_own=5),
+                                   CostModel(use_split=False), CostModel(host_k=4, host_scale=1.3, split_combine=3.0)],
+                         ids=["shipped-model", "k3", "untiled-unsplit", "step-times-only", "other-split"])
 def test_predictions_equal_the_plain_walk_bit_for_bit(shipped, calls, model):
     fast, plain = Profile(shipped, model=model), PlainProfile(shipped, model)
     assert len(calls) > 500 and {features(p)[0] for p in calls} >= {e["kind"] for e in plain.entries}
@@ -169,6 +194,10 @@ def random_profile(rng: random.Random) -> dict:
         times = {p: rng.uniform(0.02, 20) for p in ("x:a", "x:b", "y:c") if rng.random() < 0.8} or {"x:a": 1.0}
         entry = {"label": f"e{i}", "machine": rng.randrange(2), "kind": kind, "log2": log2,
                  "fmt": rng.choice(["bshd", "sbhd"]), "work": rng.uniform(1e8, 1e13), "times_ms": times}
+        split = [p for p in times if p != "y:c" and rng.random() < 0.7]  # y:c never split: step times alone
+        if split:
+            entry["host_ms"] = {p: rng.uniform(0.02, 1.0) for p in split}
+            entry["gpu_ms"] = {p: rng.uniform(0.01, 1.0) * times[p] for p in split}
         entries.append(entry)
         if rng.random() < 0.2:  # the same call measured on the other machine
             entries.append({**entry, "label": f"e{i}'", "machine": 1 - entry["machine"],

@@ -18,6 +18,12 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
   lengths, the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The
   GPU part of a measured time is what remains of it above the host floor; a neighbour within 3x of its floor hides
   it, and gives no rate to a call bigger than itself (the next nearest does).
+Where the profile holds a provider's step measured apart as host time and GPU time (bench_user_step.py --split-only:
+the GPU time of calls queued behind a spin kernel, the wall time of enqueueing them), those predict it instead: G
+from the nearest split entry's GPU rate (no host floor to subtract, so no neighbour's host time leaks into a rate),
+H the median host time of the host_k nearest split entries (one host's noise averaged out; flash-attn-4's training
+host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
+steady loop of one module costs a little more than the larger of the two where they are close.
 benchmarks/results/profile/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
@@ -29,6 +35,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,17 @@ class CostModel:
     # one timer outlier (fit-drawn-c has flash-attn-4 training at 0.195 ms on a call whose forward took 0.292)
     # otherwise sets the floor of every call.
     floor_rank: int = 3
+    # Where entries hold a provider's step measured apart as host and GPU time (bench_user_step.py --split), those
+    # predict it instead: G from the nearest split entry's GPU rate, H the median host time of the host_k nearest,
+    # times host_scale (the hosts that time a user's step differ from the one the split was measured on), and
+    # t = (H^p + G^p)^(1/p) with p = split_combine.
+    use_split: bool = True
+    host_k: int = 25
+    host_scale: float = 1.0
+    split_combine: float = 4.0
+    # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
+    # of more work than its own.
+    min_rate_gpu_ms: float = 0.1
 
 
 COST_MODEL = CostModel()
@@ -139,6 +157,8 @@ class Entry:
     runs: int = 1
     sizes: tuple[float, ...] = field(default=(), compare=False)
     shape: tuple = field(default=(), compare=False)
+    host_ms: dict[str, float] = field(default_factory=dict)  # measured apart (bench_user_step.py --split)
+    gpu_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -210,7 +230,8 @@ class Profile:
             if isinstance(machine, int):
                 machine = self.machines[machine]
             self.entries.append(Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine,
-                                      e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"])))
+                                      e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"]),
+                                      e.get("host_ms", {}), e.get("gpu_ms", {})))
         # Host floors per (machine or None for all, provider, training, packed or None for either): the few least
         # times with their calls' shapes (leave-one-out leaves a shape out of the floor too), and how many calls.
         self._floors: dict[tuple, list[tuple[float, tuple]]] = {}
@@ -231,10 +252,14 @@ class Profile:
         self._by_kind: dict[tuple, list[Entry]] = {}
         self._providers: dict[tuple, set[str]] = {}
         self._count: dict[tuple, int] = {}
+        self._split: dict = {}  # per kind, the providers some entry holds a host/GPU split of (then sorted)
         for e in self.entries:
             self._by_kind.setdefault(e.kind, []).append(e)
             self._providers.setdefault(e.kind, set()).update(e.times_ms)
+            if model.use_split:
+                self._split.setdefault(e.kind, set()).update(e.gpu_ms)
             self._count[(e.machine, e.kind)] = self._count.get((e.machine, e.kind), 0) + 1
+        self._split = {kind: tuple(sorted(providers)) for kind, providers in self._split.items()}
         # What a prediction compares, per (kind, machine, own machine's entries alone): see _Neighbours.
         self._neighbours: dict[tuple, _Neighbours] = {}
         for kind, entries in self._by_kind.items():
@@ -276,12 +301,21 @@ class Profile:
         rates: dict[str, list[tuple[float, float]]] = {}
         amount = work(params, m)
         fallback: dict[str, tuple[float, float]] = {}
-        pending = set(self._providers.get(kind, ()))  # providers still short of k rates (or a fallback)
+        split = set()  # providers predicted from split entries: those some neighbour holds a split of
+        for provider in self._split.get(kind, ()):  # sorted: the times' order does not depend on set hashing
+            host = self._split_host(provider, entries, order)
+            if host is not None:
+                split.add(provider)
+                hosts[provider] = host
+                rates[provider] = self._split_rates(provider, entries, order, dist, amount, fallback)
+        pending = set(self._providers.get(kind, ())) - split  # providers still short of k rates (or a fallback)
         for i in order:
             if not pending:
                 break
             e = entries[i]
             for provider, ms in e.times_ms.items():
+                if provider in split:
+                    continue
                 found = rates.setdefault(provider, [])
                 if len(found) >= m.k:
                     continue
@@ -303,11 +337,40 @@ class Profile:
         for provider, found in rates.items():
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
-            host = hosts[provider]
-            times[provider] = (host ** m.combine + (amount / rate) ** m.combine) ** (1.0 / m.combine)
+            power = m.split_combine if provider in split else m.combine
+            times[provider] = (hosts[provider] ** power + (amount / rate) ** power) ** (1.0 / power)
         shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
                       for i in order[:max(1, m.k)])
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
+
+    def _split_host(self, provider: str, entries: tuple[Entry, ...], order: list[int]) -> float | None:
+        """The median host time of the host_k nearest entries that split the provider's step, x host_scale (None:
+        no neighbour does)."""
+        found = sorted(islice((entries[i].host_ms[provider] for i in order if provider in entries[i].host_ms),
+                              self.model.host_k))
+        if not found:
+            return None
+        middle = len(found) // 2
+        median = found[middle] if len(found) % 2 else (found[middle - 1] + found[middle]) / 2
+        return median * self.model.host_scale
+
+    def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: list[int], dist: list[float],
+                     amount: float, fallback: dict[str, tuple[float, float]]) -> list[tuple[float, float]]:
+        """(distance, log GPU rate) of the k nearest entries that split the provider's step; a neighbour whose GPU
+        time is under min_rate_gpu_ms gives none to a call of more work (its first one becomes the fallback)."""
+        found = []
+        for i in order:
+            e = entries[i]
+            gpu = e.gpu_ms.get(provider)
+            if gpu is None:
+                continue
+            if gpu < self.model.min_rate_gpu_ms and amount > e.work:
+                fallback.setdefault(provider, (dist[i], math.log(e.work / gpu)))
+                continue
+            found.append((dist[i], math.log(e.work / gpu)))
+            if len(found) >= self.model.k:
+                break
+        return found
 
     def _candidates(self, kind: tuple, machine: str | None, own: str | None) -> _Neighbours | None:
         """The entries a prediction compares, ordered as ties of distance are broken: the own machine's alone, or
@@ -349,7 +412,7 @@ def profile_for(platform: Platform, directory: Path = PROFILE_DIR) -> Profile | 
 # --- building a profile from measured runs ---------------------------------------------------------------
 
 def _provider_times(row: dict) -> dict[str, float]:
-    return {n: t for n, t in row["times_ms"].items() if ":" in n}  # SDPA and the policy columns left out
+    return {n: t for n, t in row.get("times_ms", {}).items() if ":" in n}  # SDPA, policy columns left out
 
 
 def combine_runs(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -411,16 +474,38 @@ def pooled_calls(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, dic
     return grouped
 
 
+def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
+    """(machine, call) -> {provider: (host ms, GPU ms)}, medians over the runs' rows with a split
+    (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
+    provider that synchronises inside its call has none, and keeps the step-time model)."""
+    found: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            for provider, split in row.get("split", {}).items():
+                if ":" in provider and split.get("covered") == 1:
+                    key = (run["machine"], _call_key(row["params"]))
+                    found.setdefault(key, {}).setdefault(provider, []).append((split["host_ms"], split["gpu_ms"]))
+    return {key: {p: (statistics.median(h for h, _ in v), statistics.median(g for _, g in v)) for p, v in by.items()}
+            for key, by in found.items()}
+
+
 def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
           model: CostModel = COST_MODEL) -> dict[str, Any]:
     """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
-    (the same parameters) on one machine, from any number of runs, make one entry (combine_runs)."""
+    (the same parameters) on one machine, from any number of runs, make one entry (combine_runs), with the host and
+    GPU times of the providers some run split (pooled_splits)."""
     machines = sorted({run["machine"] for run in runs})
     entries = []
-    for (machine, _), (label, params_dict, times, count) in pooled_calls(runs).items():
+    splits = pooled_splits(runs)
+    for key, (label, params_dict, times, count) in pooled_calls(runs).items():
+        machine = key[0]
         params = AttentionParams(**params_dict)
         kind, log2, fmt = features(params, model)
         entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
                         "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
                         "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()}})
+        split = {p: hg for p, hg in splits.get(key, {}).items() if p in times}
+        if split:
+            entries[-1]["host_ms"] = {p: float(f"{h:.4g}") for p, (h, _) in split.items()}
+            entries[-1]["gpu_ms"] = {p: float(f"{g:.4g}") for p, (_, g) in split.items()}
     return {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}

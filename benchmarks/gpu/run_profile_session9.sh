@@ -2,7 +2,8 @@
 # Issue 12 (session 9): each provider's step split into host and GPU time over the profile's source grids, then
 # the sixth blind grid.
 #   bash benchmarks/gpu/run_profile_session9.sh split START SECS   # full stack (after .gpu-wheels/b): the split
-#   bash benchmarks/gpu/run_profile_session9.sh blind full|stock    # eval-blind6: default, measured, SDPA, A/A
+#   bash benchmarks/gpu/run_profile_session9.sh blind full|stock [START]  # eval-blind6: default, measured, SDPA,
+#                                                                          # A/A (full: and the host/GPU split)
 # JSON under $OUT; summaries last. A split run stopped by SECS prints where it stopped: the next call's START.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,21 +20,22 @@ case ${1:-} in
       "$OUT/$file"
     ;;
   blind)
-    args=(--grid eval-blind6 --policies --measured --reps 16)
+    start=${3:-0}
+    args=(--grid eval-blind6 --policies --measured --reps 16 --start "$start")
     if [ "${2:-}" = stock ]; then
       if ! python3 -c "import pydantic, rich" 2>/dev/null; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/py-deps .gpu-wheels/py/*.whl
       fi
       export PYTHONPATH=$PWD:/tmp/py-deps  # nothing from /tmp/gpu-site: a stock `pip install torch`
-      file="blind6_stock_${tag}.json"
+      file="blind6_stock_${tag}_from${start}.json"
       timeout 540 python3 benchmarks/bench_user_step.py "${args[@]}" --tag stock --out "$OUT/$file" 2>&1 | tail -n 3
     else
       source "$(dirname "$0")/setup.sh" > /dev/null
-      file="blind6_${tag}.json"
+      file="blind6_${tag}_from${start}.json"
       timeout 560 python3 benchmarks/bench_user_step.py "${args[@]}" --split --max-seconds 480 --out "$OUT/$file" \
         2>&1 | tail -n 3
     fi
     python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
     ;;
-  *) echo "usage: run_profile_session9.sh split START SECS | blind full|stock"; exit 2 ;;
+  *) echo "usage: run_profile_session9.sh split START SECS | blind full|stock [START]"; exit 2 ;;
 esac
