@@ -403,7 +403,7 @@ def main() -> int:
             if "aa_ratio" in row:
                 extra += f" A/A {row['aa_ratio']:.3f}"
             if "split" in row:
-                extra += " split " + " ".join(f"{n.split(':')[0][:6]} {r['host_ms']:.2f}/{r['gpu_ms']:.2f}"
+                extra += " host/GPU " + " ".join(f"{n} {r['host_ms']:.2f}/{r['gpu_ms']:.2f}"
                                               + ("" if r["covered"] == 1 else f" (covered {r['covered']:.1f})")
                                               for n, r in row["split"].items())
             fastest = min(((t, n) for n, t in times.items() if ":" in n), default=(0, "-"))[1]

@@ -1,6 +1,6 @@
 """Build the shipped profile (attn_dispatch/policy/profiles/<arch>.json) from bench_user_step.py results.
 
-    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from the runs SHIPPED_FROM selects
+    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from shipped_sources()
     python3 benchmarks/build_profile.py FILE... --out PATH
 
 Any number of result files, of any grid, machine and stack: rows of one call on one machine make one entry, its
@@ -21,10 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.benchmarking.cases import REFRESH_GRIDS  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
-from attn_dispatch.policy.profile import build  # noqa: E402
+from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile"
-SHIPPED = Path(__file__).resolve().parents[1] / "attn_dispatch" / "policy" / "profiles" / "sm90.json"
 # Not profile data: held-out grids (blind*), the H200's fit runs (kept out: they made its held-out mean worse,
 # results/profile/README.md), a run from before the torch providers' path was fixed (session3_first), and the
 # checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*).
@@ -72,14 +71,14 @@ def stack_of(envs: list[dict]) -> tuple[dict[str, str], str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="*", help="bench_user_step.py results (any grids, machines, stacks)")
-    ap.add_argument("--shipped", action="store_true", help=f"build {SHIPPED.name} from the shipped sources")
+    ap.add_argument("--shipped", action="store_true", help="build the shipped profile of --arch from its sources")
     ap.add_argument("--arch", default="sm90")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.shipped:
         if args.results:
             ap.error("--shipped names its own sources: give no result files")
-        args.results, args.out = shipped_sources(), args.out or str(SHIPPED)
+        args.results, args.out = shipped_sources(), args.out or str(PROFILE_DIR / f"{args.arch}.json")
     if not args.results or not args.out:
         ap.error("give result files and --out, or --shipped")
     runs, envs = load_runs(args.results)

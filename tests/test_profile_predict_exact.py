@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -116,10 +117,8 @@ class PlainProfile:
             if not with_split:
                 continue
             split.add(provider)
-            found_hosts = sorted(e["host_ms"][provider] for _, e in with_split[:m.host_k])
-            half = len(found_hosts) // 2
-            median = found_hosts[half] if len(found_hosts) % 2 else (found_hosts[half - 1] + found_hosts[half]) / 2
-            hosts[provider] = median * m.host_scale
+            nearest = [e["host_ms"][provider] for _, e in with_split[:m.host_k]]
+            hosts[provider] = statistics.median(nearest) * m.host_scale
             found = rates[provider] = []
             for dist, e in with_split:
                 gpu = e["gpu_ms"][provider]

@@ -252,14 +252,15 @@ class Profile:
         self._by_kind: dict[tuple, list[Entry]] = {}
         self._providers: dict[tuple, set[str]] = {}
         self._count: dict[tuple, int] = {}
-        self._split: dict = {}  # per kind, the providers some entry holds a host/GPU split of (then sorted)
         for e in self.entries:
             self._by_kind.setdefault(e.kind, []).append(e)
             self._providers.setdefault(e.kind, set()).update(e.times_ms)
-            if model.use_split:
-                self._split.setdefault(e.kind, set()).update(e.gpu_ms)
             self._count[(e.machine, e.kind)] = self._count.get((e.machine, e.kind), 0) + 1
-        self._split = {kind: tuple(sorted(providers)) for kind, providers in self._split.items()}
+        # Per kind, the providers some entry holds a host/GPU split of, sorted (the times' order must not depend on
+        # set hashing).
+        self._split: dict[tuple, tuple[str, ...]] = {
+            kind: tuple(sorted({p for e in entries for p in e.gpu_ms}))
+            for kind, entries in self._by_kind.items()} if model.use_split else {}
         # What a prediction compares, per (kind, machine, own machine's entries alone): see _Neighbours.
         self._neighbours: dict[tuple, _Neighbours] = {}
         for kind, entries in self._by_kind.items():
@@ -302,7 +303,7 @@ class Profile:
         amount = work(params, m)
         fallback: dict[str, tuple[float, float]] = {}
         split = set()  # providers predicted from split entries: those some neighbour holds a split of
-        for provider in self._split.get(kind, ()):  # sorted: the times' order does not depend on set hashing
+        for provider in self._split.get(kind, ()):
             host = self._split_host(provider, entries, order)
             if host is not None:
                 split.add(provider)
@@ -346,13 +347,9 @@ class Profile:
     def _split_host(self, provider: str, entries: tuple[Entry, ...], order: list[int]) -> float | None:
         """The median host time of the host_k nearest entries that split the provider's step, x host_scale (None:
         no neighbour does)."""
-        found = sorted(islice((entries[i].host_ms[provider] for i in order if provider in entries[i].host_ms),
-                              self.model.host_k))
-        if not found:
-            return None
-        middle = len(found) // 2
-        median = found[middle] if len(found) % 2 else (found[middle - 1] + found[middle]) / 2
-        return median * self.model.host_scale
+        found = list(islice((entries[i].host_ms[provider] for i in order if provider in entries[i].host_ms),
+                            self.model.host_k))
+        return statistics.median(found) * self.model.host_scale if found else None
 
     def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: list[int], dist: list[float],
                      amount: float, fallback: dict[str, tuple[float, float]]) -> list[tuple[float, float]]:
