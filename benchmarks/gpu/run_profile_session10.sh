@@ -2,6 +2,8 @@
 # Issue 12 (session 10): each provider's step split into host and GPU time over the profile's source grids on the
 # H200 (session 9 measured the H100), unfused:pytorch left out (it synchronises inside its call: no split).
 #   bash benchmarks/gpu/run_profile_session10.sh split START SECS   # full stack (after .gpu-wheels/b)
+#   bash benchmarks/gpu/run_profile_session10.sh repeat full|stock [START]  # eval-blind6 again, as session 9 ran it
+#                                                   # (no split): is each row's ratio reproducible on another lease?
 # JSON under $OUT; a run stopped by SECS prints where it stopped: the next call's START.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,5 +20,22 @@ case ${1:-} in
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
-  *) echo "usage: run_profile_session10.sh split START SECS"; exit 2 ;;
+  repeat)
+    start=${3:-0}
+    args=(--grid eval-blind6 --policies --measured --reps 16 --start "$start" --max-seconds 480)
+    if [ "${2:-}" = stock ]; then
+      if ! python3 -c "import pydantic, rich" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/py-deps .gpu-wheels/py/*.whl
+      fi
+      export PYTHONPATH=$PWD:/tmp/py-deps  # nothing from /tmp/gpu-site: a stock `pip install torch`
+      file="blind6_repeat_stock_${tag}_from${start}.json"
+      timeout 560 python3 benchmarks/bench_user_step.py "${args[@]}" --tag stock --out "$OUT/$file" 2>&1 | tail -n 3
+    else
+      source "$(dirname "$0")/setup.sh" > /dev/null
+      file="blind6_repeat_${tag}_from${start}.json"
+      timeout 560 python3 benchmarks/bench_user_step.py "${args[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
+    fi
+    python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
+    ;;
+  *) echo "usage: run_profile_session10.sh split START SECS | repeat full|stock [START]"; exit 2 ;;
 esac
