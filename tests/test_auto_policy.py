@@ -417,10 +417,26 @@ def test_split_runs_add_host_and_gpu_times_to_the_entries_they_measured():
     split = [_split_run("m", [(call, {"x:a": (0.3, 0.9, 1.0), "x:b": (0.5, 1.9, 0.0)})]),
              _split_run("m", [(call, {"x:a": (0.5, 1.1, 1.0)})]),
              _split_run("other", [(call, {"x:b": (0.1, 0.1, 1.0)})])]
-    entry, = build([timed, *split], arch="sm90", stack={}, date="")["entries"]
+    data = build([timed, *split], arch="sm90", stack={}, date="")
+    entry, other = sorted(data["entries"], key=lambda e: data["machines"][e["machine"]] != "m")
     # x:a: the median of its two covered runs; x:b: its only run on this machine synchronised (covered 0)
     assert entry["host_ms"] == {"x:a": 0.4} and entry["gpu_ms"] == {"x:a": 1.0}
-    assert entry["times_ms"] == {"x:a": 1.0, "x:b": 2.0}  # the step times come from timed runs alone
+    assert entry["times_ms"] == {"x:a": 1.0, "x:b": 2.0}  # a timed run's steps, not the split runs'
+    # 'other' timed nothing: its entry takes the split run's steps (max(host, GPU) in _split_run)
+    assert data["machines"][other["machine"]] == "other"
+    assert other["times_ms"] == {"x:b": 0.1} and other["host_ms"] == {"x:b": 0.1}
+
+
+def test_a_split_run_alone_makes_entries_a_machine_can_predict_from():
+    calls = [dict(max_seqlen_q=s, attn_mask_type="causal") for s in (512, 1024, 2048, 4096)]
+    split = _split_run("only split", [(kw, {"x:a": (0.2, 0.1 * i + 0.1, 1.0), "x:b": (0.05, 0.3 * i + 0.3, 1.0)})
+                                      for i, kw in enumerate(calls)])
+    data = build([split], arch="sm90", stack={}, date="")
+    assert len(data["entries"]) == 4 and all(e["gpu_ms"] and e["host_ms"] for e in data["entries"])
+    assert [e["times_ms"]["x:b"] for e in data["entries"]] == pytest.approx([0.3, 0.6, 0.9, 1.2])
+    profile = Profile(data, model=dataclasses.replace(COST_MODEL, min_own=4))
+    pred = profile.predict(AttentionParams(max_seqlen_q=2048, attn_mask_type="causal"), machine="only split")
+    assert pred.machine == "only split" and pred.best(["x:a", "x:b"]) == "x:a"
 
 
 def test_split_model_charges_each_provider_its_host_time_on_small_calls(tmp_path):

@@ -433,7 +433,9 @@ def combine_runs(runs: list[dict[str, float]]) -> dict[str, float]:
 def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]]:
     """Rows of bench_user_step.py runs ({"machine": device name, "rows": its rows}) by (machine, call parameters):
     (the first row's label, the parameters, each run's provider times). The calls a run with "replaces" set
-    measured on its machine take their times from such runs alone (a re-measure after an engine's path changed)."""
+    measured on its machine take their times from such runs alone (a re-measure after an engine's path changed).
+    A call no run timed interleaved on its machine takes the steps a split run measured (--split-only: each
+    provider's step in a steady block of its own calls, the block timer's measure)."""
     grouped: dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]] = {}
     replaced = {(run["machine"], _call_key(row["params"])) for run in runs if run.get("replaces")
                 for row in run["rows"] if _provider_times(row)}
@@ -443,6 +445,13 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[
             key = (run["machine"], _call_key(row["params"]))
             if times and (run.get("replaces") or key not in replaced):
                 grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
+    timed = set(grouped)
+    for run in runs:
+        for row in run["rows"]:
+            steps = {n: s["step_ms"] for n, s in row.get("split", {}).items() if ":" in n}
+            key = (run["machine"], _call_key(row["params"]))
+            if steps and not _provider_times(row) and key not in timed:
+                grouped.setdefault(key, (row["label"], row["params"], []))[2].append(steps)
     return grouped
 
 
