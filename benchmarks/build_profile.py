@@ -24,8 +24,8 @@ from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile"
-# Not profile data: held-out grids (blind*), the H200's fit and split runs (kept out: they made its held-out mean worse,
-# results/profile/README.md), a run from before the torch providers' path was fixed (session3_first), and the
+# Not profile data: held-out grids (blind*), the H200's fit and split runs (kept out: they made its held-out mean
+# worse, results/profile/README.md), a run from before the torch providers' path was fixed (session3_first), and the
 # checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*).
 NOT_FIT = ("session3_first", "gqa_cudnn", "sdpa_gap", "blind", "check_", "host_", "split_stock")
 

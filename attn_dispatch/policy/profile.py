@@ -439,19 +439,19 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[
     grouped: dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]] = {}
     replaced = {(run["machine"], _call_key(row["params"])) for run in runs if run.get("replaces")
                 for row in run["rows"] if _provider_times(row)}
+    split_only = []  # (key, row, its steps) of split rows: used where no run timed the call
     for run in runs:
         for row in run["rows"]:
             times = _provider_times(row)
             key = (run["machine"], _call_key(row["params"]))
             if times and (run.get("replaces") or key not in replaced):
                 grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
+            elif not times and row.get("split"):
+                split_only.append((key, row, {n: s["step_ms"] for n, s in row["split"].items() if ":" in n}))
     timed = set(grouped)
-    for run in runs:
-        for row in run["rows"]:
-            steps = {n: s["step_ms"] for n, s in row.get("split", {}).items() if ":" in n}
-            key = (run["machine"], _call_key(row["params"]))
-            if steps and not _provider_times(row) and key not in timed:
-                grouped.setdefault(key, (row["label"], row["params"], []))[2].append(steps)
+    for key, row, steps in split_only:
+        if steps and key not in timed:
+            grouped.setdefault(key, (row["label"], row["params"], []))[2].append(steps)
     return grouped
 
 

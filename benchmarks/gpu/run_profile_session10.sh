@@ -22,19 +22,15 @@ case ${1:-} in
     ;;
   repeat)
     start=${3:-0}
-    args=(--grid eval-blind6 --policies --measured --reps 16 --start "$start" --max-seconds 480)
     if [ "${2:-}" = stock ]; then
-      if ! python3 -c "import pydantic, rich" 2>/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/py-deps .gpu-wheels/py/*.whl
-      fi
-      export PYTHONPATH=$PWD:/tmp/py-deps  # nothing from /tmp/gpu-site: a stock `pip install torch`
-      file="blind6_repeat_stock_${tag}_from${start}.json"
-      timeout 560 python3 benchmarks/bench_user_step.py "${args[@]}" --tag stock --out "$OUT/$file" 2>&1 | tail -n 3
+      source "$(dirname "$0")/stock_env.sh"
+      file="blind6_repeat_stock_${tag}_from${start}.json"; stack=(--tag stock)
     else
       source "$(dirname "$0")/setup.sh" > /dev/null
-      file="blind6_repeat_${tag}_from${start}.json"
-      timeout 560 python3 benchmarks/bench_user_step.py "${args[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
+      file="blind6_repeat_${tag}_from${start}.json"; stack=()
     fi
+    timeout 560 python3 benchmarks/bench_user_step.py --grid eval-blind6 --policies --measured --reps 16 \
+      --start "$start" --max-seconds 480 "${stack[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
     python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
     ;;
   *) echo "usage: run_profile_session10.sh split START SECS | repeat full|stock [START]"; exit 2 ;;
