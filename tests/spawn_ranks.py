@@ -42,3 +42,15 @@ def write_gathered(results: Any, world: int, rank: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(everyone, f)
+
+
+def teardown() -> None:
+    """Collect garbage, then destroy the process groups. A group that only a garbage cycle still holds (a raised
+    exception's frames) would otherwise be freed at interpreter exit, after gloo's transport is gone, which
+    aborts the process ('terminate called without an active exception', about 1 run in 10 of the FP8 CP test)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()

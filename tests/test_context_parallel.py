@@ -22,7 +22,7 @@ from attn_dispatch import context_parallel as cp
 from attn_dispatch.backends import AttnAux, AttnConfig, Engine, get_engine
 
 from reference import reference_attention
-from spawn_ranks import free_port, spawn_ranks, write_gathered
+from spawn_ranks import free_port, spawn_ranks, teardown, write_gathered
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -386,7 +386,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         results["after_errors"] = _run_case(_case("after_errors", "p2p", h=2 * world, hkv=world), groups)
         write_gathered(results, world, rank, out_path)
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 _RESULTS: dict[int, list] = {}
@@ -523,6 +523,33 @@ def test_collective_checks_env_is_validated(monkeypatch):
     monkeypatch.setenv("ATTN_DISPATCH_CP_CHECKS", "yes")
     with pytest.raises(ValueError, match="ATTN_DISPATCH_CP_CHECKS='yes'"):
         checks_enabled()
+
+
+def test_a_collective_failure_leaves_no_cycle_holding_the_call(monkeypatch):
+    """fail_collectively re-raises the caller's error; its frame must not keep that error (and through its
+    traceback the call's tensors and process groups) in a reference cycle, which only the cyclic GC frees: a gloo
+    group freed that late, at interpreter exit, aborts the process."""
+    import gc
+    import weakref
+
+    from attn_dispatch.context_parallel.api import fail_collectively
+
+    class Refusal(ValueError):  # a Python subclass: weakly referenceable, as ValueError itself is not
+        pass
+
+    monkeypatch.setenv("ATTN_DISPATCH_CP_CHECKS", "0")  # no group to tell: the error is raised here only
+    gc.disable()
+    try:
+        error = Refusal("a refusal on this rank")
+        alive = weakref.ref(error)
+        try:
+            fail_collectively(error, cp_group=None)
+        except ValueError as exc:
+            assert exc is error
+        del error
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_gpu_benchmark_dry_run_on_cpu(tmp_path):

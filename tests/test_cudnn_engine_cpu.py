@@ -572,6 +572,41 @@ def test_graph_errors_carry_cudnn_message_and_are_recorded(engine, monkeypatch):
         engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
 
 
+def test_a_cached_refusal_keeps_no_frames_or_tensors_alive(engine, monkeypatch):
+    """A refused graph's cached failure must not hold the frames of the call that raised it: they hold the call's
+    tensors (GPU memory) and, under context parallelism, its process groups (a gloo group freed at interpreter
+    exit aborts the process)."""
+    import gc
+    import weakref
+
+    from attn_dispatch.constraints import cudnn_fused as table
+
+    monkeypatch.setattr(table, "REJECTIONS", {})
+
+    def refuse(self):
+        raise RuntimeError("cudnnGraphNotSupportedError: [cudnn_frontend] No valid engine configs")
+
+    monkeypatch.setattr(FakeGraph, "check_support", refuse)
+
+    def refused_call(q):
+        try:
+            engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
+        except eng.CudnnGraphError as exc:
+            return exc.phase
+        return None
+
+    gc.disable()  # only reference counting may free the tensors
+    try:
+        q = torch.randn(2, 12, 4, 8, requires_grad=True)
+        alive = weakref.ref(q)
+        assert refused_call(q) == "fwd" and refused_call(q) == "fwd"  # built once, then raised from the cache
+        del q
+        assert alive() is None
+        assert engine._failures and all(f.__traceback__ is None for f in engine._failures.values())
+    finally:
+        gc.enable()
+
+
 # --------------------------------------------------------------------------------------------
 # The lean call path: raw launch, cached signatures, backward graph built by the forward
 # --------------------------------------------------------------------------------------------

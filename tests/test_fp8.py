@@ -19,7 +19,7 @@ from attn_dispatch.fp8 import quantize as fp8q
 from attn_dispatch.fp8.autocast import current_region
 from attn_dispatch.fp8.state import BACKWARD, FORWARD, INDEX
 from reference import reference_attention
-from spawn_ranks import free_port, write_gathered
+from spawn_ranks import free_port, teardown, write_gathered
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -405,6 +405,9 @@ def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, mo
         _call(engine, q, k, v, state)  # training: the backward graph is built before anything is quantized
     assert torch.equal(state.scale, before[0]) and torch.equal(state.amax_history, before[1])
     assert any(sig[-1] == "fp8_bwd" for sig in table.REJECTIONS)
+    with pytest.raises(CudnnGraphError, match="stand-in refuses the FP8 bwd graph"):
+        _call(engine, q, k, v, state)  # from the failure cache, which keeps no frames (and so no tensors) alive
+    assert engine._failures and all(f.__traceback__ is None for f in engine._failures.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,7 +484,7 @@ def _amax_worker(rank: int, port: int, out_path: str) -> None:
             result[str(reduce)] = [float(st.scale_of("q")), float(st.scale_of("o"))]
         write_gathered(result, 2, rank, out_path)
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 def test_amax_reduction_over_a_group_keeps_ranks_in_step(tmp_path):

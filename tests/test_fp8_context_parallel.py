@@ -21,7 +21,7 @@ import traceback
 import pytest
 import torch
 
-from spawn_ranks import free_port, spawn_ranks, write_gathered
+from spawn_ranks import free_port, spawn_ranks, teardown, write_gathered
 
 SPAWN_DEADLINE_S = 180
 STEPS = 4
@@ -234,7 +234,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
             results["errors"] = {"error": traceback.format_exc()[-3000:]}
         write_gathered(results, 2, rank, out_path)
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 # ----------------------------------------------------------------------------------------------

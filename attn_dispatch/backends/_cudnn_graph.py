@@ -25,6 +25,12 @@ class CudnnGraphError(RuntimeError):
         self.phase, self.stage, self.cudnn_message, self.key = phase, stage, message, key
         super().__init__(f"cuDNN rejected the {phase} attention graph at {stage}: {message}")
 
+    def fresh(self) -> "CudnnGraphError":
+        """The same error without a traceback. Engines cache refusals as these and raise a new one each time:
+        a cached exception that was raised keeps every frame it passed through alive (and the tensors and
+        process groups in them) until the cyclic GC runs, or to interpreter exit."""
+        return CudnnGraphError(self.phase, self.stage, self.cudnn_message, self.key)
+
 
 @dataclass(frozen=True)
 class SdpaKey:

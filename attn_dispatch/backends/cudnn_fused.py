@@ -379,7 +379,7 @@ class CudnnFrontendEngine(Engine):
             return compiled
         failure = self._failures.get(key)
         if failure is not None:
-            raise failure
+            raise failure.fresh()
         start = time.perf_counter()
         try:
             with _on_device(key.device):
@@ -388,7 +388,7 @@ class CudnnFrontendEngine(Engine):
                                        self.execute_path)
                 compiled = builder.build_forward() if key.phase == "fwd" else builder.build_backward()
         except CudnnGraphError as exc:
-            self._failures[key] = exc
+            self._failures[key] = exc.fresh()
             raise
         if compiled.path == "raw" and state.backend is None:
             compiled.path = "ordered"

@@ -187,7 +187,7 @@ class CudnnFP8Engine(Engine):
                 with _cd._on_device(key.device):
                     built = self._build(key, self._device(key.device).handle)
             except CudnnGraphError as exc:
-                failure = self._failures[key] = exc
+                failure = self._failures[key] = exc.fresh()
             else:
                 self.stats["builds"] += 1
                 self.stats["build_seconds"] += time.perf_counter() - start
@@ -199,7 +199,7 @@ class CudnnFP8Engine(Engine):
         from ..constraints.cudnn_fused import record_rejection
 
         record_rejection(signature, failure.cudnn_message)  # the table excludes this signature from now on
-        raise failure
+        raise failure.fresh()
 
     def _build(self, key: _Key, handle: Any) -> _Built:
         c = self.cudnn

@@ -95,7 +95,10 @@ def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_co
                 agree(info, [0] * SIGNATURE_LEN, _describe, message, device or torch.device("cpu"))
         except ValueError:
             pass  # the collective message, which the other ranks raise; here the original is clearer
-    raise error
+    try:
+        raise error
+    finally:  # else this frame, in error's traceback, holds error: a cycle keeping the call's tensors and groups
+        del error
 
 
 class _ContextParallel(torch.autograd.Function):
