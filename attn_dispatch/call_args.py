@@ -60,3 +60,42 @@ class CallArgs(NamedTuple):
 QKV_ONLY = CallArgs()
 
 KEYWORDS = frozenset(CallArgs._fields) | {"fast_zero_fill"}
+
+# Fields holding per-call data (tensors, a KV cache): a call that sets any of them plans every time.
+_PER_CALL = tuple(CallArgs._fields.index(name) for name in (
+    "attention_mask", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+    "core_attention_bias", "alibi_slopes", "inference_params"))
+_SETTINGS = tuple(i for i in range(len(CallArgs._fields)) if i not in _PER_CALL)
+_POSITIONAL = CallArgs._fields.index("alibi_slopes") + 1  # forward's positional order matches CallArgs up to here
+
+
+def is_cacheable(call: CallArgs) -> bool:
+    """Whether repeat calls with these arguments may take the module's cached path, keyed by them: no per-call data
+    among them, no recomputation (checkpoint_core_attention) or FP8 output, and every setting a plain immutable
+    value (str, int, bool, None, a tuple of ints), so that equal arguments mean an equal plan."""
+    if call.checkpoint_core_attention is not False or call.fp8_output is not False:
+        return False
+    for i in _PER_CALL:
+        if call[i] is not None:
+            return False
+    for i in _SETTINGS:
+        value = call[i]
+        if value is not None and type(value) not in (str, int, bool) and not (
+                type(value) is tuple and all(type(x) is int for x in value)):
+            return False
+    return True
+
+
+def cached_call_args(args: tuple, kwargs: dict) -> CallArgs | None:
+    """forward's arguments after q, k, v (as passed to the module) as the CallArgs keying the cached path; None
+    where that path cannot serve the call (see is_cacheable; unknown keywords too: forward then says what is
+    wrong). fast_zero_fill changes nothing and is dropped, as forward does."""
+    if len(args) > _POSITIONAL:
+        return None
+    if "fast_zero_fill" in kwargs:
+        kwargs = {name: value for name, value in kwargs.items() if name != "fast_zero_fill"}
+    try:
+        call = CallArgs(*args, **kwargs)
+    except TypeError:
+        return None
+    return call if is_cacheable(call) else None

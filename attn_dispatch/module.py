@@ -107,10 +107,11 @@ class DotProductAttention(torch.nn.Module):
         else:
             self.softmax_offset = None
         self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
-        # Calls passing only q, k, v: (shapes, dtypes, devices, training) -> validated plan; the last one used,
-        # as (its tensor guard, training, plan): a call matching the guard skips building the key.
+        # Calls whose arguments hold no per-call data: (shapes, dtypes, devices, training, requires_grad, the
+        # CallArgs) -> validated plan; the last one used, as (its tensor guard, training, plan, CallArgs): a call
+        # matching it skips building the key.
         self._fast: dict[tuple, inputs.FastHit] = {}
-        self._fast_last: tuple = (None, None, None)
+        self._fast_last: tuple = (None, None, None, None)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self._generation = _GENERATION[0]
         self.last_decision: Decision | None = None
@@ -224,38 +225,43 @@ class DotProductAttention(torch.nn.Module):
     # ------------------------------------------------------------------------------------------
     def __call__(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor, *args: Any,
                  **kwargs: Any):
-        """nn.Module's call, with a shortcut for the commonest call: a repeat of a validated signature passing only
-        q, k, v, on a module with no hooks, outside tracing and compilation. nn.Module's own __call__ costs a
-        few microseconds, which the hot-path budget (5 us over the engine) cannot spare; every other call, and
-        any module with hooks, goes through it unchanged."""
+        """nn.Module's call, with a shortcut for the commonest calls: a repeat of a validated signature whose
+        arguments hold no per-call data (q, k, v alone, or with settings such as attn_mask_type="causal", as
+        Megatron passes), on a module with no hooks, outside tracing and compilation. nn.Module's own __call__
+        and forward's argument handling cost several microseconds, which the hot-path budget (5 us over the
+        engine) cannot spare; every other call, and any module with hooks, goes through them unchanged."""
         if _is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
             return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
-        if not args and not kwargs and self._fast and isinstance(query_layer, torch.Tensor) and not (
+        if self._fast and isinstance(query_layer, torch.Tensor) and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
                 or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
-            result = self._fast_forward(query_layer, key_layer, value_layer)
-            if result is not _MISS:
-                return result
+            call = QKV_ONLY if not args and not kwargs else call_args.cached_call_args(args, kwargs)
+            if call is not None:
+                result = self._fast_forward(query_layer, key_layer, value_layer, call=call)
+                if result is not _MISS:
+                    return result
         # Looked up per call: torch.fx patches nn.Module.__call__ while tracing, which makes this module a leaf.
         return torch.nn.Module.__call__(self, query_layer, key_layer, value_layer, *args, **kwargs)
 
-    def _fast_forward(self, query_layer, key_layer, value_layer, merged: bool = True):
-        """The cached path for a call passing only q, k, v: _MISS unless this signature was validated before
-        (dynamo never traces it: every caller checks first). merged=False (the SDPA function's path) returns the
-        engine's output with heads not merged, and _MISS where cuDNN refuses the cached graph."""
+    def _fast_forward(self, query_layer, key_layer, value_layer, merged: bool = True, call: CallArgs = QKV_ONLY):
+        """The cached path for a call with arguments `call` (call_args.is_cacheable): _MISS unless this signature
+        was validated before (dynamo never traces it: every caller checks first). merged=False (the SDPA
+        function's path) returns the engine's output with heads not merged, and _MISS where cuDNN refuses the
+        cached graph."""
         if self.cp_group is not None or _FP8_REGIONS[0]:  # an FP8 region open somewhere: plan under it
             return _MISS
-        guard, training, hit = self._fast_last
-        if guard is None or training is not self.training or not guard(query_layer, key_layer, value_layer):
+        guard, training, hit, last_call = self._fast_last
+        if guard is None or training is not self.training or (call is not last_call and call != last_call) \
+                or not guard(query_layer, key_layer, value_layer):
             try:
-                key = _fast_key(query_layer, key_layer, value_layer, self.training)
+                key = _fast_key(query_layer, key_layer, value_layer, self.training, call)
             except AttributeError:  # not tensors: the full path says what is wrong
                 return _MISS
             hit = self._fast.get(key)
             if hit is None:
                 return _MISS
-            self._fast_last = (hit.guard, self.training, hit)
+            self._fast_last = (hit.guard, self.training, hit, call)
             if hit.call is not None and not hit.guard(query_layer, key_layer, value_layer):
                 hit = dataclasses.replace(hit, call=None)  # other strides: the bound call does not apply
         plan = hit.plan
@@ -416,13 +422,14 @@ class DotProductAttention(torch.nn.Module):
             plan, aux = self._prepare(q, k, v, args, fp8)
             self.__dict__["last_decision"] = plan.decision
             out, max_logit = self._run(plan, aux, q, k, v, checkpoint_core_attention)
-        if args is QKV_ONLY and self.cp_group is None and fp8 is None:
-            self._remember_fast(plan, aux, q, k, v)
+        if self.cp_group is None and fp8 is None and (args is QKV_ONLY or call_args.is_cacheable(args)):
+            self._remember_fast(plan, aux, q, k, v, args)
         return (out, max_logit) if self.return_max_logit else out
 
-    def _remember_fast(self, plan: inputs.Plan, aux: AttnAux, q, k, v) -> None:
-        """Lets later calls with only q, k, v of this signature skip _prepare: only for plans whose aux holds
-        nothing per call (no dropout seed, no cu_seqlens, mask, bias or slopes), so one aux serves them all."""
+    def _remember_fast(self, plan: inputs.Plan, aux: AttnAux, q, k, v, call: CallArgs = QKV_ONLY) -> None:
+        """Lets later calls of this signature with arguments `call` (cacheable ones) skip _prepare: only for plans
+        whose aux holds nothing per call (no dropout seed, no cu_seqlens, mask, bias or slopes), so one aux
+        serves them all."""
         if not takes_cached_path(aux, plan.cfg):
             return
         if len(self._fast) >= 64:
@@ -432,13 +439,13 @@ class DotProductAttention(torch.nn.Module):
             else None  # without the guard a later call could differ in strides or requires_grad
         hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
                              _deterministic_now(), guard, bound)
-        self._fast[_fast_key(q, k, v, self.training)] = hit
-        self._fast_last = (hit.guard, self.training, hit)
+        self._fast[_fast_key(q, k, v, self.training, call)] = hit
+        self._fast_last = (hit.guard, self.training, hit, call)
 
     def _forget_plans(self) -> None:
         self._entries.clear()
         self._fast.clear()
-        self._fast_last = (None, None, None)
+        self._fast_last = (None, None, None, None)
         self.__dict__.pop("_cp_plans", None)
         self.__dict__.pop("_kv_plans", None)
 
@@ -604,12 +611,12 @@ class DotProductAttention(torch.nn.Module):
 _deterministic_now = torch.are_deterministic_algorithms_enabled
 
 
-def _fast_key(q, k, v, training: bool) -> tuple:
-    """What a q, k, v-only call's plan depends on; looked up when the last plan's tensor guard misses.
+def _fast_key(q, k, v, training: bool, call: CallArgs) -> tuple:
+    """What a cacheable call's plan depends on; looked up when the last plan's tensor guard misses.
     requires_grad is part of it: a module called under no_grad and then in training keeps one plan (and one bound
     call, whose lse depends on it) for each."""
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training,
-            q.requires_grad, k.requires_grad, v.requires_grad)
+            q.requires_grad, k.requires_grad, v.requires_grad, call)
 
 
 _FP8_REGIONS = _fp8_autocast.ACTIVE
