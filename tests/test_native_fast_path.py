@@ -133,3 +133,67 @@ def test_calls_the_op_cannot_express_are_not_bound(native):
     assert _torch_native.bind(_torch_native.flash_call, q, k, k, aux, bottom_right) is not None
     strided = torch.randn(1, 16, 2, 16)[..., ::2]
     assert _torch_native.bind(_torch_native.flash_call, strided, strided, strided, aux, top_left) is None
+
+
+def _fa2_bshd_stand_in(calls: list, causal_flag_honoured: bool = True):
+    """aten::_flash_attention_forward's signature on the CPU: [b, s, h, d] in and out (the CPU flash op on views)."""
+    def fa2(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, debug, scale=None):
+        assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[1], k.shape[1]) and not debug
+        calls.append(("fa2_bshd", q.stride()))
+        out, lse = _CPU_FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
+                              is_causal and causal_flag_honoured, scale=scale)
+        return out.transpose(1, 2), lse, None, None, None
+    return fa2
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fa2_bound_call_takes_the_bshd_op_once_the_self_check_passed(monkeypatch, fmt, mask):
+    """bshd calls run FA2's own op with no views where the device's self-check passed; sbhd keeps _FLASH. Values
+    and gradients against the float64 reference, GQA included."""
+    recorder, calls = Recorder(), []
+    monkeypatch.setattr(_torch_native, "_FLASH", recorder.flash)
+    monkeypatch.setattr(_torch_native, "_FA2_BSHD", _fa2_bshd_stand_in(calls))
+    monkeypatch.setitem(_torch_native._FA2_BSHD_OK, torch.device("cpu"), True)
+    monkeypatch.setattr(_torch_native, "fa2_bshd_ok", lambda device: _torch_native._FA2_BSHD_OK.get(device, False))
+
+    class StandIn(_torch_native.NativeOpPath, Engine):
+        family, provider = "unfused", "pytorch"
+        native_call = staticmethod(_torch_native.flash_call)
+
+        def forward(self, *args):
+            raise AssertionError("general path taken")
+
+    monkeypatch.setitem(backends._INSTANCES, "unfused:pytorch", StandIn())
+    torch.manual_seed(3)
+    b, s, h, hkv, d = 2, 20, 4, 2, 16
+    shape = (b, s) if fmt == "bshd" else (s, b)
+    q, k, v = (torch.randn(*shape, n, d).requires_grad_() for n in (h, hkv, hkv))
+    module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=mask, backend="unfused")
+    module(q, k, v)
+    calls.clear(), recorder.calls.clear()
+    _check(module, q, k, v, fmt, mask)
+    if fmt == "bshd":
+        assert calls and not recorder.calls
+    else:
+        assert recorder.calls and not calls
+
+
+def test_fa2_bshd_self_check_passes_only_an_op_equal_to_flash(monkeypatch):
+    """The self-check compares the bshd op with _FLASH on a causal GQA call, forward and gradients: a stand-in that
+    computes the same passes; one that drops the causal mask, or raises, fails (the module then keeps _FLASH)."""
+    monkeypatch.setattr(_torch_native, "_FLASH", Recorder().flash)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_torch_native, "_FA2_BSHD", _fa2_bshd_stand_in([]))
+    assert _torch_native._check_fa2_bshd(cpu) is True
+    monkeypatch.setattr(_torch_native, "_FA2_BSHD", _fa2_bshd_stand_in([], causal_flag_honoured=False))
+    assert _torch_native._check_fa2_bshd(cpu) is False
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+    monkeypatch.setattr(_torch_native, "_FA2_BSHD", raises)
+    assert _torch_native._check_fa2_bshd(cpu) is False
+    with torch.inference_mode():  # the check builds its own autograd graph even there
+        monkeypatch.setattr(_torch_native, "_FA2_BSHD", _fa2_bshd_stand_in([]))
+        assert _torch_native._check_fa2_bshd(cpu) is True
+    assert _torch_native.fa2_bshd_ok(cpu) is False  # never on a CPU device: the op is CUDA's
