@@ -6,6 +6,10 @@ the same op directly gives a module call SDPA's own forward and backward: no Pyt
 Python backward, no extra copies of the output gradient. Measured on the H100 (issue 12), the Python path lost
 up to 1.26x to SDPA on the same kernels; this path is what closes it.
 
+The module's repeat calls go through bind(): the op specialised to one tensor signature. There, FA2 on bshd
+tensors calls the op that `_scaled_dot_product_flash_attention` itself ends in, `_flash_attention_forward`, which
+takes [b, s, h, d] as it is (no views; gated by a one-time self-check per device, fa2_bshd_ok).
+
 Only calls the op expresses exactly take it (dense bshd/sbhd, no window beyond causal, no bias, sink, ALiBi or
 max-logit output, torch's default dropout generator); everything else, and context parallelism (which needs
 the functional forward/backward pair), keeps the engine's general path.
