@@ -23,8 +23,9 @@ previous function left (host time hidden or not), and the same engine in two mod
 JSON's settings record which (block_ms 0 or absent: per call); `calls_per_sample` per row.
 --split adds, per provider (and SDPA), its step split into host and GPU time (split_times): the GPU time alone
 is the calls' time queued behind a spin kernel, the host time the wall time of enqueueing them; --split-only
-records that alone (no interleaved timing): the profile's host/GPU measurements. --grid takes a comma list, run in
-one process (flash-attn-4 compiles each kernel variant once per process).
+records that alone (no interleaved timing): the profile's host/GPU measurements; with --refreshes P (a provider
+whose host path changed), the profile takes P's splits of this run's calls from this run alone. --grid takes a
+comma list, run in one process (flash-attn-4 compiles each kernel variant once per process).
 JSON is rewritten after every row.
 
     python3 benchmarks/bench_user_step.py --grid fit --out $OUT/fit.json            # profile measurements
@@ -352,6 +353,9 @@ def main() -> int:
                          "call (call; the session 3-4 runs)")
     ap.add_argument("--split", action="store_true", help="also split each provider's step into host and GPU time")
     ap.add_argument("--split-only", action="store_true", help="the split alone, no interleaved timing")
+    ap.add_argument("--refreshes", default="",
+                    help="comma list of providers whose host path changed since the profile's runs: in the "
+                         "profile, this run's splits of them replace every earlier run's for the calls it measured")
     ap.add_argument("--reps", type=int, default=SETTINGS.reps,
                     help="least samples per function (a long call gets this many; short ones more, to target_ms)")
     args = ap.parse_args()
@@ -378,7 +382,15 @@ def main() -> int:
     if args.match:
         cases = [c for c in cases if args.match in c.label]
     only = set(args.providers.split(",")) if args.providers else None
-    result = {"grid": args.grid, "split": split, "tag": args.tag, "settings": settings.to_dict(),
+    refreshes = [p for p in args.refreshes.split(",") if p]
+    if refreshes and not split:
+        ap.error("--refreshes replaces providers' host/GPU splits: it needs --split or --split-only")
+    bad = [p for p in refreshes if ":" not in p or (only is not None and p not in only)]
+    if bad:
+        ap.error(f"--refreshes {','.join(bad)}: not a provider id this run times (family:provider"
+                 + (f", one of --providers {args.providers}" if only is not None else "") + ")")
+    result = {"grid": args.grid, "split": split, "tag": args.tag, "refreshes": refreshes,
+              "settings": settings.to_dict(),
               "environment": environment(),
               "rows": [], "failed": []}
     out = Path(args.out)

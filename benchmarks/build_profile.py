@@ -49,7 +49,7 @@ def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
         env = data["environment"]
         grid = data.get("grid", "")
         runs.append({"machine": env["device"], "rows": data["rows"], "path": path, "grid": grid,
-                     "replaces": grid in REFRESH_GRIDS})
+                     "replaces": grid in REFRESH_GRIDS, "refreshes": data.get("refreshes", [])})
         envs.append(env)
     return runs, envs
 

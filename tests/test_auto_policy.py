@@ -410,6 +410,26 @@ def _split_run(machine: str, rows: list[tuple[dict, dict]]) -> dict:
         for i, (kw, s) in enumerate(rows)]}
 
 
+def test_a_run_refreshing_a_provider_replaces_its_splits_of_the_calls_it_measured_only():
+    """After a provider's host path changed (the torch FA2 bound call on bshd, session 11), a split run with
+    refreshes=[that provider] is the only source of its split for the calls the run covered on its machine; its
+    other providers' splits, other calls, other machines and the step times are pooled as before."""
+    first, second = dict(max_seqlen_q=1024, attn_mask_type="causal"), dict(max_seqlen_q=2048)
+    timed = {"machine": "m", "rows": [{"label": f"c{i}", "params": AttentionParams(**kw).to_dict(),
+                                       "times_ms": {"x:a": 1.0, "x:b": 2.0}} for i, kw in enumerate((first, second))]}
+    old = _split_run("m", [(first, {"x:a": (0.5, 0.9, 1.0), "x:b": (0.6, 1.9, 1.0)}),
+                           (second, {"x:a": (0.7, 1.5, 1.0)})])
+    old_elsewhere = _split_run("n", [(first, {"x:a": (0.9, 0.9, 1.0)})])
+    refresh = {**_split_run("m", [(first, {"x:a": (0.2, 0.9, 1.0), "x:b": (0.1, 1.9, 1.0)}),
+                                  (second, {"x:a": (0.3, 1.5, 0.0)})]), "refreshes": ["x:a"]}
+    data = build([timed, old, old_elsewhere, refresh], arch="sm90", stack={}, date="")
+    entries = {(data["machines"][e["machine"]], e["label"]): e for e in data["entries"]}
+    assert entries[("m", "c0")]["host_ms"] == {"x:a": 0.2, "x:b": 0.35}  # x:a refreshed; x:b pooled (median)
+    assert entries[("m", "c1")]["host_ms"] == {"x:a": 0.7}  # the refresh's split of c1 was not covered: old stays
+    assert entries[("m", "c0")]["times_ms"] == {"x:a": 1.0, "x:b": 2.0}
+    assert entries[("n", "split0")]["host_ms"] == {"x:a": 0.9}  # another machine: untouched
+
+
 def test_split_runs_add_host_and_gpu_times_to_the_entries_they_measured():
     call = dict(max_seqlen_q=1024, attn_mask_type="causal")
     timed = {"machine": "m", "rows": [{"label": "c", "params": AttentionParams(**call).to_dict(),

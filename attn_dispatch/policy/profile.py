@@ -483,14 +483,27 @@ def pooled_calls(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, dic
 def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
     """(machine, call) -> {provider: (host ms, GPU ms)}, medians over the runs' rows with a split
     (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
-    provider that synchronises inside its call has none, and keeps the step-time model)."""
+    provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
+    names a provider (its host path changed since the other runs: --refreshes) is the only source of that
+    provider's split for the calls it split on its machine. (Its step times stay combined with the other runs':
+    where a provider has a split, the model reads host and GPU time alone.)"""
+    def usable(split: dict) -> bool:
+        return split.get("covered") == 1
+
+    refreshed = {(run["machine"], _call_key(row["params"]), provider) for run in runs
+                 for provider in run.get("refreshes", ()) for row in run["rows"]
+                 if usable(row.get("split", {}).get(provider, {}))}
     found: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for run in runs:
+        refreshing = set(run.get("refreshes", ()))
         for row in run["rows"]:
+            key = (run["machine"], _call_key(row["params"]))
             for provider, split in row.get("split", {}).items():
-                if ":" in provider and split.get("covered") == 1:
-                    key = (run["machine"], _call_key(row["params"]))
-                    found.setdefault(key, {}).setdefault(provider, []).append((split["host_ms"], split["gpu_ms"]))
+                if ":" not in provider or not usable(split):
+                    continue
+                if provider not in refreshing and (*key, provider) in refreshed:
+                    continue  # measured before the provider's path changed: the refresh replaces it
+                found.setdefault(key, {}).setdefault(provider, []).append((split["host_ms"], split["gpu_ms"]))
     return {key: {p: (statistics.median(h for h, _ in v), statistics.median(g for _, g in v)) for p, v in by.items()}
             for key, by in found.items()}
 
