@@ -194,8 +194,9 @@ def eval_fresh_cases() -> list[Case]:
 # whose draw covers the head dims issue 12 names, 64/80/96/128/192/256, thd, sbhd and both kinds of window; chosen
 # by that coverage alone, before anything of it was measured), eval-blind5 (session 8: the first seed from 20261133
 # with that coverage, chosen and committed the same way), eval-blind6 (session 9: the first from 20261134, 20261138, the
-# same way)
-BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138)
+# same way), eval-blind7 (session 11: the first from 20261139, 20261139, the same way; committed unmeasured, for the
+# check after the FA2 host-path refresh)
+BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139)
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 12, after session 11's change to torch FA2's bound call (bshd through aten::_flash_attention_forward: 3-12 us
+# less host time per forward, 40-175 us per training step on the H100): the profile's FA2 host times predate it.
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh START SECS   # FA2's split over the profile's source
+#        grids, stock torch (FA2 is torch's own: no wheel bundles needed); a stopped run prints its next START
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh blind7 full|stock [START]   # eval-blind7 (committed unmeasured
+#        in session 11), as blind6 was run: --policies --measured, block timer, --reps 16
+# Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
+# `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
+# profile (the criterion written down first, as in session 10).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+tag=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')")
+SOURCES=fit,fit-drawn-a,fit-drawn-b,fit-drawn-c,fit-extra,fit-gqa,fit-thd,eval,eval-fresh  # the profile's grids
+case ${1:-} in
+  refresh)
+    source "$(dirname "$0")/stock_env.sh"
+    file="split_refresh_fa2_${tag}_from$2.json"
+    timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" --split-only --start "$2" \
+      --providers flash_attn_2:torch --refreshes flash_attn_2:torch --tag stock --max-seconds "$3" \
+      --out "$OUT/$file" 2>&1 | tail -n 4
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
+      "$OUT/$file"
+    ;;
+  blind7)
+    start=${3:-0}
+    if [ "${2:-}" = stock ]; then
+      source "$(dirname "$0")/stock_env.sh"
+      file="blind7_stock_${tag}_from${start}.json"; stack=(--tag stock)
+    else
+      source "$(dirname "$0")/setup.sh" > /dev/null
+      file="blind7_${tag}_from${start}.json"; stack=()
+    fi
+    timeout 560 python3 benchmarks/bench_user_step.py --grid eval-blind7 --policies --measured --reps 16 \
+      --start "$start" --max-seconds 480 "${stack[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
+    python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
+    ;;
+  *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7 full|stock [START]"; exit 2 ;;
+esac
