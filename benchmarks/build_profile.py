@@ -24,9 +24,9 @@ from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile"
-# Not profile data: held-out grids (blind*), the H200's fit and split runs (kept out: they made its held-out mean
-# worse, results/profile/README.md), a run from before the torch providers' path was fixed (session3_first), and the
-# checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*).
+# Not profile data: held-out grids (blind*), the H200's fit and split runs, split refreshes included (kept out: they
+# made its held-out mean worse, results/profile/README.md), a run from before the torch providers' path was fixed
+# (session3_first), and the checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*).
 NOT_FIT = ("session3_first", "gqa_cudnn", "sdpa_gap", "blind", "check_", "host_", "split_stock")
 
 
@@ -34,7 +34,7 @@ def shipped_sources() -> list[str]:
     """The result files the shipped profile is built from."""
     paths = sorted(RESULTS.glob("*.json")) + sorted(RESULTS.glob("*.json.gz"))
     return [str(p) for p in paths if not any(x in p.name for x in NOT_FIT)
-            and not (p.name.startswith(("fit", "split_fit")) and "h200" in p.name)]
+            and not (p.name.startswith(("fit", "split_")) and "h200" in p.name)]
 
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:

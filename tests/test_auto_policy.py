@@ -488,7 +488,8 @@ def test_the_shipped_profile_holds_host_and_gpu_splits_from_its_listed_sources()
 
     names = [Path(p).name for p in build_profile.shipped_sources()]
     assert any(n.startswith("split_fit_") for n in names) and "fit_h100.json.gz" in names
-    assert not any("blind" in n or n.startswith(("fit_h200", "split_fit_h200")) or "session3_first" in n
+    assert not any("blind" in n or n.startswith("fit_h200") or (n.startswith("split_") and "h200" in n)
+                   or "host_" in n or "session3_first" in n
                    for n in names)
     profile = profile_for(H100)
     split = [e for e in profile.entries if e.gpu_ms]
