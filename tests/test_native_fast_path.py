@@ -146,11 +146,10 @@ def _fa2_bshd_stand_in(calls: list, causal_flag_honoured: bool = True):
     return fa2
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-@pytest.mark.parametrize("mask", ["no_mask", "causal"])
-def test_fa2_bound_call_takes_the_bshd_op_once_the_self_check_passed(monkeypatch, fmt, mask):
-    """bshd calls run FA2's own op with no views where the device's self-check passed; sbhd keeps _FLASH. Values
-    and gradients against the float64 reference, GQA included."""
+@pytest.fixture
+def fa2_bshd(monkeypatch):
+    """torch FA2 as the provider on the CPU, with the bshd op stood in and its self-check passed: (calls of the bshd
+    op, the Recorder of _FLASH's)."""
     recorder, calls = Recorder(), []
     monkeypatch.setattr(_torch_native, "_FLASH", recorder.flash)
     monkeypatch.setattr(_torch_native, "_FA2_BSHD", _fa2_bshd_stand_in(calls))
@@ -165,18 +164,47 @@ def test_fa2_bound_call_takes_the_bshd_op_once_the_self_check_passed(monkeypatch
             raise AssertionError("general path taken")
 
     monkeypatch.setitem(backends._INSTANCES, "unfused:pytorch", StandIn())
+    return calls, recorder
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_fa2_takes_the_bshd_op_once_the_self_check_passed(fa2_bshd, fmt, mask):
+    """bshd calls run FA2's own op with no views where the device's self-check passed, the first (planning) call
+    and the bound repeats alike; sbhd keeps _FLASH. Values and gradients against the float64 reference, GQA."""
+    calls, recorder = fa2_bshd
     torch.manual_seed(3)
     b, s, h, hkv, d = 2, 20, 4, 2, 16
     shape = (b, s) if fmt == "bshd" else (s, b)
     q, k, v = (torch.randn(*shape, n, d).requires_grad_() for n in (h, hkv, hkv))
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=mask, backend="unfused")
-    module(q, k, v)
-    calls.clear(), recorder.calls.clear()
-    _check(module, q, k, v, fmt, mask)
-    if fmt == "bshd":
-        assert calls and not recorder.calls
-    else:
-        assert recorder.calls and not calls
+    _check(module, q, k, v, fmt, mask)  # its first call plans (flash_call), the next ones take the bound call
+    assert module._fast_last[4] is not None
+    used, other = (calls, recorder.calls) if fmt == "bshd" else (recorder.calls, calls)
+    assert len(used) == 2 and not other  # the planning call (flash_call) and a bound repeat
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_function_on_fa2_takes_the_bshd_op_with_no_views_in(fa2_bshd, is_causal):
+    """The SDPA-signature function (what the transformers integration calls) hands [b, h, s, d] tensors over as
+    bshd views: FA2's bshd op takes them as they are. Against F.scaled_dot_product_attention in float64."""
+    from attn_dispatch import scaled_dot_product_attention
+
+    calls, recorder = fa2_bshd
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 6, 24, 16, requires_grad=True) for _ in range(3))  # [b, h, s, d] (bshd memory too)
+    q4, k4, v4 = (x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    for inputs in ((q, k, v), (q4, k4, v4)):
+        out = scaled_dot_product_attention(*inputs, is_causal=is_causal)
+        ref = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in inputs), is_causal=is_causal)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, inputs, dout)
+        expected = torch.autograd.grad(ref, inputs, dout.double())
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got.double(), want.double(), atol=2e-5, rtol=1e-5)
+    assert calls and not recorder.calls
+    assert any(stride[-1] == 1 and stride[1] == 16 * 6 for _, stride in calls)  # bshd memory went in unpermuted
 
 
 def test_fa2_bshd_self_check_passes_only_an_op_equal_to_flash(monkeypatch):

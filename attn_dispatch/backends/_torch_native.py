@@ -6,9 +6,10 @@ the same op directly gives a module call SDPA's own forward and backward: no Pyt
 Python backward, no extra copies of the output gradient. Measured on the H100 (issue 12), the Python path lost
 up to 1.26x to SDPA on the same kernels; this path is what closes it.
 
-The module's repeat calls go through bind(): the op specialised to one tensor signature. There, FA2 on bshd
-tensors calls the op that `_scaled_dot_product_flash_attention` itself ends in, `_flash_attention_forward`, which
-takes [b, s, h, d] as it is (no views; gated by a one-time self-check per device, fa2_bshd_ok).
+The module's repeat calls go through bind(): the op specialised to one tensor signature. FA2 on bshd tensors
+without dropout (there, and in flash_call: the SDPA function's and the transformers integration's calls) calls the
+op that `_scaled_dot_product_flash_attention` itself ends in, `_flash_attention_forward`, which takes [b, s, h, d]
+as it is (no views; gated by a one-time self-check per device, fa2_bshd_ok).
 
 Only calls the op expresses exactly take it (dense bshd/sbhd, no window beyond causal, no bias, sink, ALiBi or
 max-logit output, torch's default dropout generator); everything else, and context parallelism (which needs
@@ -71,6 +72,9 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
         return None  # top-left needs equal lengths; sq > skv leaves rows with no key (FA2's lse +inf: general path)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or aux.dropout_generator is not None:
         return None
+    if fmt == "bshd" and cfg.dropout_p == 0.0 and fa2_bshd_ok(q.device):  # no views (what the self-check covers)
+        res = _FA2_BSHD(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=cfg.softmax_scale)
+        return (res[0].flatten(-2) if flatten_heads else res[0]), res[1], None
     res = _FLASH(
         _bhsd(q, fmt), _bhsd(k, fmt), _bhsd(v, fmt), float(cfg.dropout_p), causal, False, scale=cfg.softmax_scale)
     return _from_bhsd(res[0], fmt, flatten_heads), res[1], None
@@ -131,7 +135,7 @@ def bind(native_call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: At
             return out.reshape(merged)
 
     if native_call is flash_call:
-        if fmt == "bshd" and fa2_bshd_ok(q.device):
+        if fmt == "bshd" and dropout == 0.0 and fa2_bshd_ok(q.device):
             fa2 = _FA2_BSHD
 
             def flash_bshd(q, k, v):
