@@ -582,16 +582,18 @@ class DotProductAttention(torch.nn.Module):
         """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
         merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways. A call
         with only q, k, v takes the cached path once its signature has been planned, as forward's does."""
-        args = CallArgs(attention_mask=attention_mask, attn_mask_type=attn_mask_type,
-                        core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, window_size=window_size)
-        only_qkv = args == QKV_ONLY
+        only_qkv = attention_mask is None and attn_mask_type is None and core_attention_bias_type == "no_bias" \
+            and core_attention_bias is None and cu_seqlens_q is None and cu_seqlens_kv is None and window_size is None
         if only_qkv:
             if self._fast and not _is_compiling():
                 out = self._fast_forward(q, k, v, merged=False)
                 if out is not _MISS:
                     return out
             args = QKV_ONLY
+        else:
+            args = CallArgs(attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+                            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, window_size=window_size)
         for attempt in (0, 1):
             plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision

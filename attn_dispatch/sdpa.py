@@ -109,11 +109,14 @@ def _thd_kwargs(layout: PaddingLayout) -> dict[str, Any]:
 
 def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
                softcap: float = 0.0):
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} is {shape}; attn_dispatch.scaled_dot_product_attention takes 4-D "
-                             "[batch, heads, seq, head_dim] tensors")
+    tensor = torch.Tensor
+    if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)
+            and query.dim() == 4 and key.dim() == 4 and value.dim() == 4):  # one test per call; the loop says which
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, tensor) or x.dim() != 4:
+                shape = list(x.shape) if isinstance(x, tensor) else type(x).__name__
+                raise ValueError(f"{name} is {shape}; attn_dispatch.scaled_dot_product_attention takes 4-D "
+                                 "[batch, heads, seq, head_dim] tensors")
     b, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
     if key.shape[0] != b or value.shape[:3] != key.shape[:3] or key.shape[-1] != d:
@@ -129,16 +132,21 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         scale = 1.0 / math.sqrt(d)
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal=True were both given; torch's SDPA refuses this too: pass one")
-    kwargs: dict[str, Any] = {"attn_mask_type": "causal" if is_causal else "no_mask"}
+    kwargs: dict[str, Any] = {}
+    mask_type = "causal" if is_causal else "no_mask"
     if attn_mask is not None:
-        kwargs.update(_mask_kwargs(attn_mask, b, h, sq, skv, query.device, recognize_masks))
-    mask_type = "no_mask"
-    if set(kwargs) == {"attn_mask_type"}:  # a plain causal / no-mask call: a module of that type, its cached path
-        mask_type = kwargs.pop("attn_mask_type")
+        kwargs = {"attn_mask_type": mask_type, **_mask_kwargs(attn_mask, b, h, sq, skv, query.device,
+                                                              recognize_masks)}
+        mask_type = "no_mask"
+        if set(kwargs) == {"attn_mask_type"}:  # a mask that is a plain causal / no-mask pattern: that module type
+            mask_type = kwargs.pop("attn_mask_type")
+    # a plain causal / no-mask call: a module of that type, and its cached path
     module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap), mask_type)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) or (
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) or (
         isinstance(kwargs.get("core_attention_bias"), torch.Tensor) and kwargs["core_attention_bias"].requires_grad)
-    module.train(bool(needs_grad) or dropout_p > 0)
+    training = bool(needs_grad) or dropout_p > 0
+    if module.training is not training:  # nn.Module.train() walks the module and sets attributes: ~5 us a call
+        module.train(training)
     return module, kwargs
 
 
