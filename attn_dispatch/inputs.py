@@ -114,6 +114,9 @@ class FastHit:
     deterministic: bool  # torch.are_deterministic_algorithms_enabled() when planned: a change misses
     guard: Callable[..., bool] | None = None  # tensor_guard of the q, k, v that were validated
     call: Callable[..., Any] | None = None  # the engine's bind_fast for them: (q, k, v) -> out, under the guard
+    # For the SDPA function: (guard, call) on its [b, h, s, d] tensors (bind_fast(layout="bhsd")), bound on the
+    # plan's second use; None: not yet asked; False: the engine binds none.
+    bhsd: Any = None
 
 
 def tensor_guard(*tensors: torch.Tensor) -> Callable[..., bool] | None:

@@ -113,6 +113,7 @@ class DotProductAttention(torch.nn.Module):
         # matching it skips building the key.
         self._fast: dict[tuple, inputs.FastHit] = {}
         self._fast_last: tuple = _NO_LAST
+        self._bhsd_last: tuple = (None, None)  # the SDPA function's last (training, FastHit with a bhsd call)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self._generation = _GENERATION[0]
         self.last_decision: Decision | None = None
@@ -461,6 +462,7 @@ class DotProductAttention(torch.nn.Module):
         self._entries.clear()
         self._fast.clear()
         self._fast_last = _NO_LAST
+        self._bhsd_last = (None, None)
         self.__dict__.pop("_cp_plans", None)
         self.__dict__.pop("_kv_plans", None)
 
@@ -576,18 +578,52 @@ class DotProductAttention(torch.nn.Module):
             cached = self._alibi_cache[device] = inputs.default_alibi_slopes(self._spec.num_heads).to(device)
         return cached
 
+    def _attend_bhsd(self, q, k, v):
+        """The SDPA function's cached path for q, k, v-only calls: [b, h, s, d] tensors in, [b, h, sq, d_v] out, the
+        torch provider's op bound to them (no bshd views either way); None unless this signature's plan was used
+        twice through _attend_unmerged (with bhsd=) and its engine binds such a call."""
+        training, hit = self._bhsd_last
+        if hit is None or training is not self.training or self.cp_group is not None or _FP8_REGIONS[0] \
+                or _is_compiling():
+            return None
+        plan = hit.plan
+        guard, call = hit.bhsd
+        if plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic or not guard(q, k, v):
+            return None
+        if self.__dict__["last_decision"] is not plan.decision:
+            self.__dict__["last_decision"] = plan.decision
+        return call(q, k, v)
+
+    def _remember_bhsd(self, q4, k4, v4) -> None:
+        """After a cached q, k, v-only call of _attend_unmerged: bind its plan to the SDPA function's [b, h, s, d]
+        tensors q4, k4, v4 (once per plan), for _attend_bhsd."""
+        hit = self._fast_last[2]
+        if hit is None:
+            return
+        if hit.bhsd is None:
+            guard = inputs.tensor_guard(q4, k4, v4)
+            call = None
+            if guard is not None and hit.aux is not None and not self.return_max_logit:
+                call = hit.plan.engine.bind_fast(q4, k4, v4, hit.aux, hit.plan.cfg, layout="bhsd")
+            hit.bhsd = (guard, call) if call is not None else False
+        if hit.bhsd:
+            self._bhsd_last = (self.training, hit)
+
     def _attend_unmerged(self, q, k, v, attention_mask=None, attn_mask_type=None,
                          core_attention_bias_type: str = "no_bias", core_attention_bias=None, cu_seqlens_q=None,
-                         cu_seqlens_kv=None, window_size=None):
+                         cu_seqlens_kv=None, window_size=None, bhsd: tuple | None = None):
         """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
         merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways. A call
-        with only q, k, v takes the cached path once its signature has been planned, as forward's does."""
+        with only q, k, v takes the cached path once its signature has been planned, as forward's does; bhsd (the
+        [b, h, s, d] tensors q, k, v are views of) then binds the plan for _attend_bhsd."""
         only_qkv = attention_mask is None and attn_mask_type is None and core_attention_bias_type == "no_bias" \
             and core_attention_bias is None and cu_seqlens_q is None and cu_seqlens_kv is None and window_size is None
         if only_qkv:
             if self._fast and not _is_compiling():
                 out = self._fast_forward(q, k, v, merged=False)
                 if out is not _MISS:
+                    if bhsd is not None:
+                        self._remember_bhsd(*bhsd)
                     return out
             args = QKV_ONLY
         else:

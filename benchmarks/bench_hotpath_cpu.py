@@ -16,7 +16,8 @@ repeats, because the machine may be shared:
 Headline: "module - engine" (us/call) in inference (eval, no_grad) and training (train, grad enabled,
 inputs requiring grad); issue 8's budget is 5 us on the GPU host. "module(kw)" is the same call passing one
 keyword at its default value (attn_mask_type="no_mask"): the cached path every call with keywords takes (through
-nn.Module.__call__, forward and the plan cache).
+nn.Module.__call__, forward and the plan cache). "sdpa_fn-op": attn_dispatch.scaled_dot_product_attention on
+[b, h, s, d] tensors (the transformers integration's call) over the stand-in op called on them directly.
 
 Run it from the repository root with PYTHONPATH=. to measure this checkout rather than the installed package.
 """
@@ -35,6 +36,7 @@ from attn_dispatch import backends
 from attn_dispatch.backends import _torch_native
 from attn_dispatch.backends.base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 from attn_dispatch.module import DotProductAttention
+from attn_dispatch.sdpa import scaled_dot_product_attention as sdpa_function
 
 SHAPE = dict(batch=1, seqlen=128, heads=16, head_dim=64)
 NATIVE_SHAPE = dict(batch=1, seqlen=8, heads=2, head_dim=16)
@@ -109,6 +111,11 @@ def measure(training: bool, calls: int = 2000, repeats: int = 15, profile: bool 
             assert module.last_decision.chosen == PROVIDER, module.last_decision.chosen
             fns = {"module": lambda: module(q, k, v), "engine_call": lambda: engine(q, k, v, aux, cfg),
                    "module_keywords": lambda: module(q, k, v, attn_mask_type="no_mask")}
+            if stand_in == "native":  # the SDPA-signature function on [b, h, s, d] views, against the op alone
+                q4, k4, v4 = (x.transpose(1, 2) for x in (q, k, v))
+                op = _torch_native._FLASH
+                fns["sdpa_function"] = lambda: sdpa_function(q4, k4, v4)
+                fns["op"] = lambda: op(q4, k4, v4, 0.0, False, False, scale=1.0 / d ** 0.5)
             if stand_in == "trivial":  # the native stand-in's own forward is not what the native path runs
                 fns["engine_forward"] = lambda: engine.forward(q, k, v, aux, cfg)
             result = _time(fns, calls, repeats)
@@ -126,6 +133,8 @@ def measure(training: bool, calls: int = 2000, repeats: int = 15, profile: bool 
             backends._INSTANCES.pop(PROVIDER, None)
         else:
             backends._INSTANCES[PROVIDER] = saved
+    if "sdpa_function" in result:
+        result["sdpa_function_minus_op"] = result["sdpa_function"] - result["op"]
     result["module_minus_engine"] = result["module"] - result["engine_call"]
     result["module_keywords_minus_engine"] = result["module_keywords"] - result["engine_call"]
     return result
@@ -141,10 +150,11 @@ def main() -> None:
     results = {f"{mode}/{stand_in}": measure(mode == "training", args.calls, args.repeats, args.profile, stand_in)
                for stand_in in ("trivial", "native") for mode in ("inference", "training")}
     print(f"{'mode/engine':<18} {'module':>8} {'engine()':>9} {'engine.fwd':>11} {'module-engine':>14} "
-          f"{'module(kw)-engine':>18}   (us/call, min)")
+          f"{'module(kw)-engine':>18} {'sdpa_fn-op':>11}   (us/call, min)")
     for mode, r in results.items():
         print(f"{mode:<18} {r['module']:8.2f} {r['engine_call']:9.2f} {r.get('engine_forward', float('nan')):11.2f} "
-              f"{r['module_minus_engine']:14.2f} {r['module_keywords_minus_engine']:18.2f}")
+              f"{r['module_minus_engine']:14.2f} {r['module_keywords_minus_engine']:18.2f} "
+              f"{r.get('sdpa_function_minus_op', float('nan')):11.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"shape": SHAPE, "native_shape": NATIVE_SHAPE, "torch": torch.__version__,

@@ -225,3 +225,53 @@ def test_fa2_bshd_self_check_passes_only_an_op_equal_to_flash(monkeypatch):
         monkeypatch.setattr(_torch_native, "_FA2_BSHD", _fa2_bshd_stand_in([]))
         assert _torch_native._check_fa2_bshd(cpu) is True
     assert _torch_native.fa2_bshd_ok(cpu) is False  # never on a CPU device: the op is CUDA's
+
+
+def test_sdpa_function_repeats_run_the_op_on_its_bhsd_tensors(native, monkeypatch):
+    """The SDPA-signature function's third call of a signature (its plan used twice) runs the torch provider's op
+    on the [b, h, s, d] tensors as they are, skipping the module's bshd path; switching grad mode, shapes or memory
+    layout stays correct (other signatures plan or take the bshd path). Values and gradients vs float64."""
+    from attn_dispatch import sdpa
+
+    monkeypatch.setattr(sdpa, "_MODULES", {})  # modules of earlier tests hold plans of other stand-ins
+    unmerged = []
+    through = DotProductAttention._attend_unmerged
+    monkeypatch.setattr(DotProductAttention, "_attend_unmerged",
+                        lambda self, *a, **kw: (unmerged.append(1), through(self, *a, **kw))[1])
+    torch.manual_seed(6)
+
+    def fresh(b, h, hkv, s, d, bshd_memory=False):
+        shape = lambda n: (b, s, n, d) if bshd_memory else (b, n, s, d)  # noqa: E731
+        made = [torch.randn(*shape(n)) for n in (h, hkv, hkv)]
+        return [(x.transpose(1, 2) if bshd_memory else x).requires_grad_() for x in made]
+
+    def check(q, k, v, is_causal, grad):
+        gqa = q.shape[1] != k.shape[1]
+        with torch.set_grad_enabled(grad):
+            out = sdpa.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+        ref = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), is_causal=is_causal,
+                                                               enable_gqa=gqa)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+        if grad:
+            dout = torch.randn_like(out)
+            for got, want in zip(torch.autograd.grad(out, (q, k, v), dout),
+                                 torch.autograd.grad(ref, (q, k, v), dout.double())):
+                torch.testing.assert_close(got.double(), want.double(), atol=2e-5, rtol=1e-5)
+
+    calls = [fresh(2, 4, 2, 24, 16) for _ in range(4)]  # new tensors per call, one signature
+    for i, (q, k, v) in enumerate(calls):
+        check(q, k, v, True, grad=True)
+    assert len(unmerged) == 2  # planned, then the bshd cached path (which binds); then the op on bhsd tensors
+    before = len(native.calls)
+    check(*fresh(2, 4, 2, 24, 16), True, grad=True)
+    assert len(unmerged) == 2 and len(native.calls) == before + 1 and native.calls[-1][2]  # lse for the backward
+    for grad in (False, True, False):  # grad mode flips: each mode's own plan
+        check(*fresh(2, 4, 2, 24, 16), True, grad=grad)
+    check(*fresh(2, 4, 2, 24, 16, bshd_memory=True), True, grad=True)  # same shapes, other strides
+    check(*fresh(2, 4, 2, 40, 16), True, grad=True)  # another length
+    check(*fresh(2, 4, 2, 24, 16), True, grad=True)
+    if native.kind == "cudnn":
+        with torch.no_grad():
+            sdpa.scaled_dot_product_attention(*fresh(2, 4, 2, 24, 16), is_causal=True, enable_gqa=True)
+            sdpa.scaled_dot_product_attention(*fresh(2, 4, 2, 24, 16), is_causal=True, enable_gqa=True)
+        assert native.calls[-1][2] is False  # inference asks the op for no lse

@@ -100,12 +100,21 @@ def cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, 
     return _from_bhsd(res[0], fmt, flatten_heads), lse, None
 
 
-def bind(native_call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig):
+def bind(native_call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
+         layout: str = "merged"):
     """native_call specialised to calls whose q, k, v match these in shape, strides, dtype, device and
     requires_grad (the module's tensor guard checks that before each use): a function (q, k, v) -> out with heads
     merged, or None where such calls take the general path. What flash_call/cudnn_call check per call is settled
     here once; each call then costs the op and the views F.scaled_dot_product_attention's caller pays too (issue
-    12: the checks cost the module 10-20 us per call more than SDPA on the H100's host)."""
+    12: the checks cost the module 10-20 us per call more than SDPA on the H100's host).
+    layout="bhsd": q, k, v are [b, h, s, d] (the SDPA function's tensors; cfg describes their bshd views), and the
+    function returns the op's [b, h, sq, d_v] output: the op on them as they are, no views either way."""
+    if layout == "bhsd":
+        if cfg.qkv_format != "bshd":
+            return None
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # the checks below read the bshd views
+    elif layout != "merged":
+        raise ValueError(f"layout={layout!r}; expected 'merged' or 'bhsd'")
     if not static_ok(cfg, allow_bottom_right=True) or aux.dropout_generator is not None:
         return None
     fmt = cfg.qkv_format
@@ -122,9 +131,15 @@ def bind(native_call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: At
             return None
     else:
         return None
+    dropout, scale = float(cfg.dropout_p), cfg.softmax_scale
+    grads = q.requires_grad or k.requires_grad or v.requires_grad
+    grad_enabled = torch.is_grad_enabled
+    if layout == "bhsd":
+        if native_call is flash_call:
+            return lambda q, k, v: _FLASH(q, k, v, dropout, causal, False, scale=scale)[0]
+        return lambda q, k, v: _CUDNN(q, k, v, None, grads and grad_enabled(), dropout, causal, False, scale=scale)[0]
     into, back = ((0, 2, 1, 3), (0, 2, 1, 3)) if fmt == "bshd" else ((1, 2, 0, 3), (2, 0, 1, 3))
     merged = (*q.shape[:2], q.shape[2] * v.shape[3])
-    dropout, scale = float(cfg.dropout_p), cfg.softmax_scale
     permute = torch.permute
 
     def merge(out4: torch.Tensor) -> torch.Tensor:
@@ -146,8 +161,6 @@ def bind(native_call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: At
             return merge(_FLASH(permute(q, into), permute(k, into), permute(v, into), dropout, causal, False,
                                 scale=scale)[0])
         return flash
-    grads = q.requires_grad or k.requires_grad or v.requires_grad
-    grad_enabled = torch.is_grad_enabled
 
     def cudnn(q, k, v):
         return merge(_CUDNN(permute(q, into), permute(k, into), permute(v, into), None,
@@ -200,9 +213,9 @@ class NativeOpPath:
         super().__init_subclass__(**kwargs)
         cls._native_ok: dict = {}  # AttnConfig -> static_ok(cfg): one per provider class
 
-    def bind_fast(self, q, k, v, aux, cfg):
+    def bind_fast(self, q, k, v, aux, cfg, layout: str = "merged"):
         """See bind(): this provider's native call specialised to q, k, v's signature, or None."""
-        return bind(type(self).native_call, q, k, v, aux, cfg)
+        return bind(type(self).native_call, q, k, v, aux, cfg, layout)
 
     def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
         ok = self._native_ok.get(cfg)

@@ -148,10 +148,11 @@ class Engine:
         out4 = self.forward(q4, k4, v4, aux, dataclasses.replace(cfg, qkv_format="bshd")).out
         return out4[rows, cols]
 
-    def bind_fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
-                  cfg: AttnConfig) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    def bind_fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig,
+                  layout: str = "merged") -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """A function (q, k, v) -> out (heads merged) specialised to calls whose tensors match these in shape,
-        strides, dtype, device and requires_grad, for the module's cached path; None (here): call the engine."""
+        strides, dtype, device and requires_grad, for the module's cached path; layout="bhsd": [b, h, s, d] tensors
+        in and out (the SDPA function's); None (here): call the engine."""
         return None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
