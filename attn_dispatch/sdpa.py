@@ -157,11 +157,11 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
 def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, softcap: float,
             mask_type: str = "no_mask"):
-    from .module import DotProductAttention
-
     key = (h, hkv, d, dv, scale, dropout, softcap, mask_type)
     module = _MODULES.get(key)
     if module is None:
+        from .module import DotProductAttention  # here, not per call: an import statement costs ~1 us
+
         if len(_MODULES) >= 64:
             _MODULES.clear()
         module = _MODULES[key] = DotProductAttention(h, (d, dv), num_gqa_groups=hkv, attention_dropout=dropout,
