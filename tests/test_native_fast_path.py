@@ -275,3 +275,25 @@ def test_sdpa_function_repeats_run_the_op_on_its_bhsd_tensors(native, monkeypatc
             sdpa.scaled_dot_product_attention(*fresh(2, 4, 2, 24, 16), is_causal=True, enable_gqa=True)
             sdpa.scaled_dot_product_attention(*fresh(2, 4, 2, 24, 16), is_causal=True, enable_gqa=True)
         assert native.calls[-1][2] is False  # inference asks the op for no lse
+
+
+def test_fa2_bshd_self_check_waits_out_a_capture_and_deterministic_mode(monkeypatch):
+    """The self-check runs once per device, but not during a CUDA graph capture or under torch's deterministic
+    mode: those calls keep _FLASH and the check runs on a later bind (the verdict is not cached from them)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_torch_native, "_FA2_BSHD_OK", {})
+    monkeypatch.setattr(_torch_native, "_FA2_BSHD", object())
+    monkeypatch.setattr(_torch_native, "_FLASH", object())
+    checks = []
+    monkeypatch.setattr(_torch_native, "_check_fa2_bshd", lambda device: checks.append(device) or True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert _torch_native.fa2_bshd_ok(cuda) is False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _torch_native.fa2_bshd_ok(cuda) is False
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not checks and not _torch_native._FA2_BSHD_OK
+    assert _torch_native.fa2_bshd_ok(cuda) is True and _torch_native.fa2_bshd_ok(cuda) is True
+    assert checks == [cuda]

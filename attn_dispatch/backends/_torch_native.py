@@ -171,21 +171,22 @@ def bind(native_call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: At
 def fa2_bshd_ok(device: torch.device) -> bool:
     """Whether _FA2_BSHD computes what _FLASH computes on this device: checked once per device (a causal GQA call
     of two sequences, forward and gradients, on fresh random inputs; a few ms), never while a CUDA graph is being
-    captured (such a call keeps _FLASH and asks again later)."""
+    captured or torch's deterministic mode is on (such a call keeps _FLASH and asks again later)."""
     ok = _FA2_BSHD_OK.get(device)
     if ok is None:
         if _FA2_BSHD is None or _FLASH is None or device.type != "cuda":
             return False
-        if torch.cuda.is_current_stream_capturing():
-            return False
+        if torch.cuda.is_current_stream_capturing() or torch.are_deterministic_algorithms_enabled():
+            return False  # not now (a capture; a flag that may refuse the backward): asked again on a later bind
         ok = _FA2_BSHD_OK[device] = _check_fa2_bshd(device)
     return ok
 
 
 def _check_fa2_bshd(device: torch.device) -> bool:
     try:
-        # the user's RNG untouched; real tensors even under inference_mode (the check needs autograd)
-        with torch.inference_mode(False), torch.enable_grad():
+        # the user's RNG untouched; real tensors even under inference_mode (the check needs autograd); the ops
+        # themselves compared, whatever autocast region the call came from
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
             gen = torch.Generator(device=device).manual_seed(12)
             b, s, h, hkv, d = 2, 40, 4, 2, 64
             q, k, v = (torch.randn(b, s, n, d, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
