@@ -109,8 +109,7 @@ class DotProductAttention(torch.nn.Module):
             self.softmax_offset = None
         self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
         # Calls whose arguments hold no per-call data: (shapes, dtypes, devices, training, requires_grad, the
-        # CallArgs) -> validated plan; the last one used, as (its tensor guard, training, plan, CallArgs): a call
-        # matching it skips building the key.
+        # CallArgs) -> validated plan; the last one used (_remember_last): a call matching it skips building the key.
         self._fast: dict[tuple, inputs.FastHit] = {}
         self._fast_last: tuple = _NO_LAST
         self._bhsd_last: tuple = (None, None)  # the SDPA function's last (training, FastHit with a bhsd call)
