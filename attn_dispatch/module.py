@@ -38,7 +38,6 @@ from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padd
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 _MISS = object()  # _fast_forward found no validated plan
-_NO_LAST = (None, None, None, None, None, None)  # DotProductAttention._fast_last before any plan (see _remember_last)
 _MODULE_CALL = torch.nn.Module.__call__
 _MODULE_CALL_EAGER = torch.compiler.disable(_MODULE_CALL)
 _is_compiling = torch.compiler.is_compiling
@@ -109,9 +108,10 @@ class DotProductAttention(torch.nn.Module):
             self.softmax_offset = None
         self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
         # Calls whose arguments hold no per-call data: (shapes, dtypes, devices, training, requires_grad, the
-        # CallArgs) -> validated plan; the last one used (_remember_last): a call matching it skips building the key.
+        # CallArgs) -> validated plan; the last one used, as (its tensor guard, training, FastHit, CallArgs): a call
+        # matching it skips building the key.
         self._fast: dict[tuple, inputs.FastHit] = {}
-        self._fast_last: tuple = _NO_LAST
+        self._fast_last: tuple = (None, None, None, None)
         self._bhsd_last: tuple = (None, None)  # the SDPA function's last (training, FastHit with a bhsd call)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self._generation = _GENERATION[0]
@@ -241,13 +241,16 @@ class DotProductAttention(torch.nn.Module):
             if call is not None:
                 # The commonest call of all, inline (a frame less: ~1 us on the H100's host, where a small forward
                 # costs ~30 us): the last signature again, with the engine's op bound to it.
-                guard, training, hit, last_call, bound, plan = self._fast_last
-                if bound is not None and training is self.training and (call is last_call or call == last_call) \
-                        and self.cp_group is None and not _FP8_REGIONS[0] and plan.generation == _GENERATION[0] \
+                # (_fast_forward's checks and _current's, written out: no function call before the op's)
+                guard, training, hit, last_call = self._fast_last
+                if hit is not None and hit.call is not None and training is self.training \
+                        and (call is last_call or call == last_call) and self.cp_group is None \
+                        and not _FP8_REGIONS[0] and hit.plan.generation == _GENERATION[0] \
                         and _deterministic_now() is hit.deterministic and guard(query_layer, key_layer, value_layer):
+                    plan = hit.plan
                     if self.__dict__["last_decision"] is not plan.decision:
                         self.__dict__["last_decision"] = plan.decision
-                    return bound(query_layer, key_layer, value_layer)
+                    return hit.call(query_layer, key_layer, value_layer)
                 result = self._fast_forward(query_layer, key_layer, value_layer, call=call)
                 if result is not _MISS:
                     return result
@@ -261,7 +264,7 @@ class DotProductAttention(torch.nn.Module):
         cached graph."""
         if self.cp_group is not None or _FP8_REGIONS[0]:  # an FP8 region open somewhere: plan under it
             return _MISS
-        guard, training, hit, last_call, _, _ = self._fast_last
+        guard, training, hit, last_call = self._fast_last
         if guard is None or training is not self.training or (call is not last_call and call != last_call) \
                 or not guard(query_layer, key_layer, value_layer):
             try:
@@ -271,12 +274,12 @@ class DotProductAttention(torch.nn.Module):
             hit = self._fast.get(key)
             if hit is None:
                 return _MISS
-            self._remember_last(hit, call)
+            self._fast_last = (hit.guard, self.training, hit, call)
             if hit.call is not None and not hit.guard(query_layer, key_layer, value_layer):
                 hit = dataclasses.replace(hit, call=None)  # other strides: the bound call does not apply
+        if not _current(hit):
+            return _MISS
         plan = hit.plan
-        if plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic:
-            return _MISS  # decisions were cleared, or torch's determinism flag changed: plan again
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision  # plain attribute: skips nn.Module.__setattr__
         if hit.call is not None and merged:  # the engine's call bound to these tensors (no max logit, no cuDNN graph)
@@ -450,17 +453,12 @@ class DotProductAttention(torch.nn.Module):
         hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
                              _deterministic_now(), guard, bound)
         self._fast[_fast_key(q, k, v, self.training, call)] = hit
-        self._remember_last(hit, call)
-
-    def _remember_last(self, hit: inputs.FastHit, call: CallArgs) -> None:
-        """The plan the next call is checked against first: (its tensor guard, training, the hit, its CallArgs, the
-        bound call that __call__ runs inline where the guard passes (None: no bound call), the plan)."""
-        self._fast_last = (hit.guard, self.training, hit, call, hit.call if hit.guard is not None else None, hit.plan)
+        self._fast_last = (hit.guard, self.training, hit, call)
 
     def _forget_plans(self) -> None:
         self._entries.clear()
         self._fast.clear()
-        self._fast_last = _NO_LAST
+        self._fast_last = (None, None, None, None)
         self._bhsd_last = (None, None)
         self.__dict__.pop("_cp_plans", None)
         self.__dict__.pop("_kv_plans", None)
@@ -585,10 +583,10 @@ class DotProductAttention(torch.nn.Module):
         if hit is None or training is not self.training or self.cp_group is not None or _FP8_REGIONS[0] \
                 or _is_compiling():
             return None
-        plan = hit.plan
         guard, call = hit.bhsd
-        if plan.generation != _GENERATION[0] or _deterministic_now() is not hit.deterministic or not guard(q, k, v):
+        if not _current(hit) or not guard(q, k, v):
             return None
+        plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision
         return call(q, k, v)
@@ -661,6 +659,12 @@ class DotProductAttention(torch.nn.Module):
 
 
 _deterministic_now = torch.are_deterministic_algorithms_enabled
+
+
+def _current(hit: inputs.FastHit) -> bool:
+    """Whether a cached plan still stands: no decision cleared since it was made, and torch's determinism flag as it
+    was then (else the call plans again)."""
+    return hit.plan.generation == _GENERATION[0] and _deterministic_now() is hit.deterministic
 
 
 def _fast_key(q, k, v, training: bool, call: CallArgs) -> tuple:

@@ -54,12 +54,14 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             out = F.pad(out, (0, 0, layout.q_skip, 0))  # rows before the first sequence: fully masked, 0
         b, h, sq = query.shape[:3]
         return out.view(b, sq, h, -1).transpose(1, 2)
+    bhsd = None
     if not kwargs:  # a plain causal / no-mask call: the op bound to these [b, h, s, d] tensors, once planned
         out = module._attend_bhsd(query, key, value)
         if out is not None:
             return out
-        kwargs = {"bhsd": (query, key, value)}
-    out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+        bhsd = (query, key, value)
+    out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs,
+                                  bhsd=bhsd)
     return out.transpose(1, 2)  # [b, h, sq, d_v]: no copy where the engine wrote that order
 
 

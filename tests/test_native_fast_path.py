@@ -179,7 +179,7 @@ def test_fa2_takes_the_bshd_op_once_the_self_check_passed(fa2_bshd, fmt, mask):
     q, k, v = (torch.randn(*shape, n, d).requires_grad_() for n in (h, hkv, hkv))
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=mask, backend="unfused")
     _check(module, q, k, v, fmt, mask)  # its first call plans (flash_call), the next ones take the bound call
-    assert module._fast_last[4] is not None
+    assert module._fast_last[2].call is not None  # the bound call the repeats take
     used, other = (calls, recorder.calls) if fmt == "bshd" else (recorder.calls, calls)
     assert len(used) == 2 and not other  # the planning call (flash_call) and a bound repeat
 

@@ -10,7 +10,8 @@ so no launch waits) for a ladder of callers of one torch op, from the bare op up
   sdpa        F.scaled_dot_product_attention with those views (what bench_user_step times as `sdpa`)
   bound       the module's bound call for these tensors (FastHit.call), called directly
   forced      DotProductAttention with the provider forced, called as a user calls it
-  forced_prev the same through the route before __call__ ran the bound op inline (via _fast_forward)
+  (host_overhead_h100_inline.json also has `forced_prev`: the route before __call__ ran the bound op inline, an
+  A/B that needed a module state that no longer exists)
   default     DotProductAttention with nothing forced
 Training steps are forward, then backward into the leaves' .grad. With --ops, torch.profiler's CPU view of a step
 of `sdpa` and of `forced` (cuDNN): the ops whose call counts differ (what the module runs that SDPA does not).
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch import DotProductAttention  # noqa: E402
-from bench_user_step import environment, split_times  # noqa: E402
+from bench_user_step import environment, split_times, step_fn  # noqa: E402
 
 CALLS = [  # (label, b, s, h, hkv, d, causal, fmt)
     ("enc0 d96 s256 b16 h20 no_mask", 16, 256, 20, 20, 96, False, "bshd"),
@@ -93,31 +94,15 @@ def callers(provider, b, s, h, hkv, d, causal, fmt, q, k, v, train):
                                  attn_mask_type="causal" if causal else "no_mask", backend=provider).cuda().train(train)
     default = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt,
                                   attn_mask_type="causal" if causal else "no_mask").cuda().train(train)
-    previous = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt,
-                                   attn_mask_type="causal" if causal else "no_mask", backend=provider).cuda().train(train)
     with torch.set_grad_enabled(train):
-        for module in (forced, forced, default, previous, previous):
+        for module in (forced, forced, default):
             module(q, k, v)
-    # `previous`: the route before __call__ ran the bound op inline (through _fast_forward), for the A/B
-    previous._fast_last = (*previous._fast_last[:4], None, previous._fast_last[5])
     hit = forced._fast_last[2]
     if hit is not None and hit.call is not None:
         fns["bound"] = lambda: hit.call(q, k, v)
     fns["forced"] = lambda: forced(q, k, v)
-    fns["forced_prev"] = lambda: previous(q, k, v)
     fns["default"] = lambda: default(q, k, v)
     return fns, default.last_decision.chosen, (hit is not None and hit.call is not None)
-
-
-def as_step(fn, q, k, v, dout, train):
-    if not train:
-        return fn
-
-    def step():
-        q.grad = k.grad = v.grad = None
-        with torch.enable_grad():
-            fn().backward(dout)
-    return step
 
 
 def profile_ops(step, steps: int = 20) -> dict[str, int]:
@@ -151,7 +136,7 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - a provider that cannot run the call
                     print(f"{label} {provider}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                steps = {n: as_step(fn, q, k, v, dout, train) for n, fn in fns.items()}
+                steps = {n: step_fn(lambda q, k, v, fn=fn: fn(), q, k, v, dout, {}, train) for n, fn in fns.items()}
                 # several rounds, rotating who goes first: the host drifts
                 host: dict[str, list[float]] = {n: [] for n in steps}
                 gpu: dict[str, list[float]] = {n: [] for n in steps}
