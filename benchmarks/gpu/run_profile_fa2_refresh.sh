@@ -9,10 +9,7 @@
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-tag=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100')")
-SOURCES=fit,fit-drawn-a,fit-drawn-b,fit-drawn-c,fit-extra,fit-gqa,fit-thd,eval,eval-fresh  # the profile's grids
+source "$(dirname "$0")/runner_common.sh"
 case ${1:-} in
   refresh)
     source "$(dirname "$0")/stock_env.sh"
@@ -23,18 +20,6 @@ case ${1:-} in
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
-  blind7)
-    start=${3:-0}
-    if [ "${2:-}" = stock ]; then
-      source "$(dirname "$0")/stock_env.sh"
-      file="blind7_stock_${tag}_from${start}.json"; stack=(--tag stock)
-    else
-      source "$(dirname "$0")/setup.sh" > /dev/null
-      file="blind7_${tag}_from${start}.json"; stack=()
-    fi
-    timeout 560 python3 benchmarks/bench_user_step.py --grid eval-blind7 --policies --measured --reps 16 \
-      --start "$start" --max-seconds 480 "${stack[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
-    python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
-    ;;
+  blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7 full|stock [START]"; exit 2 ;;
 esac
