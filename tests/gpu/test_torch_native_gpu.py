@@ -98,3 +98,47 @@ def test_repeat_calls_with_keyword_settings_run_the_bound_op_and_match_reference
     finally:
         DotProductAttention._forward_args = general
     assert len(entered) == 2  # one plan per setting; every later call ran the bound op inline
+
+
+@pytest.mark.parametrize("disable", ["NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN"])
+@pytest.mark.parametrize("is_causal,h,hkv,d", [(True, 8, 2, 128), (False, 4, 4, 64)])
+def test_sdpa_function_repeats_take_the_bhsd_path_and_match_reference(monkeypatch, disable, is_causal, h, hkv, d):
+    """The SDPA-signature function called as a transformers model calls it (a new [b, h, s, d] tensor each step):
+    from a signature's third call a torch provider's op runs on the [b, h, s, d] tensors themselves. Every call,
+    grad mode flips and other strides included, against float32, forward and q/k/v gradients."""
+    import attn_dispatch
+    from attn_dispatch import explain_sdpa, sdpa
+
+    monkeypatch.setenv(disable, "0")  # one family off: the other's engine runs (the torch one on stock torch)
+    attn_dispatch.clear_cache()
+    monkeypatch.setattr(sdpa, "_MODULES", {})
+    unmerged = []
+    through = DotProductAttention._attend_unmerged
+    monkeypatch.setattr(DotProductAttention, "_attend_unmerged",
+                        lambda self, *a, **kw: (unmerged.append(1), through(self, *a, **kw))[1])
+    b, s = 2, 333
+
+    def fresh(step, bshd_memory=False):
+        gen = torch.Generator(device="cuda").manual_seed(7 * step + d)
+        shape = (lambda n: (b, s, n, d)) if bshd_memory else (lambda n: (b, n, s, d))
+        made = [torch.randn(*shape(n), generator=gen, device="cuda").bfloat16() for n in (h, hkv, hkv)]
+        return [(x.transpose(1, 2) if bshd_memory else x).requires_grad_() for x in made]
+
+    provider = explain_sdpa(*fresh(0), is_causal=is_causal, enable_gqa=h != hkv).chosen
+    steps = [(True, False)] * 5 + [(False, False), (True, False), (True, True), (True, False)]
+    for step, (grad, bshd_memory) in enumerate(steps):
+        q, k, v = fresh(step + 1, bshd_memory)
+        with torch.set_grad_enabled(grad):
+            out = attn_dispatch.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=h != hkv)
+        qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
+        ref = reference(*(x.transpose(1, 2) for x in (qr, kr, vr)), "causal" if is_causal else "no_mask", "bshd")
+        ref = ref.view(b, s, h, d).transpose(1, 2)
+        assert rel_err(out, ref) < 2e-2, (provider, step)
+        if grad:
+            dout = torch.randn_like(out)
+            got = torch.autograd.grad(out, (q, k, v), dout)
+            want = torch.autograd.grad(ref, (qr, kr, vr), dout.float())
+            for g, w in zip(got, want):
+                assert rel_err(g, w) < 3e-2, (provider, step)
+        if step == 4 and provider.endswith(":torch"):
+            assert len(unmerged) == 2, provider  # planned, then the bshd cached path (which binds); then bhsd
