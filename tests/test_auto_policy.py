@@ -412,22 +412,41 @@ def _split_run(machine: str, rows: list[tuple[dict, dict]]) -> dict:
 
 def test_a_run_refreshing_a_provider_replaces_its_splits_of_the_calls_it_measured_only():
     """After a provider's host path changed (the torch FA2 bound call on bshd, session 11), a split run with
-    refreshes=[that provider] is the only source of its split for the calls the run covered on its machine; its
-    other providers' splits, other calls, other machines and the step times are pooled as before."""
-    first, second = dict(max_seqlen_q=1024, attn_mask_type="causal"), dict(max_seqlen_q=2048)
+    refreshes=[that provider] is the only source of its split for the calls the run covered on its machine, its
+    host times scaled onto the other runs' lease by the median ratio of F.sdpa's host times ('sdpa', split in both);
+    other calls, other machines and the step times are pooled as before."""
+    calls = [dict(max_seqlen_q=512 * (i + 1), attn_mask_type="causal") for i in range(5)]
+    uncovered = dict(max_seqlen_q=8192)
     timed = {"machine": "m", "rows": [{"label": f"c{i}", "params": AttentionParams(**kw).to_dict(),
-                                       "times_ms": {"x:a": 1.0, "x:b": 2.0}} for i, kw in enumerate((first, second))]}
-    old = _split_run("m", [(first, {"x:a": (0.5, 0.9, 1.0), "x:b": (0.6, 1.9, 1.0)}),
-                           (second, {"x:a": (0.7, 1.5, 1.0)})])
-    old_elsewhere = _split_run("n", [(first, {"x:a": (0.9, 0.9, 1.0)})])
-    refresh = {**_split_run("m", [(first, {"x:a": (0.2, 0.9, 1.0), "x:b": (0.1, 1.9, 1.0)}),
-                                  (second, {"x:a": (0.3, 1.5, 0.0)})]), "refreshes": ["x:a"]}
+                                       "times_ms": {"x:a": 1.0, "x:b": 2.0}} for i, kw in enumerate(calls)]}
+    old = _split_run("m", [(kw, {"x:a": (0.5, 0.9, 1.0), "x:b": (0.6, 1.9, 1.0), "sdpa": (0.4, 0.9, 1.0)})
+                           for kw in calls] + [(uncovered, {"x:a": (0.7, 1.5, 1.0), "sdpa": (0.4, 1.5, 1.0)})])
+    old_elsewhere = _split_run("n", [(calls[0], {"x:a": (0.9, 0.9, 1.0)})])
+    # this lease's host runs F.sdpa 2x faster (ratios 2, 2, 2, 1.6, 4: median 2)
+    fast_lease = [(kw, {"x:a": (0.1, 0.9, 1.0), "x:b": (0.05, 1.9, 1.0), "sdpa": (0.4 / r, 0.9, 1.0)})
+                  for kw, r in zip(calls, (2, 2, 2, 1.6, 4))]
+    refresh = {**_split_run("m", fast_lease + [(uncovered, {"x:a": (0.3, 1.5, 0.0), "sdpa": (0.2, 1.5, 1.0)})]),
+               "refreshes": ["x:a"]}
     data = build([timed, old, old_elsewhere, refresh], arch="sm90", stack={}, date="")
     entries = {(data["machines"][e["machine"]], e["label"]): e for e in data["entries"]}
-    assert entries[("m", "c0")]["host_ms"] == {"x:a": 0.2, "x:b": 0.35}  # x:a refreshed; x:b pooled (median)
-    assert entries[("m", "c1")]["host_ms"] == {"x:a": 0.7}  # the refresh's split of c1 was not covered: old stays
+    # x:a refreshed, scaled x2; x:b pooled with the old run's (median of 0.6 and 0.05 x 2)
+    assert entries[("m", "c0")]["host_ms"] == {"x:a": 0.2, "x:b": 0.35}
+    assert entries[("m", "c0")]["gpu_ms"] == {"x:a": 0.9, "x:b": 1.9}  # GPU times are not scaled
+    assert entries[("m", "split5")]["host_ms"] == {"x:a": 0.7}  # the refresh's split was not covered: old stays
     assert entries[("m", "c0")]["times_ms"] == {"x:a": 1.0, "x:b": 2.0}
     assert entries[("n", "split0")]["host_ms"] == {"x:a": 0.9}  # another machine: untouched
+
+
+def test_a_refresh_without_enough_reference_calls_is_refused():
+    """A refresh whose lease cannot be read (fewer than MIN_REFERENCE_CALLS calls with an F.sdpa split shared with
+    the other runs, per pass) would mix two leases' host speeds: the build says which run and why."""
+    calls = [dict(max_seqlen_q=512 * (i + 1)) for i in range(5)]
+    old = _split_run("m", [(kw, {"x:a": (0.5, 0.9, 1.0), "sdpa": (0.4, 0.9, 1.0)}) for kw in calls])
+    refresh = {**_split_run("m", [(kw, {"x:a": (0.1, 0.9, 1.0)} if i else {"x:a": (0.1, 0.9, 1.0),
+                                                                         "sdpa": (0.2, 0.9, 1.0)})
+                                  for i, kw in enumerate(calls)]), "refreshes": ["x:a"], "path": "refresh.json"}
+    with pytest.raises(ValueError, match=r"refresh run 'refresh.json': 1 training calls with a 'sdpa' split"):
+        build([old, refresh], arch="sm90", stack={}, date="")
 
 
 def test_split_runs_add_host_and_gpu_times_to_the_entries_they_measured():

@@ -480,30 +480,74 @@ def pooled_calls(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, dic
     return grouped
 
 
+REFRESH_REFERENCE = "sdpa"  # torch's own call, split in every run: its host path is the same in each of them
+MIN_REFERENCE_CALLS = 5  # calls a refresh shares with the other runs, per pass, to read its lease's host speed
+
+
+def refresh_host_scales(runs: list[dict]) -> dict[tuple[int, bool], float]:
+    """(index of a refresh run, training) -> the factor putting its host times on the other runs' scale. A lease's
+    host speed differs by up to ~1.7x from another's (session 10: H200/H100 leases 0.62-0.68x; the FA2 refresh's
+    lease ran F.sdpa at 0.60x the split fit's): so the refresh's own F.sdpa split, against the other runs' of the
+    same calls on its machine, gives the median ratio by which its refreshed providers' host times are scaled."""
+    def host(row: dict) -> float | None:
+        split = row.get("split", {}).get(REFRESH_REFERENCE, {})
+        return split["host_ms"] if split.get("covered") == 1 else None
+
+    others: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        if not run.get("refreshes"):
+            for row in run["rows"]:
+                if (h := host(row)) is not None:
+                    others.setdefault((run["machine"], _call_key(row["params"])), []).append(h)
+    scales = {}
+    for index, run in enumerate(runs):
+        if not run.get("refreshes"):
+            continue
+        ratios: dict[bool, list[float]] = {True: [], False: []}
+        for row in run["rows"]:
+            theirs = others.get((run["machine"], _call_key(row["params"])))
+            if theirs and (mine := host(row)) is not None:
+                ratios[AttentionParams(**row["params"]).is_training].append(statistics.median(theirs) / mine)
+        for training, found in ratios.items():
+            if not any(AttentionParams(**row["params"]).is_training is training for row in run["rows"]):
+                continue
+            if len(found) < MIN_REFERENCE_CALLS:
+                raise ValueError(f"refresh run {run.get('path', index)!r}: {len(found)} "
+                                 f"{'training' if training else 'inference'} calls with a {REFRESH_REFERENCE!r} "
+                                 f"split shared with the other runs on {run['machine']!r}, need "
+                                 f"{MIN_REFERENCE_CALLS} to scale its host times onto theirs")
+            scales[(index, training)] = statistics.median(found)
+    return scales
+
+
 def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
     """(machine, call) -> {provider: (host ms, GPU ms)}, medians over the runs' rows with a split
     (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
     provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
     names a provider (its host path changed since the other runs: --refreshes) is the only source of that
-    provider's split for the calls it split on its machine. (Its step times stay combined with the other runs':
-    where a provider has a split, the model reads host and GPU time alone.)"""
+    provider's split for the calls it split on its machine; its host times are scaled onto the other runs' lease by
+    refresh_host_scales. (Its step times stay combined with the other runs': where a provider has a split, the
+    model reads host and GPU time alone.)"""
     def usable(split: dict) -> bool:
         return split.get("covered") == 1
 
+    scales = refresh_host_scales(runs)
     refreshed = {(run["machine"], _call_key(row["params"]), provider) for run in runs
                  for provider in run.get("refreshes", ()) for row in run["rows"]
                  if usable(row.get("split", {}).get(provider, {}))}
     found: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
-    for run in runs:
+    for index, run in enumerate(runs):
         refreshing = set(run.get("refreshes", ()))
         for row in run["rows"]:
             key = (run["machine"], _call_key(row["params"]))
+            scale = scales.get((index, AttentionParams(**row["params"]).is_training), 1.0) if refreshing else 1.0
             for provider, split in row.get("split", {}).items():
                 if ":" not in provider or not usable(split):
                     continue
                 if provider not in refreshing and (*key, provider) in refreshed:
                     continue  # measured before the provider's path changed: the refresh replaces it
-                found.setdefault(key, {}).setdefault(provider, []).append((split["host_ms"], split["gpu_ms"]))
+                host = split["host_ms"] * scale
+                found.setdefault(key, {}).setdefault(provider, []).append((host, split["gpu_ms"]))
     return {key: {p: (statistics.median(h for h, _ in v), statistics.median(g for _, g in v)) for p, v in by.items()}
             for key, by in found.items()}
 
