@@ -2,8 +2,8 @@
 
 Engines that are compared are timed against each other, interleaved: after each one's first (possibly
 JIT-compiling) call and a warm period in which they all run (the GPU settles at the clock it sustains under
-load), every round times each engine once in a rotated order, and each engine's result is the median over
-rounds. Timing them one after another instead hands clock drift to whichever runs first: on the power-capped
+load), every round times each engine once, in an order balanced over rounds for who goes first and who follows whom
+(_round_order), and each engine's result is the median over rounds. Timing them one after another instead hands clock drift to whichever runs first: on the power-capped
 H100 here, the first engine timed after a pause ran 5-8% faster than in steady state, which was enough to flip
 close picks. On the GPU, CUDA events; on the CPU, time.perf_counter. Engines run through the autograd wrapper
 the module calls (engine_step).
@@ -12,7 +12,7 @@ What one sample is (TimerSettings.block_ms):
 - 0, per call: each call between two events, launched back to back on one stream, one synchronisation at the
   end. A call's events then measure its GPU time when the calls before it left a deep queue (its host time
   hidden), and host gaps too when they did not: the sample depends on what ran just before. Where a call's host
-  time is near its GPU time the samples are bimodal and the median picks a mode by how often the rotation put a
+  time is near its GPU time the samples are bimodal and the median picks a mode by how often the round order put a
   GPU-heavy call first: the same engine in two modules differed by 6-13% on the H100 (issue 12).
 - > 0, blocks: a synchronisation (empty queue), one untimed lead-in call, then n back-to-back calls of the same
   function between two events, n = block_ms / its estimate. Every sample is that function in a steady loop of
@@ -278,7 +278,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         settle_rounds = max(0, settings.warmup - 2)
         settle_rounds += math.ceil(settings.warm_ms / round_ms) if round_ms > 0 else 0
         for r in range(settle_rounds):
-            _call_each(fns, _rotated(live, r), errors)
+            _call_each(fns, _round_order(live, r), errors)
         live = [name for name in live if name not in errors]
         calls = _blocks(estimates, settings.block_ms)
         # With a single warm-up call, no warm period and per-call samples, the estimate is the first sample.
@@ -337,21 +337,28 @@ def _call_each(fns: dict[str, Callable[[], None]], names: list[str], errors: dic
     return [name for name in names if name not in errors]
 
 
-def _rotated(names: list[str], r: int) -> list[str]:
-    """Round r's calling order: a rotation picks who goes first (each name equally often, so none always runs
-    after a pause), and the rest follow in an order that varies (reversed on odd rounds, shuffled every third)
-    so that each name follows different names. With a fixed cyclic order a name always follows the same one,
-    and on the GPU what runs just before a call (a deep queue that hides its host time, the clock a heavy
-    kernel leaves) biased close comparisons by several percent."""
-    if not names:
-        return []
-    first = r % len(names)
-    rest = names[first + 1:] + names[:first]
-    if r % 2:
-        rest.reverse()
-    if r % 3 == 2:
-        random.Random(r).shuffle(rest)
-    return [names[first]] + rest
+def _round_order(names: list[str], r: int) -> list[str]:
+    """Round r's calling order: row r of a Williams design (a Latin square balanced for carryover). Over n rounds
+    (2n for an odd count) each name goes first equally often and follows every other name equally often.
+    What runs just before a call biases it on the GPU (the clock a heavy kernel leaves, a queue that hides host
+    time): with the rotation used before, the pick's forced column never followed a call of its own engine in a
+    blind row's 16 rounds while the default and its twin did in 8 and 12, and on calls over 3 ms both read 1-2%
+    above the forced pick in each of 11 runs (benchmarks/results/profile/README.md, session 12)."""
+    n = len(names)
+    if n < 2:
+        return list(names)
+    first_row, low, high = [0], 1, n - 1
+    while len(first_row) < n:  # 0, 1, n-1, 2, n-2, ...: successive differences cover every non-zero residue once
+        first_row.append(low)
+        low += 1
+        if len(first_row) < n:
+            first_row.append(high)
+            high -= 1
+    shift = r % n
+    row = [names[(i + shift) % n] for i in first_row]
+    if n % 2 and (r // n) % 2:  # odd n: every other cycle runs the rows reversed, which completes the balance
+        row.reverse()
+    return row
 
 
 def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
@@ -362,7 +369,7 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
 
 def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int, errors: dict[str, Exception],
                   device_type: str, calls: dict[str, int] | None = None) -> dict[str, list[float]]:
-    """reps rounds, each timing every surviving function once in rotated order; milliseconds per call.
+    """reps rounds, each timing every surviving function once (_round_order); milliseconds per call.
     A name not in `calls`: one call per sample; on the GPU a CUDA event pair around each call,
     launched back to back, one synchronisation at the end. calls[name] = n: each sample is a block (synchronise, an
     untimed lead-in call, n calls between two marks), divided by n. On the CPU time.perf_counter."""
@@ -379,7 +386,7 @@ def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: in
 
     marks: dict[str, list] = {name: [] for name in names}
     for r in range(reps):
-        for name in _rotated([n for n in names if n not in errors], r):
+        for name in _round_order([n for n in names if n not in errors], r):
             fn, n = fns[name], (calls or {}).get(name)
             try:
                 if n is not None:
