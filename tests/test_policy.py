@@ -304,7 +304,7 @@ def two_engines(monkeypatch, tmp_path):
         monkeypatch.setitem(backends.ENGINE_CLASSES, pid, "tests.test_policy:CountingEngine")
     tables = {pid: _test_table(pid.partition(":")[2]) for pid in engines}
     monkeypatch.setattr(selection, "TABLES", tables)
-    monkeypatch.setattr(constraints, "TABLES", tables)  # the measured policy checks the bucket's shape against them
+    monkeypatch.setattr(constraints, "TABLES", tables)
     monkeypatch.setattr(selection, "_POLICIES", {})
     monkeypatch.setenv("ATTN_DISPATCH_CACHE_DIR", str(tmp_path))
     return engines
@@ -338,6 +338,30 @@ def test_measured_policy_picks_the_faster_engine_and_remembers_it(two_engines, t
     _policy()
     assert select(params.replace(max_seqlen_q=29, batch_size=2), policy="measured").chosen == "unfused:fast"
     assert (slow.forwards, fast.forwards) == calls
+
+
+def test_a_bucket_is_timed_at_the_shape_of_the_call_that_reached_it(two_engines, monkeypatch):
+    """The bucket's largest shape is its name, not what is timed: a host-bound engine's floor hides behind a larger
+    shape's GPU time (blind7: flash-attn-4 picked at b42 from timings at b64, 1.59x cuDNN there). The first call's
+    own shape is timed and recorded; a later call of the bucket reuses it and says at which shape it was timed."""
+    from attn_dispatch.policy import measured
+
+    timed = []
+    through = measured.time_engines
+    monkeypatch.setattr(measured, "time_engines", lambda engines, shape, *a, **kw: (timed.append(shape),
+                                                                                     through(engines, shape, *a,
+                                                                                             **kw))[1])
+    two_engines["unfused:slow"].delay_s = 0.25
+    policy = _policy()
+    call = cpu_params().replace(batch_size=3, max_seqlen_q=29, max_seqlen_kv=29)
+    assert BucketScheme().representative(call) != call
+    decision = select(call, policy="measured")
+    assert decision.chosen == "unfused:fast" and timed == [call]
+    assert policy.lookup(call, Platform.detect())["shape"] == call.to_dict()
+    other = call.replace(batch_size=4, max_seqlen_q=31, max_seqlen_kv=31)  # the same bucket
+    again = select(other, policy="measured")
+    assert again.chosen == "unfused:fast" and timed == [call]  # no new timing
+    assert call.describe() in again.policy_reason
 
 
 def test_env_var_selects_the_measured_policy_and_inference_is_tuned_apart(two_engines, monkeypatch):

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         candidates = [v.id for v in explain(params, platform, use_cache=False).verdicts if v.eligible]
         result = policy.tune(params, platform, candidates, retune=args.retune)
         results.append({"shape": shape_label(params), "mode": result.entry.get("mode"),
-                        "bucket_shape": shape_label(result.representative), "chosen": result.chosen,
+                        "bucket_shape": shape_label(policy.scheme.representative(params)),
+                        "timed_shape": shape_label(result.timed_shape), "chosen": result.chosen,
                         "tuned_now": result.tuned_now, "times_ms": result.entry.get("times_ms", {}),
                         "pruned_probe_ms": result.entry.get("probe_ms", {}),
                         "errors": result.entry.get("errors", {}), "skipped": result.entry.get("skipped", {}),
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
             state = "tuned" if r["tuned_now"] else "cached"
             if r["tuning_s"] is not None:  # what timing this bucket cost (compiles and graph builds included)
                 state += f" in {r['tuning_s']:.2f} s"
-            print(f"{r['shape']} {r['mode']} (bucket {r['bucket_shape']}): {r['chosen'] or 'NONE'} [{state}]"
+            print(f"{r['shape']} {r['mode']} (bucket {r['bucket_shape']}, timed at {r['timed_shape']}): "
+                  f"{r['chosen'] or 'NONE'} [{state}]"
                   f"{': ' + times if times else ''}")
             for pid, err in r["errors"].items():
                 print(f"    {pid} failed: {err}")

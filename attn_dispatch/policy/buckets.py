@@ -6,7 +6,8 @@ a multiple of 64 always rounds to a multiple of 64 (cuDNN's older seqlen rule ke
 to a power of two. Heads, head dims, dtype, layout, mask, window and every feature flag stay exact: they change
 which kernel runs, not just how long it runs.
 
-A bucket is tuned at its representative: the largest shape in it, on the same side of the 128 grid as the call.
+A bucket is named by its representative: the largest shape in it, on the same side of the 128 grid as the call. It
+is timed at the shape of the call that first reaches it (policy/measured.py).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class BucketScheme:
         return next_power_of_two(n)
 
     def representative(self, params: AttentionParams) -> AttentionParams:
-        """The largest shape of params' bucket: the one that is timed for the whole bucket."""
+        """The largest shape of params' bucket: its name (the key)."""
         rounded = {
             "batch_size": self.round_batch(params.batch_size),
             "max_seqlen_q": self.round_seqlen(params.max_seqlen_q),

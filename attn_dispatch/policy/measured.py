@@ -4,16 +4,17 @@ Opt in with ATTN_DISPATCH_POLICY=measured or select(..., policy='measured'); the
 (the shipped profile), which also reads the buckets tuned here. Selection consults a policy only when a decision
 is not cached, so the hot path never pays for it.
 
-How a bucket is tuned: every eligible provider (eligible for the call and for the bucket's representative shape) is
-timed against the others, interleaved after a warm period (timing.time_interleaved; CUDA events on the GPU). One
-whose least time over its estimate and two confirming calls is beyond `prune_ratio` times the best is not timed
-further (a single estimate right after a JIT compile or a graph build is no measurement). A sample of a call under 2
-ms is a block of back-to-back calls after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a
-provider in a steady loop of itself, whatever was timed just before it, host launch overhead included where the GPU
-does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the engine
-called as the module's repeat calls call it (timing.engine_step), forward alone in inference (no_grad), forward then
-backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's entry, all
-candidates are timed again together, so an entry never compares times taken at different moments. The entry records
+How a bucket is tuned: every provider eligible for the call that first reaches the bucket is timed at that call's
+shape (what the user's step costs; later calls of the bucket reuse the result) against the others, interleaved
+after a warm period (timing.time_interleaved; CUDA events on the GPU). One whose least time over its estimate and
+two confirming calls is beyond `prune_ratio` times the best is not timed further (a single estimate right after a
+JIT compile or a graph build is no measurement). A sample of a call under 2 ms is a block of back-to-back calls
+after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a provider in a steady loop of itself,
+whatever was timed just before it, host launch overhead included where the GPU does not hide it; longer calls
+are sampled one at a time. What is timed is what a user's step costs: the engine called as the module's repeat
+calls call it (timing.engine_step), forward alone in inference (no_grad), forward then backward into the leaf
+tensors' .grad in training. Whenever a candidate is missing from a bucket's entry, all candidates are timed again
+together (at the new call's shape), so an entry never compares times taken at different moments. The entry records
 what tuning cost (`tuning_s`). The result goes to the persistent cache (see cache.py), so the next process starts
 tuned.
 
@@ -29,7 +30,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import Platform
 from .base import Choice
@@ -53,7 +53,7 @@ PRUNE_RATIO = 2.0
 @dataclass
 class TuneResult:
     bucket: str
-    representative: AttentionParams
+    timed_shape: AttentionParams  # the call whose shape was timed for the bucket (the first to reach it)
     entry: dict[str, Any]
     chosen: str | None
     tuned_now: bool
@@ -114,7 +114,7 @@ class MeasuredPolicy:
         timed = {p: round(times[p], 4) for p in eligible if times.get(p) is not None}
         how = "timed now" if result.tuned_now else "timed earlier on this machine"
         return Choice(result.chosen, f"measured fastest ({how}, bucket {result.bucket}, at "
-                                     f"{result.representative.describe()}): {timed[result.chosen]:.3f} ms per step",
+                                     f"{result.timed_shape.describe()}): {timed[result.chosen]:.3f} ms per step",
                       timed, "ms per step, measured here")
 
     def lookup(self, params: AttentionParams, platform: Platform) -> dict[str, Any] | None:
@@ -124,9 +124,11 @@ class MeasuredPolicy:
 
     def tune_bucket(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
                     retune: bool = False) -> TuneResult:
-        """Look the bucket up; if it has no time for some candidate (or retune), time all candidates together."""
+        """Look the bucket up; if it has no time for some candidate (or retune), time all candidates together, at
+        this call's own shape: what the user's step costs. (Timing the bucket's largest shape instead misled on
+        host-bound engines: blind7's enc0 d64 s384 b42 training, tuned at b64 where flash-attn-4's ~0.5 ms host
+        floor was hidden, picked it at 1.59x cuDNN's time at b42; results/profile/README.md, session 12.)"""
         bucket = self.scheme.key(params)
-        representative = self.scheme.representative(params)
         with self._lock:
             cache = self.cache_for(platform)
             entry = None if retune else cache.get(bucket)
@@ -136,7 +138,7 @@ class MeasuredPolicy:
                 reason = why_not_tunable(params, platform)
                 if reason is None:
                     timeable = [c for c in candidates if (bucket, c) not in self._failed]
-                    entry = self._tune(representative, platform, timeable, entry, bucket)
+                    entry = self._tune(params, platform, timeable, entry, bucket)
                     cache.put(bucket, entry)
                     tuned_now = True
                 elif bucket not in self._warned:
@@ -146,7 +148,8 @@ class MeasuredPolicy:
                                    "using the fastest timed one" if fastest(entry, candidates) else
                                    "the preference order decides")
             chosen = fastest(entry, candidates)
-        return TuneResult(bucket, representative, entry or {}, chosen, tuned_now)
+        timed_shape = AttentionParams(**entry["shape"]) if entry and "shape" in entry else params
+        return TuneResult(bucket, timed_shape, entry or {}, chosen, tuned_now)
 
     def tune(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
              retune: bool = False) -> TuneResult:
@@ -172,32 +175,30 @@ class MeasuredPolicy:
             return True
         return not any(provider in entry.get(k, {}) for k in ("times_ms", "probe_ms", "skipped"))
 
-    def _tune(self, representative: AttentionParams, platform: Platform, providers: list[str],
+    def _tune(self, shape: AttentionParams, platform: Platform, providers: list[str],
               entry: dict | None, bucket: str) -> dict[str, Any]:
+        """Time providers at `shape` (a call's own, eligible for each of them) into the bucket's entry: a fresh one
+        where the entry's times were taken at another shape, so that an entry never mixes shapes."""
         from ..backends import get_engine
 
         started = time.perf_counter()
-        mode = mode_of(representative)
-        entry = _fresh_entry(representative, mode, self.settings) if not entry else _copy(entry)
+        mode = mode_of(shape)
+        same_shape = entry and entry.get("shape") == shape.to_dict()
+        entry = _copy(entry) if same_shape else _fresh_entry(shape, mode, self.settings)
         entry["settings"] = self.settings.to_dict()
-        ok_at_rep = self._eligible_at(representative, platform)
         engines = {}
         for pid in providers:
-            if pid not in ok_at_rep:
-                entry["skipped"][pid] = "not eligible at the bucket's representative shape " \
-                                        f"({representative.describe()})"
-                continue
             try:
                 engines[pid] = get_engine(pid)
             except Exception as exc:  # noqa: BLE001 - an engine that fails to load is reported, never fatal
                 self._record_failure(entry, bucket, pid, exc)
         if engines:
-            timings, errors = time_engines(engines, representative, mode, self.settings,
+            timings, errors = time_engines(engines, shape, mode, self.settings,
                                            cutoff_ratio=self.prune_ratio if len(engines) > 1 else None)
             for pid, exc in errors.items():
                 self._record_failure(entry, bucket, pid, exc)
             if errors:
-                _release_cuda_memory(representative)
+                _release_cuda_memory(shape)
             for pid, timing in timings.items():
                 times, other = ("probe_ms", "times_ms") if timing.cut_short else ("times_ms", "probe_ms")
                 entry[times][pid] = timing.median_ms
@@ -205,7 +206,7 @@ class MeasuredPolicy:
         entry["tuning_s"] = round(entry.get("tuning_s", 0.0) + time.perf_counter() - started, 4)
         entry["tuned_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         entry["chosen"] = fastest(entry, list({**entry["probe_ms"], **entry["times_ms"]}))
-        logger.info("measured policy: %s -> %s (%s ms; tuning took %.2f s)", representative.describe(),
+        logger.info("measured policy: %s -> %s (%s ms; tuning took %.2f s)", shape.describe(),
                     entry["chosen"], ", ".join(f"{k} {v:.3f}" for k, v in sorted(entry["times_ms"].items())),
                     entry["tuning_s"])
         return entry
@@ -216,18 +217,9 @@ class MeasuredPolicy:
         logger.warning("measured policy: %s failed while being timed and is left out of this bucket: %s", pid,
                        entry["errors"][pid])
 
-    @staticmethod
-    def _eligible_at(params: AttentionParams, platform: Platform) -> set[str]:
-        """Providers whose tables accept the representative shape. The call's own verdicts already applied the
-        environment, so this looks at the shape alone (a permissive env)."""
-        from ..constraints import TABLES
 
-        env = EnvFlags(allow_untested_versions=True)
-        return {t.id for t in TABLES.values() if t.evaluate(params, platform, env).eligible}
-
-
-def _fresh_entry(representative: AttentionParams, mode: str, settings: TimerSettings) -> dict[str, Any]:
-    return {"shape": representative.to_dict(), "mode": mode, "settings": settings.to_dict(), "times_ms": {},
+def _fresh_entry(shape: AttentionParams, mode: str, settings: TimerSettings) -> dict[str, Any]:
+    return {"shape": shape.to_dict(), "mode": mode, "settings": settings.to_dict(), "times_ms": {},
             "probe_ms": {}, "skipped": {}, "errors": {}, "tuning_s": 0.0}
 
 
