@@ -3,8 +3,9 @@
 # less host time per forward, 40-175 us per training step on the H100): the profile's FA2 host times predate it.
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh START SECS   # FA2's split over the profile's source
 #        grids, stock torch (FA2 is torch's own: no wheel bundles needed); a stopped run prints its next START
-#   bash benchmarks/gpu/run_profile_fa2_refresh.sh blind7 full|stock [START]   # eval-blind7 (committed unmeasured
-#        in session 11), as blind6 was run: --policies --measured, block timer, --reps 16
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh blind7|blind8 full|stock [START]   # eval-blind7 (committed
+#        unmeasured in session 11, measured in session 12 but for the H200 full stack) or eval-blind8 (committed
+#        unmeasured in session 12), as blind6 was run: --policies --measured, block timer, --reps 16
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -20,6 +21,6 @@ case ${1:-} in
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
-  blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
-  *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7 full|stock [START]"; exit 2 ;;
+  blind7|blind8) blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;
+  *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7|blind8 full|stock [START]"; exit 2 ;;
 esac
