@@ -488,7 +488,7 @@ def refresh_host_scales(runs: list[dict]) -> dict[tuple[int, bool], float]:
     """(index of a refresh run, training) -> the factor putting its host times on the other runs' scale. A lease's
     host speed differs by up to ~1.7x from another's (session 10: H200/H100 leases 0.62-0.68x; the FA2 refresh's
     lease ran F.sdpa at 0.60x the split fit's): so the refresh's own F.sdpa split, against the other runs' of the
-    same calls on its machine, gives the median ratio by which its refreshed providers' host times are scaled."""
+    same calls on its machine, gives the median ratio by which the refresh's host times are scaled."""
     def host(row: dict) -> float | None:
         split = row.get("split", {}).get(REFRESH_REFERENCE, {})
         return split["host_ms"] if split.get("covered") == 1 else None
