@@ -364,6 +364,34 @@ def test_a_bucket_is_timed_at_the_shape_of_the_call_that_reached_it(two_engines,
     assert call.describe() in again.policy_reason
 
 
+def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch, tmp_path):
+    """Its probe at long lengths cost minutes per bucket and it never came within 4.1x of a fused engine on the
+    H100/H200: the bucket records why it was left untimed, times the fused engines, and does not retime for it.
+    Where nothing else is eligible (and on the CPU) it is timed as before."""
+    from attn_dispatch import backends
+    from attn_dispatch.policy import measured
+    from attn_dispatch.policy.timing import Timing
+
+    timed = []
+
+    def fake_time_engines(engines, shape, mode, settings, cutoff_ratio=None):
+        timed.append(sorted(engines))
+        return {pid: Timing(1.0 + i, 1.0 + i, 3) for i, pid in enumerate(sorted(engines))}, {}
+    monkeypatch.setattr(measured, "time_engines", fake_time_engines)
+    monkeypatch.setattr(measured, "why_not_tunable", lambda params, platform: None)
+    monkeypatch.setattr(backends, "get_engine", lambda pid: object())
+    gpu_call = cpu_params(device_type="cuda", dtype="bfloat16", max_seqlen_q=28672)
+    both = ["cudnn_fused:torch", "flash_attn_2:torch", "unfused:pytorch"]
+    policy = MeasuredPolicy(settings=FAST, directory=str(tmp_path))
+    result = policy.tune_bucket(gpu_call, Platform.detect(), both)
+    assert timed == [["cudnn_fused:torch", "flash_attn_2:torch"]] and result.chosen == "cudnn_fused:torch"
+    assert "4.1x" in result.entry["skipped"]["unfused:pytorch"]
+    policy.tune_bucket(gpu_call, Platform.detect(), both)
+    assert len(timed) == 1  # skipped counts as settled: no retiming
+    assert measured.left_untimed(gpu_call, ["unfused:pytorch"]) == {}
+    assert measured.left_untimed(cpu_params(), ["unfused:pytorch", "cudnn_fused:torch"]) == {}
+
+
 def test_env_var_selects_the_measured_policy_and_inference_is_tuned_apart(two_engines, monkeypatch):
     _policy()
     monkeypatch.setenv("ATTN_DISPATCH_POLICY", "measured")
