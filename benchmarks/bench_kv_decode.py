@@ -12,10 +12,10 @@
    - paged:<engine>: the module on a paged cache (page_size 256: torch FA2's minimum), where the engine takes it;
    - sdpa: torch.nn.functional.scaled_dot_product_attention on the same contiguous cache rows (enable_gqa, one
      query that sees every cached key).
-   Interleaved call by call in rotated order (policy/timing.py's scheme), each call between two CUDA events; one
-   pre_step per round (untimed) advances every cache by a token. Reported: median ms, achieved K/V read bandwidth
-   (bytes of K and V the step must read / time) and its fraction of the card's copy bandwidth, measured here as a
-   1 GiB device-to-device copy (bytes read + written / time). Target: >= 0.7 for B=32.
+   Interleaved call by call in balanced round orders (policy/timing.py's round_order), each call between two CUDA
+   events; one pre_step per round (untimed) advances every cache by a token. Reported: median ms, achieved K/V
+   read bandwidth (bytes of K and V the step must read / time) and its fraction of the card's copy bandwidth,
+   measured here as a 1 GiB device-to-device copy (bytes read + written / time). Target: >= 0.7 for B=32.
 3. Which kernels each alternative launches (torch.profiler, one call each): split-KV shows as *splitkv* / combine
    kernels.
 JSON to $OUT/kv_decode.json (machine, versions, date); a short table last.
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attn_dispatch as ad  # noqa: E402
 from attn_dispatch import NoBackendAvailableError  # noqa: E402
 from attn_dispatch.benchmarking.kv_loop import run_generation  # noqa: E402
+from attn_dispatch.policy.timing import round_order  # noqa: E402
 
 ENGINES = ("flash_attn_2:torch", "flash_attn_4:cute", "cudnn_fused:frontend", "unfused:pytorch")
 EQ_PAGES = {"flash_attn_2:torch": 256, "flash_attn_4:cute": 64, "cudnn_fused:frontend": 64, "unfused:pytorch": 64}
@@ -196,11 +197,7 @@ def decode_case(batch: int, ctx: int, rounds: int) -> dict:
         for r in range(rounds):
             step_all()
             marks = []
-            shift = r % len(order)
-            rotated = order[shift:] + order[:shift]
-            if r % 2:
-                rotated = rotated[:1] + rotated[1:][::-1]
-            for name in rotated:
+            for name in round_order(order, r):
                 if name not in fns:
                     continue
                 start = torch.cuda.Event(enable_timing=True)

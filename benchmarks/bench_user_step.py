@@ -15,7 +15,7 @@ inference). For every eligible provider a module is built with that provider for
     output brought back to the module's [.., h*d] layout, wherever SDPA can express the call (not thd, not
     padding, not sliding windows, not bottom-right causal with sq != skv).
 All of them are timed interleaved on the same inputs (attn_dispatch.policy.timing.time_interleaved: CUDA events,
-a warm period, rotated order, median). --timer block (the default): a sample of a call under 2 ms is a ~3 ms
+a warm period, balanced round orders, median). --timer block (the default): a sample of a call under 2 ms is a ~3 ms
 block of back-to-back calls of one function after a synchronisation and a lead-in call: every function is timed
 in a steady loop of itself, whatever ran before it (longer calls: one call per sample). --timer call: one call
 per sample, back to back on one stream (the session 3-4 JSON): a short call's sample then depends on the queue the

@@ -285,11 +285,11 @@ def test_round_order_balances_who_goes_first_and_who_follows_whom(n):
     running the same engine, in most rounds, the forced pick's in none)."""
     from collections import Counter
 
-    from attn_dispatch.policy.timing import _round_order
+    from attn_dispatch.policy.timing import round_order
 
     names = [f"f{i}" for i in range(n)]
     cycle = n if n % 2 == 0 else 2 * n
-    rounds = [_round_order(names, r) for r in range(cycle)]
+    rounds = [round_order(names, r) for r in range(cycle)]
     assert all(sorted(order) == names for order in rounds)
     assert set(Counter(order[0] for order in rounds).values()) == {cycle // n}
     follows = Counter(pair for order in rounds for pair in zip(order, order[1:]))

@@ -2,11 +2,11 @@
 
 Engines that are compared are timed against each other, interleaved: after each one's first (possibly
 JIT-compiling) call and a warm period in which they all run (the GPU settles at the clock it sustains under
-load), every round times each engine once, in an order balanced over rounds for who goes first and who follows whom
-(_round_order), and each engine's result is the median over rounds. Timing them one after another instead hands clock drift to whichever runs first: on the power-capped
-H100 here, the first engine timed after a pause ran 5-8% faster than in steady state, which was enough to flip
-close picks. On the GPU, CUDA events; on the CPU, time.perf_counter. Engines run through the autograd wrapper
-the module calls (engine_step).
+load), every round times each engine once, in an order balanced over rounds for who goes first and who follows
+whom (round_order), and each engine's result is the median over rounds. Timing them one after another instead
+hands clock drift to whichever runs first: on the power-capped H100 here, the first engine timed after a pause ran
+5-8% faster than in steady state, which was enough to flip close picks. On the GPU, CUDA events; on the CPU,
+time.perf_counter. Engines run through the autograd wrapper the module calls (engine_step).
 
 What one sample is (TimerSettings.block_ms):
 - 0, per call: each call between two events, launched back to back on one stream, one synchronisation at the
@@ -278,7 +278,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], device_type: str,
         settle_rounds = max(0, settings.warmup - 2)
         settle_rounds += math.ceil(settings.warm_ms / round_ms) if round_ms > 0 else 0
         for r in range(settle_rounds):
-            _call_each(fns, _round_order(live, r), errors)
+            _call_each(fns, round_order(live, r), errors)
         live = [name for name in live if name not in errors]
         calls = _blocks(estimates, settings.block_ms)
         # With a single warm-up call, no warm period and per-call samples, the estimate is the first sample.
@@ -337,7 +337,7 @@ def _call_each(fns: dict[str, Callable[[], None]], names: list[str], errors: dic
     return [name for name in names if name not in errors]
 
 
-def _round_order(names: list[str], r: int) -> list[str]:
+def round_order(names: list[str], r: int) -> list[str]:
     """Round r's calling order: row r of a Williams design (a Latin square balanced for carryover). Over n rounds
     (2n for an odd count) each name goes first equally often and follows every other name equally often.
     What runs just before a call biases it on the GPU (the clock a heavy kernel leaves, a queue that hides host
@@ -369,7 +369,7 @@ def _reps_for(estimate_ms: float, settings: TimerSettings) -> int:
 
 def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: int, errors: dict[str, Exception],
                   device_type: str, calls: dict[str, int] | None = None) -> dict[str, list[float]]:
-    """reps rounds, each timing every surviving function once (_round_order); milliseconds per call.
+    """reps rounds, each timing every surviving function once (round_order); milliseconds per call.
     A name not in `calls`: one call per sample; on the GPU a CUDA event pair around each call,
     launched back to back, one synchronisation at the end. calls[name] = n: each sample is a block (synchronise, an
     untimed lead-in call, n calls between two marks), divided by n. On the CPU time.perf_counter."""
@@ -386,7 +386,7 @@ def _timed_rounds(fns: dict[str, Callable[[], None]], names: list[str], reps: in
 
     marks: dict[str, list] = {name: [] for name in names}
     for r in range(reps):
-        for name in _round_order([n for n in names if n not in errors], r):
+        for name in round_order([n for n in names if n not in errors], r):
             fn, n = fns[name], (calls or {}).get(name)
             try:
                 if n is not None:
