@@ -355,7 +355,8 @@ def main() -> int:
     ap.add_argument("--split-only", action="store_true", help="the split alone, no interleaved timing")
     ap.add_argument("--refreshes", default="",
                     help="comma list of providers whose host path changed since the profile's runs: in the "
-                         "profile, this run's splits of them replace every earlier run's for the calls it measured")
+                         "profile, this run's splits of them replace every earlier run's for the calls it measured, "
+                         "scaled onto those runs' host speed by F.sdpa's host times (split here too)")
     ap.add_argument("--reps", type=int, default=SETTINGS.reps,
                     help="least samples per function (a long call gets this many; short ones more, to target_ms)")
     args = ap.parse_args()

@@ -503,14 +503,13 @@ def refresh_host_scales(runs: list[dict]) -> dict[tuple[int, bool], float]:
     for index, run in enumerate(runs):
         if not run.get("refreshes"):
             continue
-        ratios: dict[bool, list[float]] = {True: [], False: []}
+        ratios: dict[bool, list[float]] = {}  # per pass the run has rows of
         for row in run["rows"]:
+            found = ratios.setdefault(AttentionParams(**row["params"]).is_training, [])
             theirs = others.get((run["machine"], _call_key(row["params"])))
             if theirs and (mine := host(row)) is not None:
-                ratios[AttentionParams(**row["params"]).is_training].append(statistics.median(theirs) / mine)
+                found.append(statistics.median(theirs) / mine)
         for training, found in ratios.items():
-            if not any(AttentionParams(**row["params"]).is_training is training for row in run["rows"]):
-                continue
             if len(found) < MIN_REFERENCE_CALLS:
                 raise ValueError(f"refresh run {run.get('path', index)!r}: {len(found)} "
                                  f"{'training' if training else 'inference'} calls with a {REFRESH_REFERENCE!r} "
