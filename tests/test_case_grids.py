@@ -46,7 +46,8 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
     assert sum(1 for c in a if c.window) >= 30 and sum(1 for c in a if c.d == 192) >= 6
 
 
-@pytest.mark.parametrize("name", ["eval-blind4", "eval-blind5", "eval-blind6", "eval-blind7", "eval-blind8"])
+@pytest.mark.parametrize("name", ["eval-blind4", "eval-blind5", "eval-blind6", "eval-blind7", "eval-blind8",
+                                  "eval-blind9"])
 def test_later_blind_grids_cover_the_issue_and_are_disjoint_from_every_other_grid(name):
     grid = CASE_GRIDS[name]()
     assert len(grid) == 48 and len({_shape(c) for c in grid}) == 48
@@ -78,7 +79,7 @@ def test_grids_already_measured_keep_their_draws():
                 "eval-blind4": "a18b0e651bcbb158be68911c45367a54", "eval-blind5": "d8ecede6e64522330adf7ccede64e931",
                 "eval-blind6": "fa8bb4c63c1e7750e58614e0feddfd91",
                 "eval-blind7": "6b8b7eefc7c4e26ec08e225f39b72052",  # blind7, blind8: committed before measured
-                "eval-blind8": "6ab63c604c794a49ed6f9419dbf38fba"}
+                "eval-blind8": "6ab63c604c794a49ed6f9419dbf38fba", "eval-blind9": "b075a9e2a72e0fa2df2ab8269573564b"}
     for name, digest in measured.items():
         labels = str([c.label for c in CASE_GRIDS[name]()])
         assert hashlib.md5(labels.encode()).hexdigest() == digest, name

@@ -196,8 +196,10 @@ def eval_fresh_cases() -> list[Case]:
 # with that coverage, chosen and committed the same way), eval-blind6 (session 9: the first from 20261134, 20261138, the
 # same way), eval-blind7 (session 11: the first from 20261139, 20261139, the same way; committed unmeasured, for the
 # check after the FA2 host-path refresh), eval-blind8 (session 12: the first from 20261140, 20261140, the same way;
-# committed unmeasured, after blind7 decided between two profiles and the timer and measured policy changed)
-BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140)
+# committed unmeasured, after blind7 decided between two profiles and the timer and measured policy changed),
+# eval-blind9 (session 13: the first from 20261141, 20261144, the same way; committed unmeasured, after blind8 was
+# measured and the profile's host_scale chosen on blind5-7)
+BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144)
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those

@@ -73,7 +73,10 @@ class CostModel:
     # t = (H^p + G^p)^(1/p) with p = split_combine.
     use_split: bool = True
     host_k: int = 25
-    host_scale: float = 1.0
+    # The split lease's host was slower than the hosts that ran the block-timer blind grids: their host-bound steps
+    # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over blind5-7's 720
+    # rows (session 13; benchmarks/results/profile/README.md).
+    host_scale: float = 0.8
     split_combine: float = 4.0
     # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
     # of more work than its own.

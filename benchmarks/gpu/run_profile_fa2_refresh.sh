@@ -3,12 +3,13 @@
 # less host time per forward, 40-175 us per training step on the H100): the profile's FA2 host times predate it.
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh START SECS   # FA2's split over the profile's source
 #        grids, stock torch (FA2 is torch's own: no wheel bundles needed); a stopped run prints its next START
-#   bash benchmarks/gpu/run_profile_fa2_refresh.sh blind7|blind8 full|stock [START]   # eval-blind7 (committed
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh blind7|blind8|blind9 full|stock [START]   # eval-blind7 (committed
 #        unmeasured in session 11, measured in session 12 but for the H200 full stack) or eval-blind8 (committed
 #        unmeasured in session 12), as blind6 was run: --policies --measured, block timer, --reps 16 (blind8:
 #        --reps 48, fixed in session 12 before it was measured: the A/A control's 90th-percentile spread on calls
 #        under 1 ms was 4-6% with 16 samples a column, which alone puts rows over the issue's 1.05; the measured
-#        policy no longer probes the unfused engine on a GPU, which was ~80% of a blind run's time)
+#        policy no longer probes the unfused engine on a GPU, which was ~80% of a blind run's time); eval-blind9
+#        (committed unmeasured in session 13 with the host_scale chosen on blind5-7), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -26,5 +27,6 @@ case ${1:-} in
     ;;
   blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
   blind8) REPS=48 blind_run eval-blind8 blind8 "${2:-}" "${3:-0}" ;;
-  *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7|blind8 full|stock [START]"; exit 2 ;;
+  blind9) REPS=48 blind_run eval-blind9 blind9 "${2:-}" "${3:-0}" ;;
+  *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7|blind8|blind9 full|stock [START]"; exit 2 ;;
 esac
