@@ -78,7 +78,7 @@ def test_grids_already_measured_keep_their_draws():
                 "fit-drawn-b": "a151a2549190c733d6b392759d7b6b95", "fit-drawn-c": "a49ab3d3f1499c8f1451a05bb1a65a96",
                 "eval-blind4": "a18b0e651bcbb158be68911c45367a54", "eval-blind5": "d8ecede6e64522330adf7ccede64e931",
                 "eval-blind6": "fa8bb4c63c1e7750e58614e0feddfd91",
-                "eval-blind7": "6b8b7eefc7c4e26ec08e225f39b72052",  # blind7, blind8: committed before measured
+                "eval-blind7": "6b8b7eefc7c4e26ec08e225f39b72052",  # blind7-9: committed before measured
                 "eval-blind8": "6ab63c604c794a49ed6f9419dbf38fba", "eval-blind9": "b075a9e2a72e0fa2df2ab8269573564b"}
     for name, digest in measured.items():
         labels = str([c.label for c in CASE_GRIDS[name]()])
