@@ -18,7 +18,8 @@ Written against flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py):
   scale: exp(S_i) / (exp(sink) + sum exp(S)), Transformer Engine's 'learnable' softmax.
 Importing flash_attn.cute takes ~10 s (done on the engine's first use); each new kernel configuration is
 JIT-compiled on first use (~2-3 s, forward and backward separately) and then cached in-process. The engine
-records those compilations in `jit_events`.
+records those compilations in `jit_events`. Repeat dense forwards of one signature replay the compiled kernel
+call without the interface's Python (_fa4_replay.py: recorded on the first call, checked bit for bit on the second).
 """
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ import torch
 
 from ..constraints import flash_attn_4_sm90 as sm90
 from ..constraints.flash_attn_4 import paged_loader_problem
+from ._fa4_replay import ForwardReplays
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def _fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
@@ -107,8 +113,22 @@ class FlashAttn4Engine(FlashEngineBase):
         if varlen is not None:
             kwargs.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
                           max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
-        result = self._timed("fwd", self._iface._flash_attn_fwd, q, k, v, **kwargs)
-        return result[0], result[1], None
+
+        def interface(out_buffer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._timed("fwd", self._iface._flash_attn_fwd, q, k, v, **{**kwargs, "out": out_buffer})[:2]
+
+        if varlen is not None or call.sink is not None or call.softcap:
+            return (*interface(out), None)
+        key = (*(_layout(t) for t in (q, k, v)), None if out is None else _layout(out),
+               q.requires_grad or k.requires_grad or v.requires_grad, call.scale, left, right)
+        return (*self._replays()(key, q, k, v, out, interface), None)
+
+    def _replays(self) -> ForwardReplays:
+        """The forward replays of this engine's interface (made on first use, like _jit_caches)."""
+        found = self.__dict__.get("_forward_replays")
+        if found is None or found.iface is not self._iface:
+            found = self.__dict__["_forward_replays"] = ForwardReplays(self._iface)
+        return found
 
     # --- KV-cache inference: the cache is read in place -------------------------------------------------------
     def forward_kv_cache(self, q, cache, cu_seqlens_q, max_seqlen_q, cfg):

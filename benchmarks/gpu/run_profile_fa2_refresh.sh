@@ -10,6 +10,10 @@
 #        under 1 ms was 4-6% with 16 samples a column, which alone puts rows over the issue's 1.05; the measured
 #        policy no longer probes the unfused engine on a GPU, which was ~80% of a blind run's time); eval-blind9
 #        (committed unmeasured in session 13 with the host_scale chosen on blind5-7), as blind8
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-check   # (full stack) flash-attn-4's GPU tests with the
+#        forward replay, the step-variance check and the replay's host time (session 13 wrote all three unrun)
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-fa4 START SECS   # flash-attn-4's split refreshed after
+#        the replay, as FA2's was (full stack; rebuild the profile from it as session 12 did for FA2)
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -25,8 +29,25 @@ case ${1:-} in
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
+  replay-check)  # session 13's flash-attn-4 forward replay, first on a GPU: its tests, then its host time
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    python3 -m pytest -q -m gpu tests/gpu/test_flash_gpu.py -k "flash_attn_4 or replay" 2>&1 | tail -n 5
+    python3 benchmarks/gpu/check_step_variance.py --out "$OUT/step_variance_${tag}.json" 2>&1 | tail -n 40
+    timeout 300 python3 benchmarks/gpu/check_fa4_replay_host.py --out "$OUT/fa4_replay_host_${tag}.json" 2>&1 \
+      | tail -n 14
+    ;;
+  refresh-fa4)  # flash-attn-4's split over the profile's source grids after the replay (full stack)
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    file="split_refresh_fa4_${tag}_from$2.json"
+    timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" --split-only --start "$2" \
+      --providers flash_attn_4:cute --refreshes flash_attn_4:cute --max-seconds "$3" --out "$OUT/$file" 2>&1 \
+      | tail -n 4
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
+      "$OUT/$file"
+    ;;
   blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
   blind8) REPS=48 blind_run eval-blind8 blind8 "${2:-}" "${3:-0}" ;;
   blind9) REPS=48 blind_run eval-blind9 blind9 "${2:-}" "${3:-0}" ;;
-  *) echo "usage: run_profile_fa2_refresh.sh refresh START SECS | blind7|blind8|blind9 full|stock [START]"; exit 2 ;;
+  *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check |"\
+          "blind7|blind8|blind9 full|stock [START]"; exit 2 ;;
 esac

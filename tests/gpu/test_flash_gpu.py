@@ -407,6 +407,58 @@ def test_flash_attn_4_jit_is_measured_and_cached():
     assert timings[1] < 1.0
 
 
+REPLAY_CASES = [Case("replay_d128", dqk=128, dv=128, h=8, hkv=8, sq=512, skv=512, train=False),
+                Case("replay_gqa_causal", mask="causal", dqk=64, dv=64, h=8, hkv=2, sq=384, skv=384),
+                Case("replay_window_sbhd", fmt="sbhd", mask="causal", window=(128, 0), dqk=128, dv=128, sq=640,
+                     skv=640),
+                Case("replay_sq_ne_skv", dqk=128, dv=128, sq=256, skv=768, train=False)]
+
+
+@pytest.mark.parametrize("c", REPLAY_CASES, ids=lambda c: c.name)
+def test_flash_attn_4_forward_replay_is_used_and_matches_the_interface(c):
+    """Repeat forwards of one signature replay the compiled call (backends/_fa4_replay.py): each call against the
+    float64 reference (gradients too in training), the replay checked and used, bit for bit what the interface
+    gives on the same inputs, and capturable in a CUDA graph."""
+    provider = "flash_attn_4:cute"
+    if install_reasons(provider):
+        pytest.skip(f"{provider} is not installed here")
+    engine = get_engine(provider)
+    replays = engine._replays()
+    assert replays.enabled
+    for seed in range(4):
+        errors = check(provider, c, seed=seed)
+        assert all(e <= TOL[c.dtype] for e in errors.values()), errors
+    checked = [r for r in replays.entries.values() if r is not None and r.checked]
+    assert checked, "no signature of these calls was replayed"
+    q, k, v, aux, cfg = make_inputs(replace(c, train=False), seed=11)
+    with torch.no_grad():
+        for _ in range(2):  # an inference signature: recorded, then checked
+            engine(q, k, v, aux, cfg)
+        replayed = engine(q, k, v, aux, cfg)[0]
+        before = dict(replays.entries)
+        replays.enabled = False
+        try:
+            direct = engine(q, k, v, aux, cfg)[0]
+        finally:
+            replays.enabled = True
+        assert replays.entries == before
+        assert torch.equal(replayed, direct)
+        static = [t.clone() for t in (q, k, v)]
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            engine(*static, aux, cfg)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = engine(*static, aux, cfg)[0]
+        for t, src in zip(static, make_inputs(replace(c, train=False), seed=12)[:3]):
+            t.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, engine(*static, aux, cfg)[0])
+
+
 # (head_dim_qk, head_dim_v, causal, phase): pairs on both sides of the sm90 limits flash_attn_4_sm90 derives
 # (shared memory: forward and backward; backward layouts: the dO swizzle, the swapped dK/dV M axis). The kernels
 # are launched directly (the engine refuses what the model rejects), with random out/lse for the backward: only
