@@ -15,6 +15,11 @@ from attn_dispatch.backends.unfused import UnfusedEngine
 from test_flash_plumbing import make_case
 
 
+@pytest.fixture(autouse=True)
+def _replay_on(monkeypatch):
+    monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "1")  # off by default until it has run on a GPU
+
+
 class _AuxData(NamedTuple):  # the interface passes its score_mod data as a NamedTuple of Nones
     tensors: tuple | None = None
     scalars: tuple | None = None
@@ -184,7 +189,7 @@ def test_a_replay_that_fails_its_check_keeps_the_interface_with_a_warning(flag, 
     assert iface.preambles == 4  # the failed check's call, and every call after it
 
 
-def test_an_unaligned_input_and_the_switch_keep_the_interface(monkeypatch):
+def test_an_unaligned_input_and_the_default_keep_the_interface(monkeypatch):
     q, k, v, aux, cfg = make_case()
     q, k, v = q.detach(), k.detach(), v.detach()
     storage = torch.empty(q.numel() + 1, dtype=q.dtype)
@@ -196,7 +201,7 @@ def test_an_unaligned_input_and_the_switch_keep_the_interface(monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(engine(unaligned, k, v, aux, cfg)[0], want, rtol=1e-10, atol=1e-10)
     assert iface.preambles == 3
-    monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "0")
+    monkeypatch.delenv(_fa4_replay.ENV_SWITCH)  # the default: off
     iface = StandInInterface()
     engine = _engine(iface)
     for _ in range(3):

@@ -15,7 +15,8 @@ before it follows from the call's signature (shapes, strides, dtype, device, sca
   CUDA graph is being captured: the comparison synchronises); a difference or an error and the signature keeps the
   interface, with a warning. Under torch.compile's tracing the interface runs.
 This reads private API (a compile cache's attribute name, the compiled function's arguments), hence the checks.
-ATTN_DISPATCH_FA4_REPLAY=0 (read when an engine first replays) turns it off.
+Off until it has run on a GPU (written in session 13 against a stand-in of the interface):
+ATTN_DISPATCH_FA4_REPLAY=1, read when an engine first runs a forward, turns it on.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ _RECORDING = threading.Lock()  # one recorded call at a time: the proxies are sw
 
 
 def replay_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return os.environ.get(ENV_SWITCH, "0") == "1"
 
 
 class _Slot:
@@ -91,6 +92,12 @@ class _RecordingCache:
                 self._calls.append((self._owner, fn, args, kwargs))
             return fn(*args, **kwargs)
         return recorded
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __iter__(self):
+        return iter(self._cache)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)

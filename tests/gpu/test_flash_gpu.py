@@ -415,14 +415,18 @@ REPLAY_CASES = [Case("replay_d128", dqk=128, dv=128, h=8, hkv=8, sq=512, skv=512
 
 
 @pytest.mark.parametrize("c", REPLAY_CASES, ids=lambda c: c.name)
-def test_flash_attn_4_forward_replay_is_used_and_matches_the_interface(c):
+def test_flash_attn_4_forward_replay_is_used_and_matches_the_interface(c, monkeypatch):
     """Repeat forwards of one signature replay the compiled call (backends/_fa4_replay.py): each call against the
     float64 reference (gradients too in training), the replay checked and used, bit for bit what the interface
     gives on the same inputs, and capturable in a CUDA graph."""
     provider = "flash_attn_4:cute"
     if install_reasons(provider):
         pytest.skip(f"{provider} is not installed here")
+    from attn_dispatch.backends._fa4_replay import ENV_SWITCH
+
+    monkeypatch.setenv(ENV_SWITCH, "1")  # off by default until this test has passed on a GPU
     engine = get_engine(provider)
+    engine.__dict__.pop("_forward_replays", None)  # made again, reading the switch
     replays = engine._replays()
     assert replays.enabled
     for seed in range(4):
