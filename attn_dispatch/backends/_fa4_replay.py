@@ -1,29 +1,31 @@
-"""flash-attn-4's compiled forward replayed for repeat calls of one signature, without the interface's Python.
+"""flash-attn-4's compiled launches replayed for repeat calls of one signature, without the interface's Python.
 
-flash_attn.cute.interface._flash_attn_fwd spends most of a small call's host time before its kernel launch:
-resolving tiles and schedulers, validating, allocating out and lse, building a compile key of ~70 fields (the
-profile's split puts flash-attn-4's forward at ~0.15-0.2 ms of host time on the H100 hosts, cuDNN's at ~0.03). The
-launch is one call of a compiled TVM-FFI function that takes torch tensors, and for a dense forward everything
-before it follows from the call's signature (shapes, strides, dtype, device, scale, window). So:
-- the first call of a signature runs the interface with its compile caches swapped for recording proxies;
-- the signature is replayable only if the interface made exactly one compiled call, from _flash_attn_fwd's cache,
-  with positional arguments whose tensors are q, k, v, out and lse (matched by storage, shape, stride and dtype):
-  anything else (a varlen scan, scheduler metadata, a split-KV combine, a copy of an input) keeps the interface;
-- a replay allocates out and lse as the interface did and calls the recorded function with the new tensors in
-  their places and the other arguments (scale, window, None) as recorded;
-- the first replay of each signature is compared bit for bit with the interface on the same inputs (not while a
-  CUDA graph is being captured: the comparison synchronises); a difference or an error and the signature keeps the
+flash_attn.cute.interface spends most of a small call's host time before its launches: resolving tiles and
+schedulers, validating, allocating, building compile keys of ~70 fields (the profile's split puts flash-attn-4 at
+~0.15-0.2 ms of host time a forward and ~0.7-0.85 ms a training step on the H100 hosts, cuDNN at ~0.03 and ~0.4).
+Each launch is a call of a compiled TVM-FFI function that takes torch tensors, and for a dense call everything
+before the launches follows from the call's signature (shapes, strides, dtype, device, scale, window). So:
+- the first call of a signature runs the interface with its compile caches swapped for recording proxies, which
+  note each launch's function and arguments, and whether each tensor the call did not pass in was all zeros when a
+  launch first read it;
+- each tensor argument is then one of the call's inputs, one of its results, or a buffer of the call's own (as
+  recorded: its layout, and zeros where it held zeros, else uninitialised); other arguments must be constants
+  (None, numbers, strings, tuples of those); a buffer met in two layouts, or anything else, keeps the interface;
+- a replay allocates the results and buffers and makes the recorded launches with the new tensors in their places;
+- the first replay of each signature is compared with the interface on the same inputs (bit for bit, except a
+  nondeterministic backward: within 2% of the largest value, far below what a missed initialisation gives), not
+  while a CUDA graph is captured (the comparison synchronises); a difference or an error and the signature keeps the
   interface, with a warning. Under torch.compile's tracing the interface runs.
-This reads private API (a compile cache's attribute name, the compiled function's arguments), hence the checks.
+This reads private API (a compile cache's attribute name, the compiled functions' arguments), hence the checks.
 Off until it has run on a GPU (written in session 13 against a stand-in of the interface):
-ATTN_DISPATCH_FA4_REPLAY=1, read when an engine first runs a forward, turns it on.
+ATTN_DISPATCH_FA4_REPLAY=1, read when an engine first runs a call, turns it on.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,10 +33,9 @@ import torch
 logger = logging.getLogger("attn_dispatch.backends")
 
 ENV_SWITCH = "ATTN_DISPATCH_FA4_REPLAY"
-FORWARD_OWNER = "_flash_attn_fwd"
 MAX_SIGNATURES = 256
 INPUT_ALIGN_BYTES = 16  # the interface copies a tensor whose pointer is not 16-byte aligned (maybe_contiguous)
-_SLOTS = ("q", "k", "v", "out", "lse")
+NONDETERMINISTIC_TOLERANCE = 2e-2  # of the largest |value|: atomics' order moves a bf16 result by ~1 ulp
 _RECORDING = threading.Lock()  # one recorded call at a time: the proxies are swapped in module-wide
 
 
@@ -42,41 +43,74 @@ def replay_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "0") == "1"
 
 
-class _Slot:
-    """A recorded argument that was one of the call's tensors (q, k, v, out or lse)."""
+@dataclass(frozen=True)
+class _Tensor:
+    """A recorded tensor argument: an input or a result by name, or the call's own buffer by index."""
 
-    __slots__ = ("name",)
+    name: str | None = None
+    buffer: int | None = None
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+
+@dataclass(frozen=True)
+class _Alloc:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    zeros: bool
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        return t.zero_() if self.zeros else t
 
 
 @dataclass
 class Replay:
-    fn: Callable[..., Any]
-    args: tuple  # _Slot or a constant, in the recorded order
-    out_layout: tuple | None  # (shape, stride, dtype) of the out the interface allocated; None: the caller's out
-    lse_layout: tuple  # (shape, stride, dtype)
+    launches: tuple  # (fn, args): each argument a _Tensor or a constant
+    results: tuple  # result names, in the order the interface returns them
+    allocs: dict  # result name -> _Alloc (results the caller does not pass in)
+    buffers: tuple  # _Alloc per buffer index
     checked: bool = False
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if out is None:
-            shape, stride, dtype = self.out_layout
-            out = torch.empty_strided(shape, stride, dtype=dtype, device=q.device)
-        shape, stride, dtype = self.lse_layout
-        lse = torch.empty_strided(shape, stride, dtype=dtype, device=q.device)
-        tensors = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out.detach(), "lse": lse}
-        self.fn(*(tensors[a.name] if isinstance(a, _Slot) else a for a in self.args))
-        return out, lse
+    def run(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        device = next(iter(inputs.values())).device
+        tensors = {name: t.detach() for name, t in inputs.items()}
+        for name, alloc in self.allocs.items():
+            tensors[name] = alloc.make(device)
+        buffers = [alloc.make(device) for alloc in self.buffers]
+        for fn, args in self.launches:
+            fn(*(_resolve(a, tensors, buffers) for a in args))
+        return tuple(tensors[name] for name in self.results)
+
+
+def _resolve(arg: Any, tensors: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> Any:
+    if isinstance(arg, _Tensor):
+        return tensors[arg.name] if arg.name is not None else buffers[arg.buffer]
+    return arg
+
+
+@dataclass
+class _Recorder:
+    """The launches of one recorded call, from one thread, and which non-input tensors held zeros at first use."""
+
+    thread: int
+    inputs: set  # data pointers of the call's inputs
+    launches: list = field(default_factory=list)
+    zero_at_first_use: dict = field(default_factory=dict)  # data pointer -> bool
+
+    def note(self, owner: str, fn: Any, args: tuple, kwargs: dict) -> None:
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.data_ptr() not in self.inputs \
+                    and arg.data_ptr() not in self.zero_at_first_use:
+                self.zero_at_first_use[arg.data_ptr()] = not bool(torch.count_nonzero(arg).item())
+        self.launches.append((owner, fn, args, kwargs))
 
 
 class _RecordingCache:
     """One of the interface's compile caches during a recorded call: a lookup hands back the compiled function
-    wrapped so that the recording thread's calls of it are recorded (other threads' pass straight through)."""
+    wrapped so that the recording thread's launches are noted (other threads' pass straight through)."""
 
-    def __init__(self, owner: str, cache: Any, calls: list, thread: int) -> None:
-        self._owner, self._cache, self._calls, self._thread = owner, cache, calls, thread
+    def __init__(self, owner: str, cache: Any, recorder: _Recorder) -> None:
+        self._owner, self._cache, self._recorder = owner, cache, recorder
 
     def __contains__(self, key: Any) -> bool:
         return key in self._cache
@@ -88,8 +122,8 @@ class _RecordingCache:
         fn = self._cache[key]
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == self._thread:
-                self._calls.append((self._owner, fn, args, kwargs))
+            if threading.get_ident() == self._recorder.thread:
+                self._recorder.note(self._owner, fn, args, kwargs)
             return fn(*args, **kwargs)
         return recorded
 
@@ -108,106 +142,143 @@ def compile_cache_owners(iface: Any) -> list[str]:
     return sorted(name for name, obj in vars(iface).items() if callable(obj) and hasattr(obj, "compile_cache"))
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % INPUT_ALIGN_BYTES == 0 for t in tensors)
-
-
-class ForwardReplays:
-    """Per signature: a Replay, or None where the interface must run (not replayable, or its check failed)."""
-
-    def __init__(self, iface: Any) -> None:
-        self.iface = iface
-        self.enabled = replay_enabled() and hasattr(getattr(iface, FORWARD_OWNER, None), "compile_cache")
-        self.owners = compile_cache_owners(iface) if self.enabled else []
-        self.entries: dict[tuple, Replay | None] = {}
-
-    def __call__(self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
-                 interface: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse) of the forward: replayed where the signature allows, else interface(out)."""
-        inputs = (q, k, v) if out is None else (q, k, v, out)
-        if not self.enabled or torch.compiler.is_compiling() or not _aligned(*inputs):
-            return interface(out)
-        if key not in self.entries:
-            if len(self.entries) >= MAX_SIGNATURES:
-                return interface(out)
-            result, replay = self._record(q, k, v, out, interface)
-            self.entries[key] = replay
-            return result
-        replay = self.entries[key]
-        if replay is None:
-            return interface(out)
-        if not replay.checked:
-            return self._check(key, replay, q, k, v, out, interface)
-        return replay.run(q, k, v, out)
-
-    def _record(self, q, k, v, out, interface) -> tuple[tuple[torch.Tensor, torch.Tensor], Replay | None]:
-        calls: list = []
-        with _RECORDING:
-            saved = {name: getattr(self.iface, name).compile_cache for name in self.owners}
-            try:
-                for name, cache in saved.items():
-                    getattr(self.iface, name).compile_cache = _RecordingCache(name, cache, calls,
-                                                                             threading.get_ident())
-                result = interface(out)
-            finally:
-                for name, cache in saved.items():
-                    getattr(self.iface, name).compile_cache = cache
-        return result, self._replay_of(calls, q, k, v, out, *result)
-
-    @staticmethod
-    def _replay_of(calls: list, q, k, v, given_out, out, lse) -> Replay | None:
-        if len(calls) != 1 or lse is None:
-            return None
-        owner, fn, args, kwargs = calls[0]
-        if owner != FORWARD_OWNER or kwargs:
-            return None
-        layouts = {name: (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-                   for name, t in zip(_SLOTS, (q, k, v, out, lse))}
-        recorded, seen = [], set()
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                layout = (arg.data_ptr(), tuple(arg.shape), tuple(arg.stride()), arg.dtype)
-                name = next((n for n, lay in layouts.items() if lay == layout and n not in seen), None)
-                if name is None:  # a tensor the replay would not have: scheduler metadata, a copy of an input, ...
-                    return None
-                seen.add(name)
-                recorded.append(_Slot(name))
-            elif _constant(arg):
-                recorded.append(arg)
-            else:  # an object the replay cannot vouch for (it might hold per-call state)
-                return None
-        if seen != set(_SLOTS):
-            return None
-        out_layout = None if given_out is not None else (tuple(out.shape), tuple(out.stride()), out.dtype)
-        return Replay(fn, tuple(recorded), out_layout, (tuple(lse.shape), tuple(lse.stride()), lse.dtype))
-
-    def _check(self, key, replay: Replay, q, k, v, out, interface) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first replay of a signature, against the interface on the same inputs (bit for bit)."""
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # comparing would synchronise: check later
-            return interface(out)
-        try:
-            got = replay.run(q, k, v, out)
-            want = interface(None if out is None else torch.empty_like(out))
-            same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
-        except Exception as exc:  # noqa: BLE001 - any failure keeps the interface for this signature
-            logger.warning("flash-attn-4 forward replay failed its check (%s); this signature keeps the interface",
-                           exc)
-            self.entries[key] = None
-            return interface(out)
-        if not same:
-            logger.warning("flash-attn-4 forward replay differed from the interface; this signature keeps it")
-            self.entries[key] = None
-            if out is not None:
-                out.copy_(want[0])
-                return out, want[1]
-            return want
-        replay.checked = True
-        return got
-
-
 def _constant(value: Any) -> bool:
     """None, a number, a string or a dtype, or a tuple / list (NamedTuples included) of those."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return True
     return isinstance(value, (tuple, list)) and all(_constant(x) for x in value)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _alloc(t: torch.Tensor, zeros: bool) -> _Alloc:
+    return _Alloc(tuple(t.shape), tuple(t.stride()), t.dtype, zeros)
+
+
+class Replays:
+    """Per signature of one kind of call (the forward, or the backward): a Replay, or None where the interface
+    must run (not replayable, or its check failed)."""
+
+    def __init__(self, iface: Any, owner: str, results: tuple[str, ...], deterministic: bool = True) -> None:
+        self.iface = iface
+        self.results = results
+        self.deterministic = deterministic
+        self.enabled = replay_enabled() and hasattr(getattr(iface, owner, None), "compile_cache")
+        self.owners = compile_cache_owners(iface) if self.enabled else []
+        self.entries: dict[tuple, Replay | None] = {}
+
+    def __call__(self, key: tuple, inputs: dict[str, torch.Tensor],
+                 interface: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]], *,
+                 deterministic: bool | None = None) -> tuple[torch.Tensor, ...]:
+        """The call's results: replayed where the signature allows, else interface(inputs). `inputs` holds the
+        tensors the call passes in (results it passes in too, such as a preallocated out)."""
+        if not self.enabled or torch.compiler.is_compiling() \
+                or any(t.data_ptr() % INPUT_ALIGN_BYTES for t in inputs.values()):
+            return interface(inputs)
+        capturing = next(iter(inputs.values())).is_cuda and torch.cuda.is_current_stream_capturing()
+        if key not in self.entries:
+            if capturing or len(self.entries) >= MAX_SIGNATURES:  # recording synchronises
+                return interface(inputs)
+            result, replay = self._record(inputs, interface)
+            self.entries[key] = replay
+            return result
+        replay = self.entries[key]
+        if replay is None:
+            return interface(inputs)
+        if not replay.checked:
+            if capturing:  # the check synchronises: later
+                return interface(inputs)
+            exact = self.deterministic if deterministic is None else deterministic
+            return self._check(key, replay, inputs, interface, exact)
+        return replay.run(inputs)
+
+    def _record(self, inputs, interface) -> tuple[tuple[torch.Tensor, ...], Replay | None]:
+        recorder = _Recorder(threading.get_ident(), {t.data_ptr() for t in inputs.values()})
+        with _RECORDING:
+            saved = {name: getattr(self.iface, name).compile_cache for name in self.owners}
+            try:
+                for name, cache in saved.items():
+                    getattr(self.iface, name).compile_cache = _RecordingCache(name, cache, recorder)
+                result = interface(inputs)
+            finally:
+                for name, cache in saved.items():
+                    getattr(self.iface, name).compile_cache = cache
+        return result, self._replay_of(recorder, inputs, result)
+
+    def _replay_of(self, recorder: _Recorder, inputs: dict[str, torch.Tensor], result: tuple) -> Replay | None:
+        if not recorder.launches or len(result) != len(self.results) \
+                or any(not isinstance(t, torch.Tensor) for t in result):
+            return None
+        known = {_layout(t): name for name, t in inputs.items()}
+        allocs = {}
+        for name, t in zip(self.results, result):
+            if name in inputs:
+                if _layout(t) != _layout(inputs[name]):  # a passed-in result must come back as itself
+                    return None
+                continue
+            known.setdefault(_layout(t), name)
+            allocs[name] = _alloc(t, recorder.zero_at_first_use.get(t.data_ptr(), False))
+        buffer_of: dict[int, tuple[int, tuple]] = {}  # data pointer -> (index, layout)
+        buffers: list[_Alloc] = []
+        launches = []
+        for _owner, fn, args, kwargs in recorder.launches:
+            if kwargs:
+                return None
+            recorded = []
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    layout = _layout(arg)
+                    if layout in known:
+                        recorded.append(_Tensor(name=known[layout]))
+                        continue
+                    if arg.data_ptr() in {t.data_ptr() for t in inputs.values()} \
+                            or arg.data_ptr() in {t.data_ptr() for t in result}:
+                        return None  # an input or result seen in another layout
+                    seen = buffer_of.get(arg.data_ptr())
+                    if seen is None:
+                        seen = buffer_of[arg.data_ptr()] = (len(buffers), layout)
+                        buffers.append(_alloc(arg, recorder.zero_at_first_use.get(arg.data_ptr(), True)))
+                    elif seen[1] != layout:  # a buffer viewed two ways: not reproduced
+                        return None
+                    recorded.append(_Tensor(buffer=seen[0]))
+                elif _constant(arg):
+                    recorded.append(arg)
+                else:  # an object the replay cannot vouch for (it might hold per-call state)
+                    return None
+            launches.append((fn, tuple(recorded)))
+        written = {a.name for _, args in launches for a in args if isinstance(a, _Tensor)}
+        if not set(allocs) <= written:  # a result no launch wrote (made by a torch op): not reproduced
+            return None
+        return Replay(tuple(launches), self.results, allocs, tuple(buffers))
+
+    def _check(self, key, replay: Replay, inputs, interface, exact: bool) -> tuple[torch.Tensor, ...]:
+        """The first replay of a signature, against the interface on the same inputs."""
+        fresh = {name: (torch.empty_like(t) if name in self.results else t) for name, t in inputs.items()}
+        try:
+            got = replay.run(inputs)
+            want = interface(fresh)
+            same = all(_close(a, b, exact) for a, b in zip(got, want))
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the interface for this signature
+            logger.warning("flash-attn-4 replay failed its check (%s); this signature keeps the interface", exc)
+            self.entries[key] = None
+            return interface(inputs)
+        if not same:
+            logger.warning("flash-attn-4 replay differed from the interface; this signature keeps it")
+            self.entries[key] = None
+            for name, t in zip(self.results, want):  # the caller's own buffers hold the interface's results
+                if name in inputs:
+                    inputs[name].copy_(t)
+            return tuple(inputs[name] if name in inputs else t for name, t in zip(self.results, want))
+        replay.checked = True
+        return got
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if exact:
+        return torch.equal(a, b)
+    scale = b.abs().max().float().item() if b.numel() else 0.0
+    return (a.float() - b.float()).abs().max().item() <= NONDETERMINISTIC_TOLERANCE * scale if b.numel() else True

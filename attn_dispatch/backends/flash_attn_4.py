@@ -18,9 +18,9 @@ Written against flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py):
   scale: exp(S_i) / (exp(sink) + sum exp(S)), Transformer Engine's 'learnable' softmax.
 Importing flash_attn.cute takes ~10 s (done on the engine's first use); each new kernel configuration is
 JIT-compiled on first use (~2-3 s, forward and backward separately) and then cached in-process. The engine
-records those compilations in `jit_events`. With ATTN_DISPATCH_FA4_REPLAY=1, repeat dense forwards of one signature
-replay the compiled kernel call without the interface's Python (_fa4_replay.py: recorded on the first call, checked
-bit for bit on the second; off by default until it has run on a GPU).
+records those compilations in `jit_events`. With ATTN_DISPATCH_FA4_REPLAY=1, repeat dense forwards and backwards of
+one signature replay the compiled launches without the interface's Python (_fa4_replay.py: recorded on the first
+call, checked against the interface on the second; off by default until it has run on a GPU).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 from ..constraints import flash_attn_4_sm90 as sm90
 from ..constraints.flash_attn_4 import paged_loader_problem
-from ._fa4_replay import ForwardReplays
+from ._fa4_replay import Replays
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen
 
 
@@ -115,21 +115,27 @@ class FlashAttn4Engine(FlashEngineBase):
             kwargs.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
                           max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
 
-        def interface(out_buffer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._timed("fwd", self._iface._flash_attn_fwd, q, k, v, **{**kwargs, "out": out_buffer})[:2]
+        def interface(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._timed("fwd", self._iface._flash_attn_fwd, q, k, v,
+                               **{**kwargs, "out": tensors.get("out")})[:2]
 
-        if varlen is not None or call.sink is not None or call.softcap:
-            return (*interface(out), None)
-        key = (*(_layout(t) for t in (q, k, v)), None if out is None else _layout(out),
+        inputs = {"q": q, "k": k, "v": v} if out is None else {"q": q, "k": k, "v": v, "out": out}
+        replays = self._replays("fwd")
+        if not replays.enabled or varlen is not None or call.sink is not None or call.softcap:
+            return (*interface(inputs), None)
+        key = (*(_layout(t) for t in inputs.values()), out is None,
                q.requires_grad or k.requires_grad or v.requires_grad, call.scale, left, right)
-        return (*self._replays()(key, q, k, v, out, interface), None)
+        return (*replays(key, inputs, interface), None)
 
-    def _replays(self) -> ForwardReplays:
-        """The forward replays of this engine's interface (made on first use, like _jit_caches)."""
-        found = self.__dict__.get("_forward_replays")
-        if found is None or found.iface is not self._iface:
-            found = self.__dict__["_forward_replays"] = ForwardReplays(self._iface)
-        return found
+    def _replays(self, kind: str) -> Replays:
+        """The replays of this engine's interface for 'fwd' or 'bwd' calls (made on first use, like _jit_caches)."""
+        found = self.__dict__.setdefault("_replays_by_kind", {})
+        replays = found.get(kind)
+        if replays is None or replays.iface is not self._iface:
+            owner, results = {"fwd": ("_flash_attn_fwd", ("out", "lse")),
+                              "bwd": ("_flash_attn_bwd", ("dq", "dk", "dv"))}[kind]
+            replays = found[kind] = Replays(self._iface, owner, results)
+        return replays
 
     # --- KV-cache inference: the cache is read in place -------------------------------------------------------
     def forward_kv_cache(self, q, cache, cu_seqlens_q, max_seqlen_q, cfg):
@@ -169,7 +175,18 @@ class FlashAttn4Engine(FlashEngineBase):
             kwargs.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_kv,
                           max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        result = self._timed("bwd", self._iface._flash_attn_bwd, q, k, v, out, dout, lse.contiguous(),
-                             call.scale, False, call.softcap, **kwargs)
-        dsink = result[3] if call.sink is not None and len(result) > 3 else None
-        return result[0], result[1], result[2], dsink
+        lse = lse.contiguous()
+
+        def interface(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return self._timed("bwd", self._iface._flash_attn_bwd, q, k, v, out, dout, lse, call.scale, False,
+                               call.softcap, **kwargs)
+
+        replays = self._replays("bwd")
+        if not replays.enabled or varlen is not None or call.sink is not None or call.softcap:
+            result = interface({})
+            dsink = result[3] if call.sink is not None and len(result) > 3 else None
+            return result[0], result[1], result[2], dsink
+        inputs = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
+        key = (*(_layout(t) for t in inputs.values()), call.scale, left, right, call.deterministic)
+        dq, dk, dv = replays(key, inputs, interface, deterministic=call.deterministic)
+        return dq, dk, dv, None

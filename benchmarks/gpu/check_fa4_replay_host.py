@@ -1,4 +1,4 @@
-"""Issue 12: what flash-attn-4's forward replay (backends/_fa4_replay.py) saves per step, and what it costs.
+"""Issue 12: what flash-attn-4's replay (backends/_fa4_replay.py) saves per step, forward and training.
 
 For each call, the module forced to flash-attn-4 with the replay and without it (the same engine: the replay is
 switched off for that column's calls), cuDNN (frontend) forced and F.scaled_dot_product_attention for scale; per
@@ -51,12 +51,13 @@ def columns(label, b, s, h, hkv, d, causal, window, fmt, train):
     fa4 = DotProductAttention(h, d, backend="flash_attn_4:cute", **kw).cuda().train(train)
     cudnn = DotProductAttention(h, d, backend="cudnn_fused:frontend", **kw).cuda().train(train)
     engine = get_engine("flash_attn_4:cute")
-    engine.__dict__.pop("_forward_replays", None)  # made again: main() turned the switch on
-    replays = engine._replays()
+    engine.__dict__.pop("_replays_by_kind", None)  # made again: main() turned the switch on
+    replays = [engine._replays(kind) for kind in ("fwd", "bwd")]
 
     def switched(on: bool):
         def call(q, k, v):
-            replays.enabled = on
+            for r in replays:
+                r.enabled = on
             return fa4(q, k, v)
         return call
 
@@ -73,7 +74,7 @@ def columns(label, b, s, h, hkv, d, causal, window, fmt, train):
     with torch.no_grad():
         same = torch.equal(switched(True)(q, k, v), switched(False)(q, k, v))
         for _ in range(2):
-            switched(True)(q, k, v)  # recorded, checked: later calls replay
+            switched(True)(q, k, v)  # recorded, checked: later forwards replay (backwards: in the first samples)
     return {name: step_fn(call, q, k, v, dout, {}, train) for name, call in calls.items()}, same
 
 

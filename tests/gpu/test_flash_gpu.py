@@ -415,10 +415,10 @@ REPLAY_CASES = [Case("replay_d128", dqk=128, dv=128, h=8, hkv=8, sq=512, skv=512
 
 
 @pytest.mark.parametrize("c", REPLAY_CASES, ids=lambda c: c.name)
-def test_flash_attn_4_forward_replay_is_used_and_matches_the_interface(c, monkeypatch):
-    """Repeat forwards of one signature replay the compiled call (backends/_fa4_replay.py): each call against the
-    float64 reference (gradients too in training), the replay checked and used, bit for bit what the interface
-    gives on the same inputs, and capturable in a CUDA graph."""
+def test_flash_attn_4_replay_is_used_and_matches_the_interface(c, monkeypatch):
+    """Repeat calls of one signature replay the compiled launches (backends/_fa4_replay.py): each call against the
+    float64 reference (gradients too in training: the backward replayed as well), the replay checked and used, the
+    forward bit for bit what the interface gives on the same inputs, and capturable in a CUDA graph."""
     provider = "flash_attn_4:cute"
     if install_reasons(provider):
         pytest.skip(f"{provider} is not installed here")
@@ -426,14 +426,17 @@ def test_flash_attn_4_forward_replay_is_used_and_matches_the_interface(c, monkey
 
     monkeypatch.setenv(ENV_SWITCH, "1")  # off by default until this test has passed on a GPU
     engine = get_engine(provider)
-    engine.__dict__.pop("_forward_replays", None)  # made again, reading the switch
-    replays = engine._replays()
+    engine.__dict__.pop("_replays_by_kind", None)  # made again, reading the switch
+    replays = engine._replays("fwd")
     assert replays.enabled
     for seed in range(4):
         errors = check(provider, c, seed=seed)
         assert all(e <= TOL[c.dtype] for e in errors.values()), errors
     checked = [r for r in replays.entries.values() if r is not None and r.checked]
     assert checked, "no signature of these calls was replayed"
+    if c.train:
+        backward = engine._replays("bwd").entries.values()
+        assert any(r is not None and r.checked for r in backward), "no backward was replayed"
     q, k, v, aux, cfg = make_inputs(replace(c, train=False), seed=11)
     with torch.no_grad():
         for _ in range(2):  # an inference signature: recorded, then checked
