@@ -342,3 +342,20 @@ def test_the_nondeterministic_check_tolerates_rounding_not_a_missed_initialisati
     assert _fa4_replay._close(rounded, b, exact=False)
     assert not _fa4_replay._close(2 * b, b, exact=False)  # an accumulator not zeroed: twice the gradient
     assert not _fa4_replay._close(b.float(), b, exact=False)  # another dtype
+
+
+def test_inputs_that_share_memory_are_not_recorded_and_a_later_distinct_call_is():
+    iface = StandInInterface()
+    engine = _engine(iface)
+    q, k, v, aux, cfg = make_case(d=8, dv=8)
+    q, k = q.detach(), k.detach()
+    want_same = UnfusedEngine()(q, k, k, aux, cfg)[0]
+    for _ in range(2):  # k passed as v too: told apart by position only, so not recorded
+        torch.testing.assert_close(engine(q, k, k, aux, cfg)[0], want_same, rtol=1e-10, atol=1e-10)
+    assert not engine._replays("fwd").entries and iface.preambles["fwd"] == 2
+    v = k.clone()  # the same values in their own memory: the same signature, now recorded, then replayed
+    for _ in range(3):
+        torch.testing.assert_close(engine(q, k, v, aux, cfg)[0], want_same, rtol=1e-10, atol=1e-10)
+    assert iface.preambles["fwd"] == 4
+    torch.testing.assert_close(engine(q, k, k, aux, cfg)[0], want_same, rtol=1e-10, atol=1e-10)  # replayed
+    assert iface.preambles["fwd"] == 4
