@@ -12,8 +12,8 @@
 #        (committed unmeasured in session 13 with the host_scale chosen on blind5-7), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-check   # (full stack) flash-attn-4's GPU tests with the
 #        forward replay, the step-variance check and the replay's host time (session 13 wrote all three unrun)
-#   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-fa4 START SECS   # flash-attn-4's split refreshed after
-#        the replay, as FA2's was (full stack; rebuild the profile from it as session 12 did for FA2)
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-fa4 START SECS   # flash-attn-4's split refreshed with
+#        the replay on, as FA2's was (full stack; rebuild the profile from it as session 12 did for FA2)
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -39,9 +39,9 @@ case ${1:-} in
   refresh-fa4)  # flash-attn-4's split over the profile's source grids after the replay (full stack)
     source "$(dirname "$0")/setup.sh" > /dev/null
     file="split_refresh_fa4_${tag}_from$2.json"
-    timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" --split-only --start "$2" \
-      --providers flash_attn_4:cute --refreshes flash_attn_4:cute --max-seconds "$3" --out "$OUT/$file" 2>&1 \
-      | tail -n 4
+    ATTN_DISPATCH_FA4_REPLAY=1 timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" \
+      --split-only --start "$2" --providers flash_attn_4:cute --refreshes flash_attn_4:cute --max-seconds "$3" \
+      --out "$OUT/$file" 2>&1 | tail -n 4
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
