@@ -7,6 +7,9 @@ prediction is made for the row's machine (its run's device name), as the platfor
     python3 benchmarks/evaluate_profile.py FILE...            # against the shipped profile
     python3 benchmarks/evaluate_profile.py --timed FILE...    # also the run's own timed default/measured columns
     python3 benchmarks/evaluate_profile.py --protocols FILE... # the model-selection protocols over these files:
+    python3 benchmarks/evaluate_profile.py --model host_scale=0.9 --summary FILE...
+        # a profile rebuilt from the shipped sources with these CostModel settings; --summary: one line over all
+        # the files (mean, mean of each file's worst, worst, rows over 1.05), as the session-13 selection read them
 
 --protocols: the files are pooled (every run of a call on a machine combined, as build_profile.py does), then
 - leave-one-out: each pooled entry predicted with every entry of its shape (on any machine) left out of the
@@ -17,6 +20,7 @@ prediction is made for the row's machine (its run's device name), as the platfor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -145,6 +149,35 @@ def timed(path: str) -> None:
                   f"over 1.03: {sum(v > 1.03 for v, _ in values)}/{len(values)}")
 
 
+def model_with(settings: list[str]) -> CostModel:
+    """COST_MODEL with KEY=VALUE settings (each value parsed as its field's type)."""
+    changes = {}
+    for item in settings:
+        key, _, value = item.partition("=")
+        if not hasattr(COST_MODEL, key) or not value:
+            raise SystemExit(f"--model {item!r}: expected KEY=VALUE with KEY a CostModel field "
+                             f"({', '.join(COST_MODEL.__dataclass_fields__)})")
+        kind = type(getattr(COST_MODEL, key))
+        changes[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else (
+            tuple(float(x) for x in value.split(",")) if kind is tuple else kind(value))
+    return dataclasses.replace(COST_MODEL, **changes)
+
+
+def summary_line(profile: Profile, paths: list[str]) -> str:
+    """mean, mean of each file's worst row, worst row and rows over 1.05, over every row of the files."""
+    ratios, worst = [], []
+    for path in paths:
+        data = read_results(path)
+        found = [r["ratio"] for r in evaluate(data["rows"], profile, data["environment"]["device"], stock=False)]
+        if found:
+            ratios += found
+            worst.append(max(found))
+    if not ratios:
+        return "no rows"
+    return (f"{len(ratios)} rows in {len(worst)} files: mean {statistics.mean(ratios):.4f}, mean of the files' worst "
+            f"{statistics.mean(worst):.3f}, worst {max(ratios):.3f}, over 1.05: {sum(r > 1.05 for r in ratios)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+")
@@ -152,11 +185,24 @@ def main() -> int:
     ap.add_argument("--protocols", action="store_true", help="leave-one-out and leave-one-grid-out over the files")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--timed", action="store_true", help="also summarise the run's own timed default/measured columns")
+    ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                    help="a CostModel setting (repeatable): the profile is rebuilt from the shipped sources with it")
+    ap.add_argument("--summary", action="store_true", help="one line over all the files (all providers)")
     args = ap.parse_args()
+    model = model_with(args.model)
     if args.protocols:
-        protocols(args.results, verbose=args.verbose)
+        protocols(args.results, model, verbose=args.verbose)
         return 0
-    profile = Profile(json.loads(Path(args.profile).read_text()))
+    if args.model:
+        from build_profile import shipped_sources
+
+        runs, _ = load_runs(shipped_sources())
+        profile = Profile(build(runs, arch="sm90", stack={}, date="", model=model), model=model)
+    else:
+        profile = Profile(json.loads(Path(args.profile).read_text()))
+    if args.summary:
+        print(summary_line(profile, args.results))
+        return 0
     for path in args.results:
         if args.timed:
             timed(path)

@@ -1,0 +1,34 @@
+"""benchmarks/evaluate_profile.py's --model settings and --summary line (the offline selection session 13 used)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import evaluate_profile  # noqa: E402
+from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, Profile  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "profile"
+
+
+def test_model_settings_parse_to_their_fields_types_and_refuse_unknown_keys():
+    model = evaluate_profile.model_with(["host_scale=0.9", "use_split=false", "k=3", "weights=1,2,3,4,5,6,7"])
+    assert model.host_scale == 0.9 and model.use_split is False and model.k == 3
+    assert model.weights == (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0)
+    assert model.split_combine == COST_MODEL.split_combine  # the rest as shipped
+    for bad in (["hostscale=0.9"], ["host_scale="], ["host_scale"]):
+        with pytest.raises(SystemExit, match="CostModel field"):
+            evaluate_profile.model_with(bad)
+
+
+def test_the_summary_reads_every_row_of_every_file():
+    import json
+
+    profile = Profile(json.loads((PROFILE_DIR / "sm90.json").read_text()))
+    paths = [str(RESULTS / "blind9_stock_h100_from0.json.gz"), str(RESULTS / "blind9_h100_from0.json.gz")]
+    line = evaluate_profile.summary_line(profile, paths)
+    assert line.startswith("96 rows in 2 files: mean ")
+    mean = float(line.split("mean ")[1].split(",")[0])
+    assert 1.0 <= mean < 1.1
