@@ -163,22 +163,24 @@ class Replays:
     """Per signature of one kind of call (the forward, or the backward): a Replay, or None where the interface
     must run (not replayable, or its check failed)."""
 
-    def __init__(self, iface: Any, owner: str, results: tuple[str, ...], deterministic: bool = True) -> None:
+    def __init__(self, iface: Any, owner: str, results: tuple[str, ...]) -> None:
         self.iface = iface
         self.results = results
-        self.deterministic = deterministic
         self.enabled = replay_enabled() and hasattr(getattr(iface, owner, None), "compile_cache")
         self.owners = compile_cache_owners(iface) if self.enabled else []
         self.entries: dict[tuple, Replay | None] = {}
 
-    def __call__(self, key: tuple, inputs: dict[str, torch.Tensor],
+    def __call__(self, settings: tuple, inputs: dict[str, torch.Tensor],
                  interface: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]], *,
-                 deterministic: bool | None = None) -> tuple[torch.Tensor, ...]:
+                 deterministic: bool = True) -> tuple[torch.Tensor, ...]:
         """The call's results: replayed where the signature allows, else interface(inputs). `inputs` holds the
-        tensors the call passes in (results it passes in too, such as a preallocated out)."""
+        tensors the call passes in (results it passes in too, such as a preallocated out); `settings` the call's
+        other values the interface reads (scale, window, ...). The signature: both, the tensors by layout."""
         if not self.enabled or torch.compiler.is_compiling() \
                 or any(t.data_ptr() % INPUT_ALIGN_BYTES for t in inputs.values()):
             return interface(inputs)
+        key = (*((name, t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for name, t in inputs.items()),
+               *settings)
         replay = self.entries.get(key, _UNSEEN)
         if replay is not _UNSEEN and replay is not None and replay.checked:
             return replay.run(inputs)
@@ -192,8 +194,7 @@ class Replays:
                 return interface(inputs)
             result, self.entries[key] = self._record(inputs, interface)
             return result
-        exact = self.deterministic if deterministic is None else deterministic
-        return self._check(key, replay, inputs, interface, exact)
+        return self._check(key, replay, inputs, interface, exact=deterministic)
 
     def _record(self, inputs, interface) -> tuple[tuple[torch.Tensor, ...], Replay | None]:
         recorder = _Recorder(threading.get_ident(), {t.data_ptr() for t in inputs.values()})
@@ -213,6 +214,7 @@ class Replays:
                 or any(not isinstance(t, torch.Tensor) for t in result):
             return None
         known = {_layout(t): name for name, t in inputs.items()}
+        call_memory = {t.data_ptr() for t in (*inputs.values(), *result)}
         allocs = {}
         for name, t in zip(self.results, result):
             if name in inputs:
@@ -234,8 +236,7 @@ class Replays:
                     if layout in known:
                         recorded.append(_Tensor(name=known[layout]))
                         continue
-                    if arg.data_ptr() in {t.data_ptr() for t in inputs.values()} \
-                            or arg.data_ptr() in {t.data_ptr() for t in result}:
+                    if arg.data_ptr() in call_memory:
                         return None  # an input or result seen in another layout
                     seen = buffer_of.get(arg.data_ptr())
                     if seen is None:

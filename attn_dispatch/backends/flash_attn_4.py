@@ -35,10 +35,6 @@ from ._fa4_replay import Replays
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.dtype, t.device
-
-
 def _fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
     # FA4 takes None for an unbounded side; -1 would turn (-1, 0) into a 'local' window, not causal.
     return tuple(None if w == UNBOUNDED else int(w) for w in window)  # type: ignore[return-value]
@@ -123,9 +119,7 @@ class FlashAttn4Engine(FlashEngineBase):
         replays = self._replays("fwd")
         if not replays.enabled or varlen is not None or call.sink is not None or call.softcap:
             return (*interface(inputs), None)
-        key = (*(_layout(t) for t in inputs.values()), out is None,
-               q.requires_grad or k.requires_grad or v.requires_grad, call.scale, left, right)
-        return (*replays(key, inputs, interface), None)
+        return (*replays((call.scale, left, right), inputs, interface), None)
 
     def _replays(self, kind: str) -> Replays:
         """The replays of this engine's interface for 'fwd' or 'bwd' calls (made on first use, like _jit_caches)."""
@@ -187,6 +181,6 @@ class FlashAttn4Engine(FlashEngineBase):
             dsink = result[3] if call.sink is not None and len(result) > 3 else None
             return result[0], result[1], result[2], dsink
         inputs = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
-        key = (*(_layout(t) for t in inputs.values()), call.scale, left, right, call.deterministic)
-        dq, dk, dv = replays(key, inputs, interface, deterministic=call.deterministic)
+        dq, dk, dv = replays((call.scale, left, right, call.deterministic), inputs, interface,
+                             deterministic=call.deterministic)
         return dq, dk, dv, None

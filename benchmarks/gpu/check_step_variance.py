@@ -25,72 +25,39 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attn_dispatch import DotProductAttention  # noqa: E402
+from attn_dispatch.benchmarking.cases import Case  # noqa: E402
 from attn_dispatch.policy.timing import TimerSettings, time_interleaved  # noqa: E402
-from bench_user_step import environment  # noqa: E402
+from bench_user_step import _importable, environment, make_tensors, module_for, sdpa_fn, step_fn  # noqa: E402
 
-CALLS = [  # (label, b, s, h, d, causal, train): blind8-9 rows whose engines' steps moved between modules or runs
-    ("enc2 d96 s1024 b4 h16 no_mask fwd+bwd", 4, 1024, 16, 96, False, True),
-    ("enc2 d64 s512 b32 h8 no_mask fwd+bwd", 32, 512, 8, 64, False, True),
-    ("small0 d64 s100 b2 h8 no_mask fwd+bwd", 2, 100, 8, 64, False, True),
-    ("enc0 d64 s256 b64 h8 no_mask fwd", 64, 256, 8, 64, False, False),  # a forward: the control
+CALLS = [  # blind8-9 rows whose engines' steps moved between modules or runs
+    Case(b=4, s=1024, h=16, d=96, mask="no_mask", name="enc2"),
+    Case(b=32, s=512, h=8, d=64, mask="no_mask", name="enc2"),
+    Case(b=2, s=100, h=8, d=64, mask="no_mask", name="small0"),
+    Case(b=64, s=256, h=8, d=64, mask="no_mask", train=False, name="enc0"),  # a forward: the control
 ]
-SMOKE_CALLS = [("tiny d32 s64 b2 h4 fwd+bwd", 2, 64, 4, 32, False, True),
-               ("tiny d32 s64 b2 h4 fwd", 2, 64, 4, 32, False, False)]
+SMOKE_CALLS = [Case(b=2, s=64, h=4, d=32, mask="no_mask", name="tiny"),
+               Case(b=2, s=64, h=4, d=32, mask="no_mask", train=False, name="tiny")]
 INSTANCES = 3
 SETTINGS = TimerSettings(warmup=3, reps=48, max_reps=48, warm_ms=60.0, block_ms=3.0, confirm=0)
 
 
-def providers(device: str, smoke: bool) -> list[str]:
+def providers(smoke: bool) -> list[str]:
     if smoke:
         return ["unfused:pytorch"]
-    found = ["cudnn_fused:torch", "flash_attn_2:torch"]
-    try:
-        import flash_attn.cute  # noqa: F401
-        found.append("flash_attn_4:cute")
-    except ImportError:
-        pass
-    return found
+    return ["cudnn_fused:torch", "flash_attn_2:torch"] + (["flash_attn_4:cute"] if _importable("flash_attn.cute")
+                                                          else [])
 
 
-def build_steps(shape: tuple, device: str, engines: list[str]) -> dict[str, Callable[[], None]]:
-    """Steps of fresh instances: '<engine>#i' modules and 'sdpa#i' closures, all on the same inputs."""
-    b, s, h, d, causal, train = shape
-    gen = torch.Generator(device=device).manual_seed(0)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v = (torch.randn(b, s, h, d, generator=gen, device=device).to(dtype).requires_grad_(train)
-               for _ in range(3))
-    dout = torch.randn(b, s, h * d, generator=gen, device=device).to(dtype)
-    mask = "causal" if causal else "no_mask"
-
-    def sdpa(q, k, v):
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-        return o.transpose(1, 2).reshape(b, s, h * d)
-
-    def step(call) -> Callable[[], None]:
-        if not train:
-            def infer():
-                call(q, k, v)  # time_interleaved runs under no_grad
-            return infer
-
-        def fwd_bwd():
-            with torch.enable_grad():
-                q.grad = k.grad = v.grad = None
-                call(q, k, v).backward(dout)
-        return fwd_bwd
-
-    steps = {}
-    for engine in engines:
-        for i in range(INSTANCES):
-            module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask, backend=engine).to(device)
-            steps[f"{engine}#{i}"] = step(module.train(train))
-    for i in range(2):
-        steps[f"sdpa#{i}"] = step(sdpa)
-    return steps
+def build_steps(case: Case, device: torch.device, engines: list[str]) -> dict[str, Callable[[], None]]:
+    """Steps of fresh instances: '<engine>#i' modules and 'sdpa#i' closures (bench_user_step's), on the same
+    inputs."""
+    q, k, v, dout, _ = make_tensors(case, device, seed=0)
+    calls = {f"{engine}#{i}": module_for(case, engine, device) for engine in engines for i in range(INSTANCES)}
+    calls.update({f"sdpa#{i}": sdpa_fn(case) for i in range(2)})
+    return {name: step_fn(call, q, k, v, dout, {}, case.train) for name, call in calls.items()}
 
 
 def spread(timings: dict) -> dict[str, dict]:
@@ -137,21 +104,21 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, the unfused engine, tiny shapes: checks the script")
     args = ap.parse_args()
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    engines = providers(device, args.smoke)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    engines = providers(args.smoke)
     result = {"environment": environment(), "settings": SETTINGS.to_dict(), "rows": []}
-    for label, *shape in (SMOKE_CALLS if args.smoke else CALLS):
-        row: dict = {"label": label, "builds": []}
+    for case in (SMOKE_CALLS if args.smoke else CALLS):
+        row: dict = {"label": case.label, "builds": []}
         for build in range(2):  # the same instances' names, built afresh: does a slow instance stay slow?
-            steps = build_steps(tuple(shape), device, engines)
-            timings, errors = time_interleaved(steps, device, SETTINGS)
+            steps = build_steps(case, device, engines)
+            timings, errors = time_interleaved(steps, device.type, SETTINGS)
             row["builds"].append({"spread": spread(timings), "errors": {n: repr(e)[:200] for n, e in errors.items()}})
         last = row["builds"][-1]["spread"]
         row["profiles"] = {}
         for engine, entry in last.items():
             ranked = sorted(entry["median_ms"], key=entry["median_ms"].get)
             for name in dict.fromkeys((ranked[0], ranked[-1])):
-                row["profiles"][name] = profiled(steps[name], device, shape[-1])
+                row["profiles"][name] = profiled(steps[name], device.type, case.train)
         result["rows"].append(row)
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'call':40s} {'engine':20s} {'build':>5s} {'instances (ms)':>30s} {'max/min':>8s} {'drift':>12s}")
