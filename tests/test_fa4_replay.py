@@ -18,7 +18,7 @@ from test_flash_plumbing import make_case
 
 @pytest.fixture(autouse=True)
 def _replay_on(monkeypatch):
-    monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "1")  # off by default until it has run on a GPU
+    monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "1")  # the default, whatever the shell running the tests set
 
 
 class _AuxData(NamedTuple):  # the interface passes its score_mod data as a NamedTuple of Nones
@@ -292,7 +292,7 @@ def test_a_backward_whose_replay_fails_its_check_still_gives_the_interfaces_grad
     assert iface.preambles["bwd"] == 3
 
 
-def test_an_unaligned_input_and_the_default_keep_the_interface(monkeypatch):
+def test_an_unaligned_input_and_the_switch_off_keep_the_interface(monkeypatch):
     q, k, v, aux, cfg = make_case()
     q, k, v = q.detach(), k.detach(), v.detach()
     storage = torch.empty(q.numel() + 1, dtype=q.dtype)
@@ -304,7 +304,7 @@ def test_an_unaligned_input_and_the_default_keep_the_interface(monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(engine(unaligned, k, v, aux, cfg)[0], want, rtol=1e-10, atol=1e-10)
     assert iface.preambles["fwd"] == 3
-    monkeypatch.delenv(_fa4_replay.ENV_SWITCH)  # the default: off
+    monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "0")  # switched off
     iface = StandInInterface()
     engine = _engine(iface)
     for _ in range(3):
@@ -359,3 +359,35 @@ def test_inputs_that_share_memory_are_not_recorded_and_a_later_distinct_call_is(
     assert iface.preambles["fwd"] == 4
     torch.testing.assert_close(engine(q, k, k, aux, cfg)[0], want_same, rtol=1e-10, atol=1e-10)  # replayed
     assert iface.preambles["fwd"] == 4
+
+
+def test_past_the_signature_limit_the_least_recently_used_is_dropped_and_new_ones_still_replay(monkeypatch):
+    monkeypatch.setattr(_fa4_replay, "MAX_SIGNATURES", 2)
+    iface = StandInInterface()
+    engine = _engine(iface)
+    calls = {n: make_case(d=8, dv=8, sq=n, skv=n, seed=n) for n in (5, 6, 7)}
+
+    def run(n, times):
+        q, k, v, aux, cfg = calls[n]
+        want = UnfusedEngine()(q.detach(), k.detach(), v.detach(), aux, cfg)[0]
+        for _ in range(times):
+            torch.testing.assert_close(engine(q.detach(), k.detach(), v.detach(), aux, cfg)[0], want,
+                                       rtol=1e-10, atol=1e-10)
+
+    run(5, 3)  # recorded, checked, replayed: 2 preambles
+    run(6, 3)
+    run(5, 1)  # replayed: now the most recently used
+    assert iface.preambles["fwd"] == 4
+    run(7, 3)  # a third signature past the limit: recorded, checked, replayed; 6 (least recent) dropped
+    assert iface.preambles["fwd"] == 6 and len(engine._replays("fwd").entries) == 2
+    run(5, 2)  # still kept: replayed
+    assert iface.preambles["fwd"] == 6
+    run(6, 3)  # dropped: recorded and checked again, then replayed
+    assert iface.preambles["fwd"] == 8
+
+
+def test_the_replay_is_on_unless_the_switch_says_0(monkeypatch):
+    monkeypatch.delenv(_fa4_replay.ENV_SWITCH)
+    assert _fa4_replay.replay_enabled()
+    monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "0")
+    assert not _fa4_replay.replay_enabled()

@@ -18,14 +18,15 @@ before the launches follows from the call's signature (shapes, strides, dtype, d
   while a CUDA graph is captured (the comparison synchronises); a difference or an error and the signature keeps the
   interface, with a warning. Under torch.compile's tracing the interface runs.
 This reads private API (a compile cache's attribute name, the compiled functions' arguments), hence the checks.
-Off until it has run on a GPU (written in session 13 against a stand-in of the interface):
-ATTN_DISPATCH_FA4_REPLAY=1, read when an engine first runs a call, turns it on.
+On by default since its GPU tests passed on the H100 (session 14; written in session 13 against a stand-in of the
+interface): ATTN_DISPATCH_FA4_REPLAY=0, read when an engine first runs a call, turns it off.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ import torch
 logger = logging.getLogger("attn_dispatch.backends")
 
 ENV_SWITCH = "ATTN_DISPATCH_FA4_REPLAY"
-MAX_SIGNATURES = 256
+MAX_SIGNATURES = 1024  # per kind; the least recently used is dropped (a sweep over shapes must not end replays)
 INPUT_ALIGN_BYTES = 16  # the interface copies a tensor whose pointer is not 16-byte aligned (maybe_contiguous)
 NONDETERMINISTIC_TOLERANCE = 2e-2  # of the largest |value|: atomics' order moves a bf16 result by ~1 ulp
 _RECORDING = threading.Lock()  # one recorded call at a time: the proxies are swapped in module-wide
@@ -42,7 +43,7 @@ _UNSEEN = object()
 
 
 def replay_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "0") == "1"
+    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class Replays:
         self.results = results
         self.enabled = replay_enabled() and hasattr(getattr(iface, owner, None), "compile_cache")
         self.owners = compile_cache_owners(iface) if self.enabled else []
-        self.entries: dict[tuple, Replay | None] = {}
+        self.entries: OrderedDict[tuple, Replay | None] = OrderedDict()  # least recently used first
 
     def __call__(self, settings: tuple, inputs: dict[str, torch.Tensor],
                  interface: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]], *,
@@ -183,6 +184,7 @@ class Replays:
                *settings)
         replay = self.entries.get(key, _UNSEEN)
         if replay is not _UNSEEN and replay is not None and replay.checked:
+            self.entries.move_to_end(key)
             return replay.run(inputs)
         if replay is None:
             return interface(inputs)
@@ -190,8 +192,10 @@ class Replays:
             return interface(inputs)  # recording and checking synchronise: later
         if replay is _UNSEEN:
             # Inputs sharing memory (k is v) would be told apart by position only: record a call without that.
-            if len(self.entries) >= MAX_SIGNATURES or len({t.data_ptr() for t in inputs.values()}) < len(inputs):
+            if len({t.data_ptr() for t in inputs.values()}) < len(inputs):
                 return interface(inputs)
+            if len(self.entries) >= MAX_SIGNATURES:
+                self.entries.popitem(last=False)
             result, self.entries[key] = self._record(inputs, interface)
             return result
         return self._check(key, replay, inputs, interface, exact=deterministic)

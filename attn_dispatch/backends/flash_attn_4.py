@@ -18,9 +18,9 @@ Written against flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py):
   scale: exp(S_i) / (exp(sink) + sum exp(S)), Transformer Engine's 'learnable' softmax.
 Importing flash_attn.cute takes ~10 s (done on the engine's first use); each new kernel configuration is
 JIT-compiled on first use (~2-3 s, forward and backward separately) and then cached in-process. The engine
-records those compilations in `jit_events`. With ATTN_DISPATCH_FA4_REPLAY=1, repeat dense forwards and backwards of
-one signature replay the compiled launches without the interface's Python (_fa4_replay.py: recorded on the first
-call, checked against the interface on the second; off by default until it has run on a GPU).
+records those compilations in `jit_events`. Repeat dense forwards and backwards of one signature replay the compiled
+launches without the interface's Python (_fa4_replay.py: recorded on the first call, checked against the interface
+on the second; ATTN_DISPATCH_FA4_REPLAY=0 turns it off).
 """
 from __future__ import annotations
 
