@@ -198,8 +198,9 @@ def eval_fresh_cases() -> list[Case]:
 # check after the FA2 host-path refresh), eval-blind8 (session 12: the first from 20261140, 20261140, the same way;
 # committed unmeasured, after blind7 decided between two profiles and the timer and measured policy changed),
 # eval-blind9 (session 13: the first from 20261141, 20261144, the same way; committed unmeasured, after blind8 was
-# measured and the profile's host_scale chosen on blind5-7)
-BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144)
+# measured and the profile's host_scale chosen on blind5-7), eval-blind10 (session 14: the first from 20261145, 20261153,
+# the same way; committed unmeasured, after flash-attn-4's split was refreshed with its replay on)
+BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153)
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those
