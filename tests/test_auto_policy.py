@@ -14,7 +14,8 @@ import pytest
 from attn_dispatch import AttentionParams, Platform, explain, selection
 from attn_dispatch.env import EnvFlags
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
-from attn_dispatch.policy.profile import COST_MODEL, build, features, tiled_pairs
+from attn_dispatch.policy.profile import (COST_MODEL, build, features, provider_work, tiled_pairs, unwindowed_work,
+                                          work as profile_work)
 
 H100 = Platform.parse("h100-cudnn9")
 A100 = Platform.parse("a100-cudnn9")
@@ -447,6 +448,40 @@ def test_a_refresh_without_enough_reference_calls_is_refused():
                                   for i, kw in enumerate(calls)]), "refreshes": ["x:a"], "path": "refresh.json"}
     with pytest.raises(ValueError, match=r"refresh run 'refresh.json': 1 training calls with a 'sdpa' split"):
         build([old, refresh], arch="sm90", stack={}, date="")
+
+
+def test_a_provider_whose_backward_skips_no_window_tile_is_charged_the_unwindowed_backward(tmp_path):
+    # 'x:skips' does the windowed work in both passes; 'x:full' (declared in unwindowed_backward) the windowed
+    # forward and the unwindowed backward, at a 1.25x higher rate. Measured with a window that covers every key
+    # (no difference), they predict a narrow window: x:full must lose there.
+    model = dataclasses.replace(COST_MODEL, unwindowed_backward=("x:full",))
+    rate = 1e9  # flops per ms
+    full_window = dict(max_seqlen_q=4096, attn_mask_type="no_mask", window_size=(4096, 4096), batch_size=4)
+    narrow = AttentionParams(**dict(full_window, window_size=(256, 256)))
+    rows = [(dict(max_seqlen_q=128, attn_mask_type="causal"), {"x:skips": 1e-3, "x:full": 1e-3})]  # the host floor
+    for b in (2, 4, 8):
+        kw = dict(full_window, batch_size=b)
+        w = profile_work(AttentionParams(**kw))
+        rows.append((kw, {"x:skips": 10.0 * w / rate, "x:full": 8.0 * w / rate}))
+    data = build([{"machine": "test GPU", "rows": [{"label": f"row{i}", "params": AttentionParams(**kw).to_dict(),
+                                                     "times_ms": t} for i, (kw, t) in enumerate(rows)]}],
+                 arch="sm90", stack={}, date="", model=model)
+    assert not any("work_unwindowed" in e for e in data["entries"])  # the window covers every key: no difference
+    windowed, unwindowed = profile_work(narrow), unwindowed_work(narrow)
+    assert unwindowed > 5 * windowed
+    predicted = Profile(data, model=model).predict(narrow)
+    assert predicted.times_ms["x:skips"] == pytest.approx(10.0 * windowed / rate, rel=0.05)
+    assert predicted.times_ms["x:full"] == pytest.approx(8.0 * (windowed + 2.5 * unwindowed) / 3.5 / rate, rel=0.05)
+    assert predicted.best(["x:full", "x:skips"]) == "x:skips"
+    # declared for no provider, the two scale alike and x:full wins; an inference call is never charged so
+    assert Profile(data, model=dataclasses.replace(model, unwindowed_backward=())).predict(narrow).best(
+        ["x:full", "x:skips"]) == "x:full"
+    inference = dataclasses.replace(narrow, is_training=False)
+    assert provider_work("x:full", profile_work(inference), profile_work(inference), model) == profile_work(inference)
+    # a narrow window's entry stores its unwindowed work, and a neighbour's rate is read over the same work
+    data = build([{"machine": "test GPU", "rows": [{"label": "narrow", "params": narrow.to_dict(),
+                                                     "times_ms": {"x:full": 2.0}}]}], arch="sm90", stack={}, date="")
+    assert data["entries"][0]["work_unwindowed"] == pytest.approx(unwindowed)
 
 
 def test_split_runs_add_host_and_gpu_times_to_the_entries_they_measured():

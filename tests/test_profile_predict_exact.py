@@ -45,6 +45,14 @@ def plain_work(p: AttentionParams, model: CostModel) -> float:
     return flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p)) if model.tile else flops
 
 
+def plain_amount(provider: str, windowed: float, unwindowed: float, model: CostModel) -> float:
+    """A provider that skips no tile in a two-sided window's backward: the forward's windowed flops (1 part in 3.5)
+    and the backward's unwindowed ones (2.5 parts)."""
+    if provider in model.unwindowed_backward and unwindowed != windowed:  # (equal: the work itself, to the bit)
+        return (windowed + 2.5 * unwindowed) / 3.5
+    return windowed
+
+
 def plain_distance(model: CostModel, here: tuple, sizes: tuple, fmt: str, call_fmt: str) -> float:
     dist = 0.0
     for w, h, z in zip(model.weights, here, sizes):
@@ -71,7 +79,7 @@ class PlainProfile:
             self.entries.append(dict(label=e["label"], kind=kind, sizes=sizes, fmt=e["fmt"], work=e["work"],
                                      times=e["times_ms"], machine=machine,
                                      shape=shape_of(kind, sizes, e["fmt"]), host_ms=e.get("host_ms", {}),
-                                     gpu_ms=e.get("gpu_ms", {})))
+                                     gpu_ms=e.get("gpu_ms", {}), work_unwindowed=e.get("work_unwindowed", e["work"])))
 
     def host(self, provider, kind, machine, skip):
         key = (provider, kind[0], kind[2], machine, skip)
@@ -106,7 +114,17 @@ class PlainProfile:
                 continue
             near.append((plain_distance(m, here, e["sizes"], e["fmt"], fmt), e["machine"] != machine, i))
         near.sort()
-        amount = plain_work(params, m)
+        left, right = params.window_size
+        two_sided = params.is_training and params.has_sliding_window and right != 0
+        full = replace(params, window_size=(-1, 0) if params.is_causal else (-1, -1))
+        windowed = plain_work(params, m)
+        unwindowed = plain_work(full, m) if two_sided else windowed
+
+        def amount_of(provider):
+            return plain_amount(provider, windowed, unwindowed, m)
+
+        def done(e, provider):
+            return plain_amount(provider, e["work"], e["work_unwindowed"], m)
         hosts, rates, fallback = {}, {}, {}
         # Providers split in some entry of the kind, where a neighbour holds a split of them: host = median of the
         # host_k nearest such neighbours' host times x host_scale; rates from the k nearest such neighbours, one
@@ -122,10 +140,10 @@ class PlainProfile:
             found = rates[provider] = []
             for dist, e in with_split:
                 gpu = e["gpu_ms"][provider]
-                if gpu < m.min_rate_gpu_ms and amount > e["work"]:
-                    fallback.setdefault(provider, (dist, math.log(e["work"] / gpu)))
+                if gpu < m.min_rate_gpu_ms and amount_of(provider) > done(e, provider):
+                    fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu)))
                 elif len(found) < m.k:
-                    found.append((dist, math.log(e["work"] / gpu)))
+                    found.append((dist, math.log(done(e, provider) / gpu)))
         for dist, _, i in near:
             e = of_kind[i]
             for provider, ms in e["times"].items():
@@ -136,17 +154,17 @@ class PlainProfile:
                     continue
                 host = hosts.setdefault(provider, self.host(provider, kind, own, skip))
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
-                if ms < m.host_bound * host and amount > e["work"]:
-                    fallback.setdefault(provider, (dist, math.log(e["work"] / gpu)))
+                if ms < m.host_bound * host and amount_of(provider) > done(e, provider):
+                    fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu)))
                 else:
-                    found.append((dist, math.log(e["work"] / gpu)))
+                    found.append((dist, math.log(done(e, provider) / gpu)))
         times = {}
         for provider, found in rates.items():
             found = found or [fallback[provider]]
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
             power = m.split_combine if provider in split else m.combine
-            times[provider] = (hosts[provider] ** power + (amount / rate) ** power) ** (1.0 / power)
+            times[provider] = (hosts[provider] ** power + (amount_of(provider) / rate) ** power) ** (1.0 / power)
         shown = tuple(of_kind[i]["label"] + ("" if own or len(self.machines) < 2 else f" ({of_kind[i]['machine']})")
                       for _, _, i in near[:max(1, m.k)])
         return times, shown, own, sum(1 for e in of_kind if e["machine"] == machine) if machine else 0
@@ -184,7 +202,8 @@ def test_predictions_equal_the_plain_walk_bit_for_bit(shipped, calls, model):
 def random_profile(rng: random.Random) -> dict:
     """Entries at arbitrary (not 4-decimal) log2 sizes, so that the order of a distance's additions shows in its
     last bits, on two machines, with some providers missing and some duplicated shapes (ties of distance)."""
-    kinds = [[True, "causal", False], [False, "causal", False], [True, "none", True]]
+    kinds = [[True, "causal", False], [False, "causal", False], [True, "none", True],
+             [True, "window two-sided", False]]
     entries = []
     for i in range(300):
         kind = rng.choice(kinds)
@@ -193,6 +212,8 @@ def random_profile(rng: random.Random) -> dict:
         times = {p: rng.uniform(0.02, 20) for p in ("x:a", "x:b", "y:c") if rng.random() < 0.8} or {"x:a": 1.0}
         entry = {"label": f"e{i}", "machine": rng.randrange(2), "kind": kind, "log2": log2,
                  "fmt": rng.choice(["bshd", "sbhd"]), "work": rng.uniform(1e8, 1e13), "times_ms": times}
+        if kind[1] == "window two-sided":  # the call without its window: more work
+            entry["work_unwindowed"] = entry["work"] * rng.uniform(1.0, 20.0)
         split = [p for p in times if p != "y:c" and rng.random() < 0.7]  # y:c never split: step times alone
         if split:
             entry["host_ms"] = {p: rng.uniform(0.02, 1.0) for p in split}
@@ -209,7 +230,8 @@ def test_predictions_equal_the_plain_walk_on_a_random_profile(calls):
     rng = random.Random(seed)
     data = random_profile(rng)
     uneven = (4.1, 1.7, 0.53, 0.29, 1.3, 0.9, 2.2)  # weights that round: the additions' order shows in the sums
-    for model in (CostModel(k=3, min_own=40, weights=uneven), CostModel(k=1, min_own=1000)):
+    for model in (CostModel(k=3, min_own=40, weights=uneven, unwindowed_backward=("x:a",)),
+                  CostModel(k=1, min_own=1000, unwindowed_backward=("x:a", "y:c"))):
         fast, plain = Profile(data, model=model), PlainProfile(data, model)
         for params in rng.sample(calls, 150):
             for machine in MACHINES:

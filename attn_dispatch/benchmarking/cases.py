@@ -4,6 +4,7 @@ bench_user_step.py times both on the GPU machines)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,12 @@ def eval_fresh_cases() -> list[Case]:
 # check after the FA2 host-path refresh), eval-blind8 (session 12: the first from 20261140, 20261140, the same way;
 # committed unmeasured, after blind7 decided between two profiles and the timer and measured policy changed),
 # eval-blind9 (session 13: the first from 20261141, 20261144, the same way; committed unmeasured, after blind8 was
-# measured and the profile's host_scale chosen on blind5-7), eval-blind10 (session 14: the first from 20261145, 20261153,
-# the same way; committed unmeasured, after flash-attn-4's split was refreshed with its replay on)
-BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153)
+# measured and the profile's host_scale chosen on blind5-7), eval-blind10 (session 14: the first from 20261145,
+# 20261153, the same way; committed unmeasured, after flash-attn-4's split was refreshed with its replay on), eval-blind11
+# (session 14: the first from 20261154, 20261154, the same way; committed unmeasured, after blind10's worst row led to
+# the cost model's unwindowed cuDNN backward)
+BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153,
+               20261154)
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those
@@ -307,12 +311,19 @@ def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
     """A held-out grid (issue 12, sessions 5-6), drawn at random from model-shaped families with a fixed seed and
     committed before any of it was measured or any model change was made with it in view. It shares no call with
     the hand-made grids or an earlier blind grid. 24 distinct shapes, fwd and fwd+bwd each."""
-    index = BLIND_SEEDS.index(seed)
-    earlier = _hand_grids() + [lambda s=s: eval_blind_cases(s) for s in BLIND_SEEDS[:index]]
+    return list(_blind_draw(seed, BLIND_SEEDS))
+
+
+@lru_cache(maxsize=None)
+def _blind_draw(seed: int, seeds: tuple[int, ...]) -> tuple[Case, ...]:
+    """eval_blind_cases' draw, once per seed (each excludes every earlier one: uncached, the draws recurse 2^n
+    times)."""
+    index = seeds.index(seed)
+    earlier = _hand_grids() + [lambda s=s: list(_blind_draw(s, seeds)) for s in seeds[:index]]
     if index >= _LEGACY_DRAWS:  # later blind grids are drawn after the fit-drawn grids, and exclude them too
         earlier += [lambda n=n: fit_drawn_cases(n) for n in FIT_DRAWN_SEEDS]
     seen = {_case_key(c) for grid in earlier for c in grid()}
-    return _both(_draw(seed, _BLIND_COUNTS, seen, legacy=index < _LEGACY_DRAWS))
+    return tuple(_both(_draw(seed, _BLIND_COUNTS, seen, legacy=index < _LEGACY_DRAWS)))
 
 
 def fit_drawn_cases(name: str) -> list[Case]:

@@ -17,7 +17,9 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
   neither; packed/padded or dense), nearness being a weighted distance over log2 sizes (head dims, query and key
   lengths, the key span a window leaves, batch x heads, GQA ratio) plus a penalty for another memory format. The
   GPU part of a measured time is what remains of it above the host floor; a neighbour within 3x of its floor hides
-  it, and gives no rate to a call bigger than itself (the next nearest does).
+  it, and gives no rate to a call bigger than itself (the next nearest does). A provider whose backward skips no
+  tile under a two-sided window (CostModel.unwindowed_backward: cuDNN) has its training work counted so, in the
+  call and in the neighbours alike.
 Where the profile holds a provider's step measured apart as host time and GPU time (bench_user_step.py --split-only:
 the GPU time of calls queued behind a spin kernel, the wall time of enqueueing them), those predict it instead: G
 from the nearest split entry's GPU rate (no host floor to subtract, so no neighbour's host time leaks into a rate),
@@ -33,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
@@ -41,7 +43,7 @@ from typing import Any
 
 from ..params import TOP_LEFT_MASKS, AttentionParams
 from ..platform import Platform
-from .timing import attended_pairs, attention_flops, band_sum, mode_of
+from .timing import BACKWARD_FLOP_FACTOR, attended_pairs, attention_flops, band_sum, mode_of
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
@@ -81,6 +83,13 @@ class CostModel:
     # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
     # of more work than its own.
     min_rate_gpu_ms: float = 0.1
+    # Providers whose backward computes every key tile under a two-sided window (right bound > 0): their training
+    # work is the forward's windowed tiles plus the backward's unwindowed ones. cudnn-frontend 1.32 / cuDNN 9.19 on
+    # the H100 and H200 (the profile's split fit, 25 two-sided training calls, window covers 0.05-1): its GPU rate
+    # over the windowed work fell with the cover, 24-446 TFLOP/s, and over this work stayed at 270-500 with no
+    # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
+    # (1.1-1.25x flash-attn-4's GPU time at every cover). session 14, benchmarks/results/profile/README.md.
+    unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
 
 
 COST_MODEL = CostModel()
@@ -114,6 +123,24 @@ def work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
     if not model.tile:
         return flops
     return flops * tiled_pairs(p, model.tile) / max(1, pairs)
+
+
+def two_sided_training(p: AttentionParams) -> bool:
+    """A training call under a window with a right bound (the keys after the query are limited too)."""
+    return p.is_training and p.has_sliding_window and p.window_size[1] != 0
+
+
+def unwindowed_work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+    """work() of the call without its window (its mask kept)."""
+    return work(replace(p, window_size=(-1, 0) if p.is_causal else (-1, -1)), model)
+
+
+def provider_work(provider: str, windowed: float, unwindowed: float, model: CostModel = COST_MODEL) -> float:
+    """The work a provider does on a call of work() `windowed` and unwindowed_work() `unwindowed` (equal unless the
+    call trains under a two-sided window): model.unwindowed_backward's providers skip no tile in the backward."""
+    if provider not in model.unwindowed_backward or unwindowed == windowed:
+        return windowed
+    return (windowed + BACKWARD_FLOP_FACTOR * unwindowed) / (1.0 + BACKWARD_FLOP_FACTOR)
 
 
 def tiled_pairs(p: AttentionParams, tile: int) -> int:
@@ -162,6 +189,10 @@ class Entry:
     shape: tuple = field(default=(), compare=False)
     host_ms: dict[str, float] = field(default_factory=dict)  # measured apart (bench_user_step.py --split)
     gpu_ms: dict[str, float] = field(default_factory=dict)
+    work_unwindowed: float = 0.0  # unwindowed_work(): set where it differs (training under a two-sided window)
+
+    def work_of(self, provider: str, model: CostModel) -> float:
+        return provider_work(provider, self.work, self.work_unwindowed or self.work, model)
 
 
 @dataclass(frozen=True)
@@ -234,7 +265,7 @@ class Profile:
                 machine = self.machines[machine]
             self.entries.append(Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine,
                                       e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"]),
-                                      e.get("host_ms", {}), e.get("gpu_ms", {})))
+                                      e.get("host_ms", {}), e.get("gpu_ms", {}), e.get("work_unwindowed", 0.0)))
         # Host floors per (machine or None for all, provider, training, packed or None for either): the few least
         # times with their calls' shapes (leave-one-out leaves a shape out of the floor too), and how many calls.
         self._floors: dict[tuple, list[tuple[float, tuple]]] = {}
@@ -303,7 +334,10 @@ class Profile:
         order = sorted(range(len(entries)), key=dist.__getitem__)  # stable: ties keep the neighbours' order
         hosts: dict[str, float] = {}
         rates: dict[str, list[tuple[float, float]]] = {}
-        amount = work(params, m)
+        windowed = work(params, m)
+        unwindowed = unwindowed_work(params, m) if two_sided_training(params) else windowed
+        amounts = {provider: provider_work(provider, windowed, unwindowed, m)
+                   for provider in self._providers.get(kind, ())}
         fallback: dict[str, tuple[float, float]] = {}
         split = set()  # providers predicted from split entries: those some neighbour holds a split of
         for provider in self._split.get(kind, ()):
@@ -311,7 +345,7 @@ class Profile:
             if host is not None:
                 split.add(provider)
                 hosts[provider] = host
-                rates[provider] = self._split_rates(provider, entries, order, dist, amount, fallback)
+                rates[provider] = self._split_rates(provider, entries, order, dist, amounts[provider], fallback)
         pending = set(self._providers.get(kind, ())) - split  # providers still short of k rates (or a fallback)
         for i in order:
             if not pending:
@@ -328,10 +362,11 @@ class Profile:
                     host = hosts[provider] = (self._host_floor.get((own, provider, kind[0], kind[2]), 0.0)
                                               if skip is None else self._host(provider, kind, own, skip))
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
-                if ms < m.host_bound * host and amount > e.work:
-                    fallback.setdefault(provider, (dist[i], math.log(e.work / gpu)))
+                done = e.work_of(provider, m)
+                if ms < m.host_bound * host and amounts[provider] > done:
+                    fallback.setdefault(provider, (dist[i], math.log(done / gpu)))
                     continue
-                found.append((dist[i], math.log(e.work / gpu)))
+                found.append((dist[i], math.log(done / gpu)))
                 if len(found) >= m.k:
                     pending.discard(provider)
         for provider, found in rates.items():
@@ -342,7 +377,7 @@ class Profile:
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
             power = m.split_combine if provider in split else m.combine
-            times[provider] = (hosts[provider] ** power + (amount / rate) ** power) ** (1.0 / power)
+            times[provider] = (hosts[provider] ** power + (amounts[provider] / rate) ** power) ** (1.0 / power)
         shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
                       for i in order[:max(1, m.k)])
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
@@ -364,10 +399,11 @@ class Profile:
             gpu = e.gpu_ms.get(provider)
             if gpu is None:
                 continue
-            if gpu < self.model.min_rate_gpu_ms and amount > e.work:
-                fallback.setdefault(provider, (dist[i], math.log(e.work / gpu)))
+            done = e.work_of(provider, self.model)
+            if gpu < self.model.min_rate_gpu_ms and amount > done:
+                fallback.setdefault(provider, (dist[i], math.log(done / gpu)))
                 continue
-            found.append((dist[i], math.log(e.work / gpu)))
+            found.append((dist[i], math.log(done / gpu)))
             if len(found) >= self.model.k:
                 break
         return found
@@ -569,6 +605,8 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
         entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
                         "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
                         "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()}})
+        if two_sided_training(params) and unwindowed_work(params, model) != entries[-1]["work"]:
+            entries[-1]["work_unwindowed"] = unwindowed_work(params, model)
         split = {p: hg for p, hg in splits.get(key, {}).items() if p in times}
         if split:
             entries[-1]["host_ms"] = {p: float(f"{h:.4g}") for p, (h, _) in split.items()}
