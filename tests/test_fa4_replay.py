@@ -67,7 +67,8 @@ class StandInInterface:
     post_process; kernels that work only from inside the interface: context_only)."""
 
     def __init__(self, **flags):
-        names = ("scheduler", "object_arg", "two_views", "torch_result", "post_process", "context_only")
+        names = ("scheduler", "object_arg", "two_views", "torch_result", "post_process", "context_only",
+                 "zeroed_scratch")
         assert set(flags) <= set(names)
         self.flags = {name: flags.get(name, False) for name in names}
         self.preambles = {"fwd": 0, "bwd": 0}
@@ -115,7 +116,8 @@ class StandInInterface:
             iface.preambles["bwd"] += 1
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             b, sq, h, d = q.shape
-            dq_accum = torch.empty(b, h, sq * d, dtype=q.dtype)  # zeroed by the preprocess launch (fp32 there)
+            # zeroed by the preprocess launch (fp32 there); zeroed_scratch: fresh memory that happens to hold zeros
+            dq_accum = (torch.zeros if iface.flags["zeroed_scratch"] else torch.empty)(b, h, sq * d, dtype=q.dtype)
             dpsum = torch.empty(b, h, sq, dtype=torch.float32)
             lse_log2 = torch.empty(b, h, sq, dtype=torch.float32)
             gqa = k.shape[2] != h
@@ -233,8 +235,9 @@ def test_repeat_calls_replay_the_launches_after_one_checked_call(train, window, 
     # call 1: the interface, recorded; call 2: the replay checked against the interface; calls 3-4: replays
     per_call = {"fwd": 1, "bwd": 5 if hk != 4 else 3}  # the backward's launches (GQA: two more postprocesses)
     kinds = ("fwd", "bwd") if train else ("fwd",)
-    for kind in kinds:
-        assert iface.preambles[kind] == 2 and iface.launches[kind] == 5 * per_call[kind], kind
+    for kind in kinds:  # the check may replay once or twice more with a poisoned buffer (dq_accum if it held zeros)
+        poisoned, rest = divmod(iface.launches[kind] - 5 * per_call[kind], per_call[kind])
+        assert iface.preambles[kind] == 2 and rest == 0 and 0 <= poisoned <= 2, kind
     assert {name: getattr(iface, name).compile_cache for name in caches} == caches  # the proxies were swapped back
     if train and hk != 4:  # the GQA accumulators were zeros at first use: the replay allocates zeros
         replay = next(iter(engine._replays("bwd").entries.values()))
@@ -391,3 +394,21 @@ def test_the_replay_is_on_unless_the_switch_says_0(monkeypatch):
     assert _fa4_replay.replay_enabled()
     monkeypatch.setenv(_fa4_replay.ENV_SWITCH, "0")
     assert not _fa4_replay.replay_enabled()
+
+
+@pytest.mark.parametrize("hk", [4, 2])
+def test_a_buffer_its_first_launch_overwrites_is_not_zeroed_and_an_accumulator_is(hk):
+    iface = StandInInterface(zeroed_scratch=True)  # dq_accum holds zeros when recorded, and the preprocess zeroes it
+    engine = _engine(iface)
+    q, k, v, aux, cfg = make_case(hk=hk, d=32, dv=32)
+    for _ in range(4):
+        _check_values(engine, q, k, v, aux, cfg, train=True)
+    replay, = engine._replays("bwd").entries.values()
+    dq_accum = [a for a in replay.buffers if a.shape == (q.shape[0], q.shape[2], q.shape[1] * q.shape[3])]
+    assert replay.checked and len(dq_accum) == 1
+    if hk == 4:  # nothing else needs zeros: the poisoned check passed and the memset is gone
+        assert not dq_accum[0].zeros and not any(a.zeros for a in replay.buffers)
+    else:  # the GQA accumulators need theirs: the poisoned check failed, every zeroing stays
+        assert dq_accum[0].zeros and [a.zeros for a in replay.buffers].count(True) >= 3
+    assert all(a.fill is None for a in replay.buffers)
+    _check_values(engine, q, k, v, aux, cfg, train=True)  # and still right

@@ -14,6 +14,7 @@
 #        eval-blind11 (committed unmeasured in session 14 after the cost model's unwindowed cuDNN backward), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-check   # (full stack) flash-attn-4's GPU tests with the
 #        forward replay, the step-variance check and the replay's host time (session 13 wrote all three unrun)
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-host   # (full stack) the replay's GPU tests and host time
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-fa4 START SECS   # flash-attn-4's split refreshed with
 #        the replay on, as FA2's was (full stack; rebuild the profile from it as session 12 did for FA2)
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
@@ -38,6 +39,12 @@ case ${1:-} in
     timeout 300 python3 benchmarks/gpu/check_fa4_replay_host.py --out "$OUT/fa4_replay_host_${tag}.json" 2>&1 \
       | tail -n 14
     ;;
+  replay-host)  # (full stack) session 14: the replay's GPU tests and host/GPU time after the poisoned check
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    python3 -m pytest -q -m gpu tests/gpu/test_flash_gpu.py -k replay 2>&1 | tail -n 3
+    timeout 300 python3 benchmarks/gpu/check_fa4_replay_host.py --out "$OUT/fa4_replay_host_${tag}.json" 2>&1 \
+      | tail -n 12
+    ;;
   refresh-fa4)  # flash-attn-4's split over the profile's source grids after the replay (full stack)
     source "$(dirname "$0")/setup.sh" > /dev/null
     file="split_refresh_fa4_${tag}_from$2.json"
@@ -52,6 +59,6 @@ case ${1:-} in
   blind9) REPS=48 blind_run eval-blind9 blind9 "${2:-}" "${3:-0}" ;;
   blind10) REPS=48 blind_run eval-blind10 blind10 "${2:-}" "${3:-0}" ;;
   blind11) REPS=48 blind_run eval-blind11 blind11 "${2:-}" "${3:-0}" ;;
-  *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check |"\
+  *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
           "blind7|blind8|blind9|blind10|blind11 full|stock [START]"; exit 2 ;;
 esac
