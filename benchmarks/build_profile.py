@@ -48,7 +48,7 @@ def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
             raise ValueError(f"{path}: not a bench_user_step.py result (no rows/environment)")
         env = data["environment"]
         grid = data.get("grid", "")
-        runs.append({"machine": env["device"], "rows": data["rows"], "path": path, "grid": grid,
+        runs.append({"machine": env["device"], "rows": data["rows"], "path": path, "grid": grid, "date": env["date"],
                      "replaces": grid in REFRESH_GRIDS, "refreshes": data.get("refreshes", [])})
         envs.append(env)
     return runs, envs

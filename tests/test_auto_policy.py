@@ -436,6 +436,15 @@ def test_a_run_refreshing_a_provider_replaces_its_splits_of_the_calls_it_measure
     assert entries[("m", "split5")]["host_ms"] == {"x:a": 0.7}  # the refresh's split was not covered: old stays
     assert entries[("m", "c0")]["times_ms"] == {"x:a": 1.0, "x:b": 2.0}
     assert entries[("n", "split0")]["host_ms"] == {"x:a": 0.9}  # another machine: untouched
+    # a newer refresh of x:a (the same lease speed) replaces the older refresh on the calls it covers, only those
+    newer = {**_split_run("m", [(kw, {"x:a": (0.15, 0.8, 1.0), "sdpa": (0.4 / r, 0.9, 1.0)})
+                                for kw, r in zip(calls[:4] + calls[:1], (2, 2, 2, 1.6, 2))]),
+             "refreshes": ["x:a"], "date": "2026-11-27"}
+    refresh["date"] = "2026-11-26"
+    data = build([timed, old, old_elsewhere, refresh, newer], arch="sm90", stack={}, date="")
+    entries = {(data["machines"][e["machine"]], e["label"]): e for e in data["entries"]}
+    assert entries[("m", "c0")]["host_ms"]["x:a"] == 0.3 and entries[("m", "c0")]["gpu_ms"]["x:a"] == 0.8
+    assert entries[("m", "c4")]["host_ms"]["x:a"] == pytest.approx(0.1 * 2)  # not in the newer run: the older's
 
 
 def test_a_refresh_without_enough_reference_calls_is_refused():

@@ -563,16 +563,20 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
     (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
     provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
     names a provider (its host path changed since the other runs: --refreshes) is the only source of that
-    provider's split for the calls it split on its machine; its host times are scaled onto the other runs' lease by
+    provider's split for the calls it split on its machine (of several such runs, the newest by "date"); its host times are scaled onto the other runs' lease by
     refresh_host_scales. (Its step times stay combined with the other runs': where a provider has a split, the
     model reads host and GPU time alone.)"""
     def usable(split: dict) -> bool:
         return split.get("covered") == 1
 
     scales = refresh_host_scales(runs)
-    refreshed = {(run["machine"], _call_key(row["params"]), provider) for run in runs
-                 for provider in run.get("refreshes", ()) for row in run["rows"]
-                 if usable(row.get("split", {}).get(provider, {}))}
+    newest: dict[tuple[str, str, str], str] = {}  # (machine, call, provider) -> the newest refresh's date
+    for run in runs:
+        for provider in run.get("refreshes", ()):
+            for row in run["rows"]:
+                if usable(row.get("split", {}).get(provider, {})):
+                    key = (run["machine"], _call_key(row["params"]), provider)
+                    newest[key] = max(newest.get(key, ""), run.get("date", ""))
     found: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for index, run in enumerate(runs):
         refreshing = set(run.get("refreshes", ()))
@@ -582,8 +586,9 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
             for provider, split in row.get("split", {}).items():
                 if ":" not in provider or not usable(split):
                     continue
-                if provider not in refreshing and (*key, provider) in refreshed:
-                    continue  # measured before the provider's path changed: the refresh replaces it
+                if (*key, provider) in newest and (provider not in refreshing
+                                                   or run.get("date", "") < newest[(*key, provider)]):
+                    continue  # measured before the provider's path last changed: the newest refresh replaces it
                 host = split["host_ms"] * scale
                 found.setdefault(key, {}).setdefault(provider, []).append((host, split["gpu_ms"]))
     return {key: {p: (statistics.median(h for h, _ in v), statistics.median(g for _, g in v)) for p, v in by.items()}
