@@ -193,7 +193,10 @@ class Replays:
                *settings)
         replay = self.entries.get(key, _UNSEEN)
         if replay is not _UNSEEN and replay is not None and replay.checked:
-            self.entries.move_to_end(key)
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # another thread's call dropped it just now: this call still has it
+                pass
             return replay.run(inputs)
         if replay is None:
             return interface(inputs)

@@ -11,7 +11,8 @@
 #        policy no longer probes the unfused engine on a GPU, which was ~80% of a blind run's time); eval-blind9
 #        (committed unmeasured in session 13 with the host_scale chosen on blind5-7), as blind8; eval-blind10
 #        (committed unmeasured in session 14 after flash-attn-4's split refresh with its replay on), as blind8;
-#        eval-blind11 (committed unmeasured in session 14 after the cost model's unwindowed cuDNN backward), as blind8
+#        eval-blind11 (committed unmeasured in session 14 after the cost model's unwindowed cuDNN backward), as blind8;
+#        eval-blind12 (committed unmeasured at the end of session 14, after the last profile rebuild), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-check   # (full stack) flash-attn-4's GPU tests with the
 #        forward replay, the step-variance check and the replay's host time (session 13 wrote all three unrun)
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-host   # (full stack) the replay's GPU tests and host time
@@ -59,6 +60,7 @@ case ${1:-} in
   blind9) REPS=48 blind_run eval-blind9 blind9 "${2:-}" "${3:-0}" ;;
   blind10) REPS=48 blind_run eval-blind10 blind10 "${2:-}" "${3:-0}" ;;
   blind11) REPS=48 blind_run eval-blind11 blind11 "${2:-}" "${3:-0}" ;;
+  blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
-          "blind7|blind8|blind9|blind10|blind11 full|stock [START]"; exit 2 ;;
+          "blind7|blind8|blind9|blind10|blind11|blind12 full|stock [START]"; exit 2 ;;
 esac
