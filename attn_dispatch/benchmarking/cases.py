@@ -202,8 +202,8 @@ def eval_fresh_cases() -> list[Case]:
 # measured and the profile's host_scale chosen on blind5-7), eval-blind10 (session 14: the first from 20261145,
 # 20261153, the same way; committed unmeasured, after flash-attn-4's split was refreshed with its replay on),
 # eval-blind11 (session 14: the first from 20261154, 20261154, the same way; committed unmeasured, after blind10's
-# worst row led to the cost model's unwindowed cuDNN backward), eval-blind12 (session 14: the first from 20261155, 20261155, the same
-# way; committed unmeasured, after the last profile rebuild, for the next session)
+# worst row led to the cost model's unwindowed cuDNN backward), eval-blind12 (session 14: the first from 20261155,
+# 20261155, the same way; committed unmeasured, after the last profile rebuild, for the next session)
 BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153,
                20261154, 20261155)
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
