@@ -273,10 +273,9 @@ class Replays:
 
     def _check(self, key, replay: Replay, inputs, interface, exact: bool) -> tuple[torch.Tensor, ...]:
         """The first replay of a signature, against the interface on the same inputs."""
-        fresh = {name: (torch.empty_like(t) if name in self.results else t) for name, t in inputs.items()}
         try:
             got = replay.run(inputs)
-            want = interface(fresh)
+            want = interface(self._fresh_results(inputs))
             same = all(_close(a, b, exact) for a, b in zip(got, want))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the interface for this signature
             logger.warning("flash-attn-4 replay failed its check (%s); this signature keeps the interface", exc)
@@ -293,23 +292,29 @@ class Replays:
         self._drop_needless_zeroing(replay, inputs, want, exact)
         return got
 
+    def _fresh_results(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The call's inputs with the results it passes in (a preallocated out) swapped for new tensors: a check's
+        run must not write into the caller's."""
+        return {name: (torch.empty_like(t) if name in self.results else t) for name, t in inputs.items()}
+
     def _drop_needless_zeroing(self, replay: Replay, inputs, want: tuple, exact: bool) -> None:
         """A floating-point buffer or result that held zeros when first used may have been fresh memory that its
         first launch overwrites (flash-attn-4's dq_accum: torch.empty, zeroed by the preprocess kernel): a replay
         that zeroes it costs a memset a call. Poisoned instead, the replay must still give the interface's results,
         or every zeroing is kept. (Integer buffers, semaphores and tile counters, always keep theirs.)"""
-        def poisoned(alloc: _Alloc, value: float | None) -> _Alloc:
-            needless = alloc.zeros and alloc.dtype.is_floating_point
-            return replace(alloc, zeros=False, fill=value) if needless else alloc
+        def may_skip(alloc: _Alloc) -> bool:
+            return alloc.zeros and alloc.dtype.is_floating_point
 
-        if not any(a.zeros and a.dtype.is_floating_point for a in (*replay.buffers, *replay.allocs.values())):
+        def poisoned(alloc: _Alloc, value: float | None) -> _Alloc:
+            return replace(alloc, zeros=False, fill=value) if may_skip(alloc) else alloc
+
+        if not any(map(may_skip, (*replay.buffers, *replay.allocs.values()))):
             return
-        fresh = {name: (torch.empty_like(t) if name in self.results else t) for name, t in inputs.items()}
         try:
             for value in POISONS:
                 trial = replace(replay, buffers=tuple(poisoned(a, value) for a in replay.buffers),
                                 allocs={n: poisoned(a, value) for n, a in replay.allocs.items()})
-                if not all(_close(a, b, exact) for a, b in zip(trial.run(dict(fresh)), want)):
+                if not all(_close(a, b, exact) for a, b in zip(trial.run(self._fresh_results(inputs)), want)):
                     return
         except Exception:  # noqa: BLE001 - an error under poison: the zeroing stays
             return

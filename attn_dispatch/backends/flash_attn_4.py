@@ -117,9 +117,14 @@ class FlashAttn4Engine(FlashEngineBase):
 
         inputs = {"q": q, "k": k, "v": v} if out is None else {"q": q, "k": k, "v": v, "out": out}
         replays = self._replays("fwd")
-        if not replays.enabled or varlen is not None or call.sink is not None or call.softcap:
+        if not self._replayable(replays, varlen, call):
             return (*interface(inputs), None)
         return (*replays((call.scale, left, right), inputs, interface), None)
+
+    @staticmethod
+    def _replayable(replays: Replays, varlen: Varlen | None, call: KernelCall) -> bool:
+        """The replay's scope: dense calls (no cu_seqlens) without a sink or softcap."""
+        return replays.enabled and varlen is None and call.sink is None and not call.softcap
 
     def _replays(self, kind: str) -> Replays:
         """The replays of this engine's interface for 'fwd' or 'bwd' calls (made on first use, like _jit_caches)."""
@@ -176,7 +181,7 @@ class FlashAttn4Engine(FlashEngineBase):
                                call.softcap, **kwargs)
 
         replays = self._replays("bwd")
-        if not replays.enabled or varlen is not None or call.sink is not None or call.softcap:
+        if not self._replayable(replays, varlen, call):
             result = interface({})
             dsink = result[3] if call.sink is not None and len(result) > 3 else None
             return result[0], result[1], result[2], dsink
