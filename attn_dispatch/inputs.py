@@ -552,12 +552,23 @@ def build_config(spec: ModuleSpec, params: AttentionParams) -> AttnConfig:
     )
 
 
+def plain_params(params: AttentionParams) -> tuple[AttentionParams, tuple[str, ...]]:
+    """(the params the engines run, notes on how the call was read): a window side that masks nothing at the
+    call's lengths is dropped (AttentionParams.without_idle_window), so every engine of the plain mask qualifies."""
+    plain = params.without_idle_window()
+    if plain is params:
+        return params, ()
+    return plain, (f"window_size={params.window_size} masks nothing at max_seqlen_q={params.max_seqlen_q}, "
+                   f"max_seqlen_kv={params.max_seqlen_kv}: run as window_size={plain.window_size}",)
+
+
 def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
     """Select and load the engine. One that fails to load (a flash-attn wheel built for another torch, say) is
     recorded (backends.LOAD_FAILURES, which its table then reports as the reason), decisions are forgotten, and
     selection runs again without it; a forced one raises with that reason."""
     from . import selection
 
+    params, notes = plain_params(params)
     for _ in range(len(ENGINE_CLASSES) + 1):
         decision = selection.select(params, force=spec.backend)
         try:
@@ -566,6 +577,8 @@ def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
             selection.clear_cache()
             continue
         selection.warn_unfused_fallback(decision)
+        if notes:
+            decision = decision.model_copy(update={"notes": decision.notes + notes})
         return Plan(params, decision, engine, build_config(spec, params), selection.generation())
     raise RuntimeError(f"no engine could be loaded for {params.describe()}")
 
@@ -610,4 +623,4 @@ def keyless_rows(mask_type: str, window: tuple[int, int], min_kv_minus_q: int, q
 
 __all__ = ["Entry", "FastHit", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",
            "build_params", "check_window", "default_alibi_slopes", "keyless_rows", "make_aux", "make_plan",
-           "normalize_mask_type", "packed_facts", "sequence_info"]
+           "normalize_mask_type", "packed_facts", "plain_params", "sequence_info"]

@@ -495,7 +495,10 @@ class DotProductAttention(torch.nn.Module):
         params, _ = self._describe(query_layer, key_layer, value_layer, args)
         if fp8 is not None:
             params = _fp8_params(params, fp8)
-        return selection.explain(params, force=self.backend)
+        # as make_plan reads a plain call (under context parallelism these lengths are the rank's)
+        params, notes = inputs.plain_params(params) if self.cp_group is None else (params, ())
+        decision = selection.explain(params, force=self.backend)
+        return decision.model_copy(update={"notes": decision.notes + notes}) if notes else decision
 
     # ------------------------------------------------------------------------------------------
     def _describe(self, q, k, v, args: CallArgs):

@@ -34,3 +34,13 @@ def test_platform_command_and_module_entry_point():
     result = subprocess.run([sys.executable, "-m", "attn_dispatch", "platform", "--platform", "h100-cudnn9"],
                             capture_output=True, text=True, check=True)
     assert "sm90" in result.stdout and "cudnn-frontend" in result.stdout and "flash_attn_4:cute" in result.stdout
+
+
+def test_explain_reads_an_idle_window_as_the_module_does(capsys):
+    args = ["explain", "--platform", "h100-cudnn9", "--mask", "causal", "--seqlen", "2048", "--head-dim", "64",
+            "--inference", "--json"]
+    assert main(args + ["--window", "2048,0"]) == 0
+    idle = json.loads(capsys.readouterr().out)
+    assert idle["params"]["window_size"] == [-1, 0] and "masks nothing" in idle["notes"][0]
+    assert main(args + ["--window", "2046,0"]) == 0  # the last row loses its first key
+    assert json.loads(capsys.readouterr().out)["params"]["window_size"] == [2046, 0]

@@ -544,3 +544,16 @@ def test_cached_path_with_and_without_the_tensor_guard(monkeypatch, with_guard):
     assert rel_err(dpa(*strided), ref) <= TOL
     with pytest.raises(ValueError, match="dtype"):
         dpa(q, k.double(), v)
+
+
+def test_a_window_that_masks_nothing_runs_as_the_plain_mask_and_says_so():
+    q, k, v = qkv(sq=8, skv=8)
+    dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal", window_size=(7, 0))
+    ref, _ = reference_attention(q, k, v, attn_mask_type="causal", window_size=(7, 0))
+    assert rel_err(dpa(q, k, v), flat(ref)) <= TOL
+    decision = dpa.last_decision
+    assert decision.params["window_size"] == (-1, 0)
+    assert any("window_size=(7, 0) masks nothing" in note for note in decision.notes)
+    assert dpa.explain(q, k, v).notes == decision.notes
+    narrow = dpa.explain(q, k, v, window_size=(6, 0))  # one key less in the last row: the window stays
+    assert narrow.params["window_size"] == (6, 0) and not narrow.notes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..env import EnvFlags
+from ..inputs import plain_params
 from ..selection import explain
 from .common import add_call_arguments, add_platform_argument, params_from, platform_from
 
@@ -20,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     platform = platform_from(args)
-    params = params_from(args, platform)
+    params, notes = plain_params(params_from(args, platform))  # as the module reads the call
     decision = explain(params, platform, EnvFlags.from_environ(), force=args.force)
+    if notes:
+        decision = decision.model_copy(update={"notes": decision.notes + notes})
     print(decision.model_dump_json(indent=2) if args.json else decision.summary())
     return 0 if decision.ok else 1

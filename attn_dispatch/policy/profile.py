@@ -75,6 +75,7 @@ class CostModel:
     # t = (H^p + G^p)^(1/p) with p = split_combine.
     use_split: bool = True
     host_k: int = 25
+    host_quantile: float = 0.5
     # The split lease's host was slower than the hosts that ran the block-timer blind grids: their host-bound steps
     # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over blind5-7's 720
     # rows (session 13; benchmarks/results/profile/README.md).
@@ -387,7 +388,11 @@ class Profile:
         no neighbour does)."""
         found = list(islice((entries[i].host_ms[provider] for i in order if provider in entries[i].host_ms),
                             self.model.host_k))
-        return statistics.median(found) * self.model.host_scale if found else None
+        if not found:
+            return None
+        q = self.model.host_quantile
+        return (statistics.median(found) if q == 0.5 else sorted(found)[round(q * (len(found) - 1))]) \
+            * self.model.host_scale
 
     def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: list[int], dist: list[float],
                      amount: float, fallback: dict[str, tuple[float, float]]) -> list[tuple[float, float]]:

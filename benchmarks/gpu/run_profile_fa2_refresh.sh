@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh replay-host   # (full stack) the replay's GPU tests and host time
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-fa4 START SECS   # flash-attn-4's split refreshed with
 #        the replay on, as FA2's was (full stack; rebuild the profile from it as session 12 did for FA2)
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-cudnn START SECS   # (full stack) both cuDNN providers'
+#        split refreshed: theirs dates from session 10, before session 11's cached-call host path, which every
+#        provider runs (FA2's and flash-attn-4's splits were refreshed after it); eval-blind13 (session 15), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -55,12 +58,22 @@ case ${1:-} in
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
+  refresh-cudnn)  # both cuDNN providers' split over the profile's source grids (full stack), on today's host path
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    file="split_refresh_cudnn_${tag}_from$2.json"
+    timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" --split-only --start "$2" \
+      --providers cudnn_fused:frontend,cudnn_fused:torch --refreshes cudnn_fused:frontend,cudnn_fused:torch \
+      --max-seconds "$3" --out "$OUT/$file" 2>&1 | tail -n 4
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
+      "$OUT/$file"
+    ;;
   blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
   blind8) REPS=48 blind_run eval-blind8 blind8 "${2:-}" "${3:-0}" ;;
   blind9) REPS=48 blind_run eval-blind9 blind9 "${2:-}" "${3:-0}" ;;
   blind10) REPS=48 blind_run eval-blind10 blind10 "${2:-}" "${3:-0}" ;;
   blind11) REPS=48 blind_run eval-blind11 blind11 "${2:-}" "${3:-0}" ;;
   blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
+  blind13) REPS=48 blind_run eval-blind13 blind13 "${2:-}" "${3:-0}" ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
-          "blind7|blind8|blind9|blind10|blind11|blind12 full|stock [START]"; exit 2 ;;
+          "blind7|...|blind13 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
 esac
