@@ -20,7 +20,8 @@
 #        the replay on, as FA2's was (full stack; rebuild the profile from it as session 12 did for FA2)
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh refresh-cudnn START SECS   # (full stack) both cuDNN providers'
 #        split refreshed: theirs dates from session 10, before session 11's cached-call host path, which every
-#        provider runs (FA2's and flash-attn-4's splits were refreshed after it); eval-blind13 (session 15), as blind8
+#        provider runs (FA2's and flash-attn-4's splits were refreshed after it); eval-blind13 and eval-blind14
+#        (session 15), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -74,6 +75,7 @@ case ${1:-} in
   blind11) REPS=48 blind_run eval-blind11 blind11 "${2:-}" "${3:-0}" ;;
   blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
   blind13) REPS=48 blind_run eval-blind13 blind13 "${2:-}" "${3:-0}" ;;
+  blind14) REPS=48 blind_run eval-blind14 blind14 "${2:-}" "${3:-0}" ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
-          "blind7|...|blind13 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
+          "blind7|...|blind14 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
 esac
