@@ -76,6 +76,10 @@ case ${1:-} in
   blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
   blind13) REPS=48 blind_run eval-blind13 blind13 "${2:-}" "${3:-0}" ;;
   blind14) REPS=48 blind_run eval-blind14 blind14 "${2:-}" "${3:-0}" ;;
+  fa4-host)  # (full stack) where flash-attn-4's training host time goes: cProfile beside cuDNN (torch)
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    timeout 240 python3 benchmarks/gpu/profile_fa4_host.py --out "$OUT/fa4_host_profile_${tag}.json" 2>&1 | tail -n 200
+    ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
           "blind7|...|blind14 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
 esac
