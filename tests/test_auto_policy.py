@@ -14,7 +14,7 @@ import pytest
 from attn_dispatch import AttentionParams, Platform, explain, selection
 from attn_dispatch.env import EnvFlags
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
-from attn_dispatch.policy.profile import (COST_MODEL, Prediction, build, features, provider_work, tiled_pairs,
+from attn_dispatch.policy.profile import (COST_MODEL, build, features, provider_work, tiled_pairs,
                                           unwindowed_work, work as profile_work)
 
 H100 = Platform.parse("h100-cudnn9")
@@ -102,27 +102,6 @@ def test_auto_picks_the_predicted_fastest_and_explains_why(tmp_path):
     assert set(choice.estimates) == {"cudnn_fused:frontend", "flash_attn_4:cute"}
     # only one candidate: no prediction needed
     assert policy.choose(p, H100, ["flash_attn_2:torch"]).chosen == "flash_attn_2:torch"
-
-
-def test_within_the_tiebreak_the_provider_of_least_gpu_time_wins():
-    times, gpu = {"x:a": 1.00, "x:b": 1.04, "x:c": 1.20}, {"x:a": 0.50, "x:b": 0.30, "x:c": 0.10}
-    assert Prediction(times, (), gpu_ms=gpu, gpu_tiebreak=0.05).best(["x:a", "x:b", "x:c"]) == "x:b"
-    assert Prediction(times, (), gpu_ms=gpu, gpu_tiebreak=0.0).best(["x:a", "x:b", "x:c"]) == "x:a"
-    assert Prediction(dict(times, **{"x:b": 1.06}), (), gpu_ms=gpu, gpu_tiebreak=0.05).best(["x:a", "x:b"]) == "x:a"
-    assert Prediction(times, (), gpu_ms=gpu, gpu_tiebreak=0.05).best(["x:a", "x:c"]) == "x:a"  # c: 20% slower
-    assert COST_MODEL.gpu_tiebreak == 0.05
-
-
-def test_auto_explains_a_gpu_tiebreak(tmp_path, monkeypatch):
-    rows = [(dict(max_seqlen_q=s, attn_mask_type="causal"), {"x:a": 1.0, "x:b": 1.0}) for s in (1024, 4096)]
-    policy = AutoPolicy(directory=synthetic_profile(tmp_path, rows))
-    tie = Prediction({"flash_attn_2:torch": 0.300, "cudnn_fused:torch": 0.310}, ("row0",), gpu_ms={
-        "flash_attn_2:torch": 0.290, "cudnn_fused:torch": 0.200}, gpu_tiebreak=0.05)
-    monkeypatch.setattr(Profile, "predict", lambda self, params, **kw: tie)
-    choice = policy.choose(AttentionParams(), H100, ["flash_attn_2:torch", "cudnn_fused:torch"])
-    assert choice.chosen == "cudnn_fused:torch"
-    assert "within 5% of flash_attn_2:torch, with less GPU time (0.200 ms vs 0.290)" in choice.reason
-    assert "flash_attn_2:torch 0.97x" in choice.reason and "predicted fastest" not in choice.reason
 
 
 def test_without_a_profile_the_order_decides_and_says_so(tmp_path):

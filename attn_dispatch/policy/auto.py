@@ -44,17 +44,9 @@ class AutoPolicy:
         others = sorted((t, p) for p, t in estimates.items() if p != chosen)
         versus = ", ".join(f"{p} {t / estimates[chosen]:.2f}x" for t, p in others) or "no other measured provider"
         unknown = [p for p in eligible if p not in estimates]
-        fastest = prediction.fastest(eligible)
-        if fastest == chosen:
-            head = f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}"
-        else:  # the GPU tie-break (CostModel.gpu_tiebreak)
-            gpu = prediction.gpu_ms
-            head = (f"predicted {estimates[chosen]:.3f} ms per step, vs {versus}: within "
-                    f"{profile.model.gpu_tiebreak:.0%} of {fastest}, with less GPU time ({gpu[chosen]:.3f} ms vs "
-                    f"{gpu[fastest]:.3f}), the part of a step that varies least by machine and that a model's other "
-                    "kernels do not hide")
-        reason = (f"{head}; from {profile.describe()}, {_source(profile, prediction, platform)}, nearest measured "
-                  f"calls: {'; '.join(prediction.neighbours)}")
+        reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
+                  f"{_source(profile, prediction, platform)}, nearest measured calls: "
+                  f"{'; '.join(prediction.neighbours)}")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)

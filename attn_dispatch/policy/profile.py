@@ -90,11 +90,6 @@ class CostModel:
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
     # (1.1-1.25x flash-attn-4's GPU time at every cover). session 14, benchmarks/results/profile/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # Of the providers predicted within this share of the fastest, the one of least predicted GPU time is picked:
-    # the host term is the uncertain one (a lease's host ran 0.6-1.5x the split's; small calls' measured / predicted
-    # time 0.7-0.96 by provider over blind10-13), and in a model the other layers' kernels hide host time, not GPU
-    # time. 0.05 of 0.02-0.10 over blind10-12 (full and stock; session 15, benchmarks/results/profile/README.md).
-    gpu_tiebreak: float = 0.05
 
 
 COST_MODEL = CostModel()
@@ -247,22 +242,10 @@ class Prediction:
     neighbours: tuple[str, ...]
     machine: str | None = None
     own_entries: int = 0  # this machine's entries of this kind of call
-    gpu_ms: dict[str, float] = field(default_factory=dict)  # the GPU part of each time
-    gpu_tiebreak: float = 0.0  # CostModel.gpu_tiebreak
-
-    def fastest(self, candidates: list[str]) -> str | None:
-        known = [(self.times_ms[c], i, c) for i, c in enumerate(candidates) if c in self.times_ms]
-        return min(known)[2] if known else None
 
     def best(self, candidates: list[str]) -> str | None:
-        """The fastest candidate, or of those predicted within gpu_tiebreak of it, the one of least GPU time."""
-        fastest = self.fastest(candidates)
-        if fastest is None or not self.gpu_tiebreak:
-            return fastest
-        limit = self.times_ms[fastest] * (1.0 + self.gpu_tiebreak)
-        close = [(self.gpu_ms.get(c, self.times_ms[c]), i, c) for i, c in enumerate(candidates)
-                 if self.times_ms.get(c, math.inf) <= limit]
-        return min(close)[2]
+        known = [(self.times_ms[c], i, c) for i, c in enumerate(candidates) if c in self.times_ms]
+        return min(known)[2] if known else None
 
 
 class Profile:
@@ -389,17 +372,15 @@ class Profile:
         for provider, found in rates.items():
             if not found:
                 found.append(fallback[provider])
-        times, gpus = {}, {}
+        times = {}
         for provider, found in rates.items():
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
             power = m.split_combine if provider in split else m.combine
-            gpus[provider] = amounts[provider] / rate
             times[provider] = (hosts[provider] ** power + (amounts[provider] / rate) ** power) ** (1.0 / power)
         shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
                       for i in order[:max(1, m.k)])
-        return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0, gpus,
-                          m.gpu_tiebreak)
+        return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
 
     def _split_host(self, provider: str, entries: tuple[Entry, ...], order: list[int]) -> float | None:
         """The median host time of the host_k nearest entries that split the provider's step, x host_scale (None:
