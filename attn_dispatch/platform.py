@@ -50,13 +50,17 @@ class Platform:
     packages: tuple[PackageStatus, ...] = ()
     torch_flash_sdpa: bool = False  # torch built with its vendored FlashAttention-2 kernels
     torch_cudnn_sdpa: bool = False  # torch built with its cuDNN SDPA path
+    # Host speed: microseconds per small op launched from Python (host_probe.launch_us), None when unknown; the
+    # default policy scales the profile's host times by it against the profile's reference_launch_us
+    launch_us: float | None = None
     name: str = field(default="custom", compare=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.device_type, self.compute_capability, self.device_name,
                                                 self.cuda_version, self.cudnn_version, self.torch_version,
-                                                self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa)))
+                                                self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa,
+                                                self.launch_us)))
         # Answers the tables ask for on every fresh decision, computed once.
         cc = self.compute_capability
         object.__setattr__(self, "_sm", cc[0] * 10 + cc[1] if cc else 0)
@@ -101,6 +105,8 @@ class Platform:
         else:
             head = (f"{self.device_name} (sm{self.sm}), CUDA {self.cuda_version or '?'}, "
                     f"cuDNN {self.cudnn_version or 'none'}, torch {self.torch_version}")
+        if self.launch_us is not None:
+            head += f", host {self.launch_us:.1f} us per launch"
         pkgs = ", ".join(f"{p.name} {p.version}" for p in self.packages if p.installed)
         return head + (f"; {pkgs}" if pkgs else "")
 
@@ -110,7 +116,7 @@ class Platform:
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "cuda_version": self.cuda_version, "cudnn_version": self.cudnn_version,
             "torch_version": self.torch_version, "torch_flash_sdpa": self.torch_flash_sdpa,
-            "torch_cudnn_sdpa": self.torch_cudnn_sdpa,
+            "torch_cudnn_sdpa": self.torch_cudnn_sdpa, "launch_us": self.launch_us,
             "packages": {p.name: (p.version if p.installed else None) for p in self.packages},
             "package_errors": {p.name: p.error for p in self.packages if not p.installed},
         }
@@ -185,6 +191,8 @@ def _module_version(module: str) -> str | None:
 def _detect_cached() -> Platform:
     import torch
 
+    from .host_probe import launch_us
+
     packages = tuple(_probe_package(key) for key in sorted(ENGINE_PACKAGES))
     torch_version = torch.__version__
     if not torch.cuda.is_available():
@@ -202,6 +210,7 @@ def _detect_cached() -> Platform:
         packages=packages,
         torch_flash_sdpa=flash,
         torch_cudnn_sdpa=cudnn_number is not None and cudnn_number >= 90000,
+        launch_us=round(launch_us(), 2),
         name="live",
     )
 
@@ -266,7 +275,7 @@ def parse_platform(spec: str) -> Platform:
         if not value:
             if key == "cpu":
                 changes.update(device_type="cpu", compute_capability=None, device_name="cpu", cuda_version=None,
-                               cudnn_version=None, torch_flash_sdpa=False, torch_cudnn_sdpa=False)
+                               cudnn_version=None, torch_flash_sdpa=False, torch_cudnn_sdpa=False, launch_us=None)
             elif key.startswith("sm") and key[2:].isdigit() and len(key) >= 4:
                 digits = key[2:]
                 changes.update(device_type="cuda", compute_capability=(int(digits[:-1]), int(digits[-1])))
@@ -289,13 +298,21 @@ def parse_platform(spec: str) -> Platform:
             changes[f"{key}_version"] = value
         elif key == "name":
             changes["device_name"] = value
+        elif key == "launch-us":
+            try:
+                changes["launch_us"] = float(value)
+            except ValueError:
+                raise ValueError(f"platform token {token!r}: launch-us takes microseconds per launch, a number "
+                                 "such as 5.2") from None
+            if not 0.0 < changes["launch_us"] < 1e4:
+                raise ValueError(f"platform token {token!r}: launch-us must be a positive number of microseconds")
         elif key in ("torch-flash", "torch-cudnn"):
             if value not in ("0", "1"):
                 raise ValueError(f"platform token {token!r}: {key} takes 0 or 1")
             changes["torch_flash_sdpa" if key == "torch-flash" else "torch_cudnn_sdpa"] = value == "1"
         else:
             raise ValueError(f"platform key {key!r} in {token!r} is unknown; known keys: cudnn, cuda, torch, name, "
-                             f"torch-flash, torch-cudnn, {', '.join(ENGINE_PACKAGES)}")
+                             f"torch-flash, torch-cudnn, launch-us, {', '.join(ENGINE_PACKAGES)}")
     platform = replace(base, packages=tuple(sorted(packages.values(), key=lambda p: p.name)), **changes)
     if platform.device_type == "cuda":
         implied = {}

@@ -322,7 +322,7 @@ def environment() -> dict:
             "python": py_platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "platform": Platform.detect().describe()}
+            "platform": Platform.detect().describe(), "launch_us": Platform.detect().launch_us}
     from importlib import metadata
 
     for name, dist in (("cudnn_frontend", "nvidia-cudnn-frontend"), ("flash_attn_4", "flash-attn-4"),

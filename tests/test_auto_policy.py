@@ -559,3 +559,62 @@ def test_the_shipped_profile_holds_host_and_gpu_splits_from_its_listed_sources()
     split = [e for e in profile.entries if e.gpu_ms]
     assert len(split) >= 0.9 * sum(e.machine.startswith("NVIDIA H100") for e in profile.entries)
     assert all(e.host_ms.keys() == e.gpu_ms.keys() and min(e.gpu_ms.values()) > 0 for e in split)
+
+
+def _split_profile(tmp_path: Path, reference: float | None) -> Path:
+    """x:a launches slowly and computes fast, x:b the other way: 0.1 / 0.03 ms of host, 0.02 / 0.04 ms of GPU
+    per 256^2 of causal work, split as bench_user_step.py --split-only records it."""
+    rows = []
+    for i, s in enumerate((256, 512, 1024, 2048)):
+        gpu = (s / 256) ** 2
+        split = {"x:a": {"host_ms": 0.1, "gpu_ms": 0.02 * gpu, "covered": 1},
+                 "x:b": {"host_ms": 0.03, "gpu_ms": 0.04 * gpu, "covered": 1}}
+        rows.append({"label": f"row{i}", "split": split,
+                     "params": AttentionParams(max_seqlen_q=s, attn_mask_type="causal", is_training=False).to_dict(),
+                     "times_ms": {p: max(v["host_ms"], v["gpu_ms"]) for p, v in split.items()}})
+    data = build([{"machine": "NVIDIA H100 80GB HBM3", "rows": rows}], arch="sm90", stack={"torch": "2.11.0"},
+                 date="2026-11-26", reference_launch_us=reference)
+    (tmp_path / "sm90.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_the_host_factor_scales_split_host_times(tmp_path):
+    profile = Profile(json.loads((_split_profile(tmp_path, 5.0) / "sm90.json").read_text()))
+    assert profile.reference_launch_us == 5.0
+    small = AttentionParams(max_seqlen_q=256, attn_mask_type="causal", is_training=False)
+    plain, slow = profile.predict(small), profile.predict(small, host_factor=2.0)
+    assert math.isclose(slow.times_ms["x:a"] / plain.times_ms["x:a"], 2.0, rel_tol=0.05)  # host-bound: doubles
+    assert slow.times_ms["x:b"] / plain.times_ms["x:b"] < 1.3  # GPU-bound: barely moves
+    mid = AttentionParams(max_seqlen_q=400, attn_mask_type="causal", is_training=False)
+    assert profile.predict(mid, host_factor=0.5).best(["x:a", "x:b"]) == "x:a"
+    assert profile.predict(mid, host_factor=2.0).best(["x:a", "x:b"]) == "x:b"
+
+
+def test_auto_reads_the_hosts_speed_from_the_platform_and_says_so(tmp_path):
+    from attn_dispatch.policy.auto import HOST_FACTOR_RANGE, host_factor
+
+    policy = AutoPolicy(directory=_split_profile(tmp_path, 5.0))
+    mid = AttentionParams(max_seqlen_q=400, attn_mask_type="causal", is_training=False)
+    fast, slow = Platform.parse("h100-cudnn9,launch-us=2.5"), Platform.parse("h100-cudnn9,launch-us=10")
+    assert policy.choose(mid, fast, ["x:a", "x:b"]).chosen == "x:a"
+    choice = policy.choose(mid, slow, ["x:a", "x:b"])
+    assert choice.chosen == "x:b" and "host times x2.00 (this host: 10.0 us per launch, the profile's 5.0)" in \
+        choice.reason
+    assert "host times" not in policy.choose(mid, H100, ["x:a", "x:b"]).reason  # no probe on a what-if platform
+    profile = Profile(json.loads((tmp_path / "sm90.json").read_text()))
+    assert host_factor(profile, Platform.parse("h100-cudnn9,launch-us=500")) == HOST_FACTOR_RANGE[1]
+    assert host_factor(profile, Platform.parse("h100-cudnn9,launch-us=0.01")) == HOST_FACTOR_RANGE[0]
+    bare = Profile(json.loads((_split_profile(tmp_path, None) / "sm90.json").read_text()))
+    assert bare.reference_launch_us is None and host_factor(bare, slow) == 1.0
+
+
+def test_the_shipped_reference_is_the_median_of_the_calibrations(tmp_path, monkeypatch):
+    import sys
+    sys.path.insert(0, str(PACKAGE.parent / "benchmarks"))
+    import build_profile
+
+    monkeypatch.setattr(build_profile, "RESULTS", tmp_path)
+    assert build_profile.reference_launch_us() is None
+    for name, reference in (("a", 4.0), ("b", 6.5), ("c", 5.0)):
+        (tmp_path / f"host_probe_h100_{name}.json").write_text(json.dumps({"reference_launch_us": reference}))
+    assert build_profile.reference_launch_us() == 5.0

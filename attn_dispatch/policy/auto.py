@@ -35,7 +35,8 @@ class AutoPolicy:
             shipped = ", ".join(sorted(p.stem for p in self.directory.glob("*.json"))) or "none"
             return Choice(eligible[0], f"no performance profile for {arch} (shipped: {shipped}); Transformer "
                                        "Engine's preference order decides")
-        prediction = profile.predict(params, machine=platform.device_name)
+        factor = host_factor(profile, platform)
+        prediction = profile.predict(params, machine=platform.device_name, host_factor=factor)
         chosen = prediction.best(eligible)
         if chosen is None:
             return Choice(eligible[0], f"{profile.describe()} has no measurement of this kind of call for "
@@ -47,6 +48,9 @@ class AutoPolicy:
         reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
+        if factor != 1.0:
+            reason += (f"; host times x{factor:.2f} (this host: {platform.launch_us:.1f} us per launch, the profile's "
+                       f"{profile.reference_launch_us:.1f})")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)
@@ -68,6 +72,20 @@ class AutoPolicy:
         return Choice(chosen, f"tuned on this machine (measured policy cache, bucket "
                               f"{self.measured.scheme.key(params)}): {timed[chosen]:.3f} ms per step",
                       {p: round(t, 4) for p, t in timed.items()}, "ms per step, measured here")
+
+
+# A probe far outside the calibrated leases' range (0.6-1.6x their reference) is more likely a disturbed probe (a
+# preempted process, a GPU still loading) than a host that slow or fast: the factor is clipped.
+HOST_FACTOR_RANGE = (0.5, 2.0)
+
+
+def host_factor(profile: Profile, platform: Platform) -> float:
+    """This host's launch_us over the profile's reference_launch_us, clipped to HOST_FACTOR_RANGE; 1.0 where either
+    is unknown (a what-if platform without launch-us, or a profile without a calibrated probe)."""
+    if not platform.launch_us or not profile.reference_launch_us:
+        return 1.0
+    low, high = HOST_FACTOR_RANGE
+    return round(min(high, max(low, platform.launch_us / profile.reference_launch_us)), 3)
 
 
 def _source(profile: Profile, prediction: Prediction, platform: Platform) -> str:

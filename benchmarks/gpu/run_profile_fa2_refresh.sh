@@ -22,6 +22,7 @@
 #        split refreshed: theirs dates from session 10, before session 11's cached-call host path, which every
 #        provider runs (FA2's and flash-attn-4's splits were refreshed after it); eval-blind13 and eval-blind14
 #        (session 15), as blind8
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh host-probe NAME   # (stock) calibrate the host probe on this lease
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -76,6 +77,11 @@ case ${1:-} in
   blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
   blind13) REPS=48 blind_run eval-blind13 blind13 "${2:-}" "${3:-0}" ;;
   blind14) REPS=48 blind_run eval-blind14 blind14 "${2:-}" "${3:-0}" ;;
+  host-probe)  # (stock torch) the host probe's calibration on this lease: $OUT/host_probe_<tag>_<2nd arg>.json
+    source "$(dirname "$0")/stock_env.sh"
+    timeout 300 python3 benchmarks/gpu/calibrate_host_probe.py --out "$OUT/host_probe_${tag}_${2:-a}.json" 2>&1 \
+      | tail -n 6
+    ;;
   fa4-host)  # (full stack) where flash-attn-4's training host time goes: cProfile beside cuDNN (torch)
     source "$(dirname "$0")/setup.sh" > /dev/null
     timeout 240 python3 benchmarks/gpu/profile_fa4_host.py --out "$OUT/fa4_host_profile_${tag}.json" 2>&1 | tail -n 200

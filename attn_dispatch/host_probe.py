@@ -1,0 +1,33 @@
+"""This machine's host speed, as the default policy reads it: microseconds per small op launched from Python.
+
+A step's host time (Python, the dispatcher, the launches) differs by machine and process: on the H100 leases that
+measured the profile's blind grids, small calls ran at 0.76-1.6x the profile's prediction by lease, and which engine
+wins a near-tie follows it (benchmarks/results/profile/README.md, session 15). The probe launches a one-element add
+from a Python loop, the path every engine's call takes, and keeps the least mean over a few short loops (a
+preempted loop only raises its own mean). It times no attention engine; it costs ~0.1-0.4 ms once per process.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+CALLS = 24   # launches per loop
+LOOPS = 3
+
+
+def launch_us(device=None, calls: int = CALLS, loops: int = LOOPS) -> float:
+    """Least mean microseconds per launch of torch.add(x, 1, out=y) on a one-element tensor of `device` (default:
+    the current CUDA device), over `loops` loops of `calls`; the kernel is loaded by one launch first."""
+    import torch
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    x = torch.zeros(1, device=device)
+    y = torch.empty_like(x)
+    torch.add(x, 1, out=y)
+    best = math.inf
+    for _ in range(loops):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.add(x, 1, out=y)
+        best = min(best, (time.perf_counter() - start) * 1e6 / calls)
+    return best
