@@ -48,7 +48,7 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
 
 @pytest.mark.parametrize("name", ["eval-blind4", "eval-blind5", "eval-blind6", "eval-blind7", "eval-blind8",
                                   "eval-blind9", "eval-blind10", "eval-blind11", "eval-blind12",
-                                  "eval-blind13", "eval-blind14"])
+                                  "eval-blind13", "eval-blind14", "eval-blind15"])
 def test_later_blind_grids_cover_the_issue_and_are_disjoint_from_every_other_grid(name):
     grid = CASE_GRIDS[name]()
     assert len(grid) == 48 and len({_shape(c) for c in grid}) == 48
@@ -79,10 +79,11 @@ def test_grids_already_measured_keep_their_draws():
                 "fit-drawn-b": "a151a2549190c733d6b392759d7b6b95", "fit-drawn-c": "a49ab3d3f1499c8f1451a05bb1a65a96",
                 "eval-blind4": "a18b0e651bcbb158be68911c45367a54", "eval-blind5": "d8ecede6e64522330adf7ccede64e931",
                 "eval-blind6": "fa8bb4c63c1e7750e58614e0feddfd91",
-                "eval-blind7": "6b8b7eefc7c4e26ec08e225f39b72052",  # blind7-14: committed before measured
+                "eval-blind7": "6b8b7eefc7c4e26ec08e225f39b72052",  # blind7-15: committed before measured
                 "eval-blind8": "6ab63c604c794a49ed6f9419dbf38fba", "eval-blind9": "b075a9e2a72e0fa2df2ab8269573564b",
                 "eval-blind10": "1d05d2effdf6cb3c5cf4f8141f37c69b", "eval-blind11": "69febdea2fa0fee1af7207c67b5e1671",
                 "eval-blind12": "8ae7b4372fa6efc7107e1f8873be19cf", "eval-blind13": "4f08c5f9a1aa6c07c8e4bfc24592430c",
+                "eval-blind15": "6ca759fac4dd61300c3a748d3dbfc49e",
                 "eval-blind14": "c40be9ac962011bef63e448499b355db"}
     for name, digest in measured.items():
         labels = str([c.label for c in CASE_GRIDS[name]()])

@@ -77,6 +77,7 @@ case ${1:-} in
   blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
   blind13) REPS=48 blind_run eval-blind13 blind13 "${2:-}" "${3:-0}" ;;
   blind14) REPS=48 blind_run eval-blind14 blind14 "${2:-}" "${3:-0}" ;;
+  blind15) REPS=48 blind_run eval-blind15 blind15 "${2:-}" "${3:-0}" ;;
   host-probe)  # (stock torch) the host probe's calibration on this lease: $OUT/host_probe_<tag>_<2nd arg>.json
     source "$(dirname "$0")/stock_env.sh"
     timeout 300 python3 benchmarks/gpu/calibrate_host_probe.py --out "$OUT/host_probe_${tag}_${2:-a}.json" 2>&1 \
@@ -87,5 +88,5 @@ case ${1:-} in
     timeout 240 python3 benchmarks/gpu/profile_fa4_host.py --out "$OUT/fa4_host_profile_${tag}.json" 2>&1 | tail -n 200
     ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
-          "blind7|...|blind14 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
+          "blind7|...|blind15 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
 esac
