@@ -82,6 +82,17 @@ class Replay:
     allocs: dict  # result name -> _Alloc (results the caller does not pass in)
     buffers: tuple  # _Alloc per buffer index
     checked: bool = False
+    # Per launch: (fn, its arguments with None where a tensor goes, (position, name) of call tensors, (position,
+    # index) of buffers). A launch takes ~25-30 arguments, a few of them tensors: filling only those costs a
+    # replayed training step ~15-30 us less host time than resolving every argument (cProfile, H100 lease).
+    plan: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.plan = tuple(
+            (fn, [None if isinstance(a, _Tensor) else a for a in args],
+             tuple((i, a.name) for i, a in enumerate(args) if isinstance(a, _Tensor) and a.name is not None),
+             tuple((i, a.buffer) for i, a in enumerate(args) if isinstance(a, _Tensor) and a.name is None))
+            for fn, args in self.launches)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         device = next(iter(inputs.values())).device
@@ -89,15 +100,14 @@ class Replay:
         for name, alloc in self.allocs.items():
             tensors[name] = alloc.make(device)
         buffers = [alloc.make(device) for alloc in self.buffers]
-        for fn, args in self.launches:
-            fn(*(_resolve(a, tensors, buffers) for a in args))
+        for fn, template, named, indexed in self.plan:
+            args = template.copy()
+            for i, name in named:
+                args[i] = tensors[name]
+            for i, index in indexed:
+                args[i] = buffers[index]
+            fn(*args)
         return tuple(tensors[name] for name in self.results)
-
-
-def _resolve(arg: Any, tensors: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> Any:
-    if isinstance(arg, _Tensor):
-        return tensors[arg.name] if arg.name is not None else buffers[arg.buffer]
-    return arg
 
 
 @dataclass
