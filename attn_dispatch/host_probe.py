@@ -4,10 +4,13 @@ A step's host time (Python, the dispatcher, the launches) differs by machine and
 measured the profile's blind grids, small calls ran at 0.76-1.6x the profile's prediction by lease, and which engine
 wins a near-tie follows it (benchmarks/results/profile/README.md, session 15). The probe launches a one-element add
 from a Python loop, the path every engine's call takes, and keeps the least mean over a few short loops (a
-preempted loop only raises its own mean). It times no attention engine; it costs ~0.1-0.4 ms once per process.
+preempted loop only raises its own mean). It times no attention engine; it costs ~0.4-0.7 ms, so it runs only
+when asked: by the default policy once per process where the profile carries a calibrated reference, and by the
+benchmarks to record each run's host.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -31,3 +34,18 @@ def launch_us(device=None, calls: int = CALLS, loops: int = LOOPS) -> float:
             torch.add(x, 1, out=y)
         best = min(best, (time.perf_counter() - start) * 1e6 / calls)
     return best
+
+
+@functools.lru_cache(maxsize=1)
+def _measured(device_index: int) -> float:
+    return round(launch_us(f"cuda:{device_index}"), 2)
+
+
+def measured_launch_us() -> float | None:
+    """launch_us() of this process's current CUDA device, measured once; None without CUDA or while a CUDA graph
+    is being captured (its launches would be recorded, not timed)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        return None
+    return _measured(torch.cuda.current_device())

@@ -50,8 +50,8 @@ class Platform:
     packages: tuple[PackageStatus, ...] = ()
     torch_flash_sdpa: bool = False  # torch built with its vendored FlashAttention-2 kernels
     torch_cudnn_sdpa: bool = False  # torch built with its cuDNN SDPA path
-    # Host speed: microseconds per small op launched from Python (host_probe.launch_us), None when unknown; the
-    # default policy scales the profile's host times by it against the profile's reference_launch_us
+    # Host speed: microseconds per small op launched from Python (host_probe.launch_us), for what-if questions; None:
+    # unknown, and on the live machine the default policy measures it when its profile has a reference to scale by
     launch_us: float | None = None
     name: str = field(default="custom", compare=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
@@ -191,8 +191,6 @@ def _module_version(module: str) -> str | None:
 def _detect_cached() -> Platform:
     import torch
 
-    from .host_probe import launch_us
-
     packages = tuple(_probe_package(key) for key in sorted(ENGINE_PACKAGES))
     torch_version = torch.__version__
     if not torch.cuda.is_available():
@@ -210,7 +208,6 @@ def _detect_cached() -> Platform:
         packages=packages,
         torch_flash_sdpa=flash,
         torch_cudnn_sdpa=cudnn_number is not None and cudnn_number >= 90000,
-        launch_us=round(launch_us(), 2),
         name="live",
     )
 

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from attn_dispatch import DotProductAttention, Platform, selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
+from attn_dispatch.host_probe import measured_launch_us
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
 
 SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)  # --timer call
@@ -322,7 +323,7 @@ def environment() -> dict:
             "python": py_platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "platform": Platform.detect().describe(), "launch_us": Platform.detect().launch_us}
+            "platform": Platform.detect().describe(), "launch_us": measured_launch_us()}
     from importlib import metadata
 
     for name, dist in (("cudnn_frontend", "nvidia-cudnn-frontend"), ("flash_attn_4", "flash-attn-4"),

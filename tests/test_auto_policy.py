@@ -626,3 +626,16 @@ def test_the_shipped_reference_is_the_median_of_agreeing_calibrations(tmp_path, 
     assert calibrations(5.0, 5.3) is None  # too few
     assert calibrations(5.0, 5.3, 5.2) == 5.2
     assert calibrations(8.66, 6.79, 7.5) is None  # disagree by more than MAX_SPREAD
+
+
+def test_the_live_machine_is_probed_only_for_a_profile_with_a_reference(tmp_path, monkeypatch):
+    from attn_dispatch.policy import auto
+
+    calls = []
+    monkeypatch.setattr(auto, "measured_launch_us", lambda: calls.append(1) or 10.0)
+    live = dataclasses.replace(Platform.parse("h100-cudnn9"), name="live")
+    with_reference = Profile(json.loads((_split_profile(tmp_path, 5.0) / "sm90.json").read_text()))
+    assert auto.host_factor(with_reference, live) == 2.0 and calls == [1]
+    without = Profile(json.loads((_split_profile(tmp_path, None) / "sm90.json").read_text()))
+    assert auto.host_factor(without, live) == 1.0 and calls == [1]  # nothing to compare with: no probe
+    assert auto.host_factor(with_reference, Platform.parse("h100-cudnn9")) == 1.0  # a what-if is never probed

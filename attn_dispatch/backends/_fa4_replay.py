@@ -83,8 +83,9 @@ class Replay:
     buffers: tuple  # _Alloc per buffer index
     checked: bool = False
     # Per launch: (fn, its arguments with None where a tensor goes, (position, name) of call tensors, (position,
-    # index) of buffers). A launch takes ~25-30 arguments, a few of them tensors: filling only those costs a
-    # replayed training step ~15-30 us less host time than resolving every argument (cProfile, H100 lease).
+    # index) of buffers). A launch takes ~25-30 arguments, a few of them tensors: filling only those, a replayed
+    # training step makes 279 Python calls, not 461 (cProfile, H100), and a 3-launch replay costs a CPU stand-in
+    # 7.1 us, not 14.6.
     plan: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

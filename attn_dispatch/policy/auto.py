@@ -5,6 +5,7 @@ decides, and the reason says so. KV-cache decode steps are predicted by the memo
 policy/decode.py instead (the profile has no decode rows)."""
 from __future__ import annotations
 
+from ..host_probe import measured_launch_us
 from ..params import AttentionParams
 from ..platform import Platform
 from . import decode
@@ -49,8 +50,8 @@ class AutoPolicy:
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
         if factor != 1.0:
-            reason += (f"; host times x{factor:.2f} (this host: {platform.launch_us:.1f} us per launch, the profile's "
-                       f"{profile.reference_launch_us:.1f})")
+            reason += (f"; host times x{factor:.2f} (this host: {_launch_us(profile, platform):.1f} us per launch, "
+                       f"the profile's {profile.reference_launch_us:.1f})")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)
@@ -79,13 +80,22 @@ class AutoPolicy:
 HOST_FACTOR_RANGE = (0.5, 2.0)
 
 
+def _launch_us(profile: Profile, platform: Platform) -> float | None:
+    """The platform's launch_us; on the live machine without one, measured once per process (host_probe), and only
+    where the profile has a reference to compare it with."""
+    if platform.launch_us is None and platform.name == "live" and profile.reference_launch_us:
+        return measured_launch_us()
+    return platform.launch_us
+
+
 def host_factor(profile: Profile, platform: Platform) -> float:
     """This host's launch_us over the profile's reference_launch_us, clipped to HOST_FACTOR_RANGE; 1.0 where either
     is unknown (a what-if platform without launch-us, or a profile without a calibrated probe)."""
-    if not platform.launch_us or not profile.reference_launch_us:
+    launch = _launch_us(profile, platform)
+    if not launch or not profile.reference_launch_us:
         return 1.0
     low, high = HOST_FACTOR_RANGE
-    return round(min(high, max(low, platform.launch_us / profile.reference_launch_us)), 3)
+    return round(min(high, max(low, launch / profile.reference_launch_us)), 3)
 
 
 def _source(profile: Profile, prediction: Prediction, platform: Platform) -> str:
