@@ -50,17 +50,13 @@ class Platform:
     packages: tuple[PackageStatus, ...] = ()
     torch_flash_sdpa: bool = False  # torch built with its vendored FlashAttention-2 kernels
     torch_cudnn_sdpa: bool = False  # torch built with its cuDNN SDPA path
-    # Host speed: microseconds per small op launched from Python (host_probe.launch_us), for what-if questions; None:
-    # unknown, and on the live machine the default policy measures it when its profile has a reference to scale by
-    launch_us: float | None = None
     name: str = field(default="custom", compare=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.device_type, self.compute_capability, self.device_name,
                                                 self.cuda_version, self.cudnn_version, self.torch_version,
-                                                self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa,
-                                                self.launch_us)))
+                                                self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa)))
         # Answers the tables ask for on every fresh decision, computed once.
         cc = self.compute_capability
         object.__setattr__(self, "_sm", cc[0] * 10 + cc[1] if cc else 0)
@@ -105,8 +101,6 @@ class Platform:
         else:
             head = (f"{self.device_name} (sm{self.sm}), CUDA {self.cuda_version or '?'}, "
                     f"cuDNN {self.cudnn_version or 'none'}, torch {self.torch_version}")
-        if self.launch_us is not None:
-            head += f", host {self.launch_us:.1f} us per launch"
         pkgs = ", ".join(f"{p.name} {p.version}" for p in self.packages if p.installed)
         return head + (f"; {pkgs}" if pkgs else "")
 
@@ -116,7 +110,7 @@ class Platform:
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "cuda_version": self.cuda_version, "cudnn_version": self.cudnn_version,
             "torch_version": self.torch_version, "torch_flash_sdpa": self.torch_flash_sdpa,
-            "torch_cudnn_sdpa": self.torch_cudnn_sdpa, "launch_us": self.launch_us,
+            "torch_cudnn_sdpa": self.torch_cudnn_sdpa,
             "packages": {p.name: (p.version if p.installed else None) for p in self.packages},
             "package_errors": {p.name: p.error for p in self.packages if not p.installed},
         }
@@ -272,7 +266,7 @@ def parse_platform(spec: str) -> Platform:
         if not value:
             if key == "cpu":
                 changes.update(device_type="cpu", compute_capability=None, device_name="cpu", cuda_version=None,
-                               cudnn_version=None, torch_flash_sdpa=False, torch_cudnn_sdpa=False, launch_us=None)
+                               cudnn_version=None, torch_flash_sdpa=False, torch_cudnn_sdpa=False)
             elif key.startswith("sm") and key[2:].isdigit() and len(key) >= 4:
                 digits = key[2:]
                 changes.update(device_type="cuda", compute_capability=(int(digits[:-1]), int(digits[-1])))
@@ -295,21 +289,13 @@ def parse_platform(spec: str) -> Platform:
             changes[f"{key}_version"] = value
         elif key == "name":
             changes["device_name"] = value
-        elif key == "launch-us":
-            try:
-                changes["launch_us"] = float(value)
-            except ValueError:
-                raise ValueError(f"platform token {token!r}: launch-us takes microseconds per launch, a number "
-                                 "such as 5.2") from None
-            if not 0.0 < changes["launch_us"] < 1e4:
-                raise ValueError(f"platform token {token!r}: launch-us must be a positive number of microseconds")
         elif key in ("torch-flash", "torch-cudnn"):
             if value not in ("0", "1"):
                 raise ValueError(f"platform token {token!r}: {key} takes 0 or 1")
             changes["torch_flash_sdpa" if key == "torch-flash" else "torch_cudnn_sdpa"] = value == "1"
         else:
             raise ValueError(f"platform key {key!r} in {token!r} is unknown; known keys: cudnn, cuda, torch, name, "
-                             f"torch-flash, torch-cudnn, launch-us, {', '.join(ENGINE_PACKAGES)}")
+                             f"torch-flash, torch-cudnn, {', '.join(ENGINE_PACKAGES)}")
     platform = replace(base, packages=tuple(sorted(packages.values(), key=lambda p: p.name)), **changes)
     if platform.device_type == "cuda":
         implied = {}

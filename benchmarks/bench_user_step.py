@@ -55,8 +55,8 @@ import torch.nn.functional as F
 
 from attn_dispatch import DotProductAttention, Platform, selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
-from attn_dispatch.host_probe import measured_launch_us
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
+from host_probe import measured_launch_us  # benchmarks/: a diagnostic of the run's host
 
 SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)  # --timer call
 BLOCK_MS = 3.0  # --timer block: one sample's block of calls (calls over 2 ms: one call per sample)

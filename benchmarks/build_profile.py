@@ -9,14 +9,12 @@ providers both timed (policy.profile.combine_runs; a stock-torch run times torch
 records its machine (the run's device name). The stack named is the full-stack runs' (flash-attn-4 installed).
 A run of a refresh grid (cases.REFRESH_GRIDS: fit-thd) replaces the earlier runs of its calls on its machine.
 Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add each provider's host and GPU time.
-The shipped profile also carries the host probe's reference (reference_launch_us, from host_probe_*.json).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,23 +35,6 @@ def shipped_sources() -> list[str]:
     paths = sorted(RESULTS.glob("*.json")) + sorted(RESULTS.glob("*.json.gz"))
     return [str(p) for p in paths if not any(x in p.name for x in NOT_FIT)
             and not (p.name.startswith(("fit", "split_")) and "h200" in p.name)]
-
-
-# The probe's reference ships only once calibrations on several leases agree: the two of session 15 gave 8.66 and
-# 6.79 us (1.28x apart) while their leases' host factors differed by 1.10x, and on blind15's lease the stock
-# process's probe at detection read 1.02x the reference where its measured factor was 0.80x (results/profile/
-# README.md). Until then the profile carries none, and the policy's host factor stays 1.
-MIN_CALIBRATIONS, MAX_SPREAD = 3, 1.15
-
-
-def reference_launch_us() -> float | None:
-    """The median of the host-probe calibrations' reference (results/profile/host_probe_*.json, written by
-    benchmarks/gpu/calibrate_host_probe.py: the probe's launch_us over the lease's host factor), or None unless
-    MIN_CALIBRATIONS agree within MAX_SPREAD (largest over least)."""
-    found = [json.loads(p.read_text())["reference_launch_us"] for p in sorted(RESULTS.glob("host_probe_*.json"))]
-    if len(found) < MIN_CALIBRATIONS or max(found) > MAX_SPREAD * min(found):
-        return None
-    return round(statistics.median(found), 3)
 
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -102,8 +83,7 @@ def main() -> int:
         ap.error("give result files and --out, or --shipped")
     runs, envs = load_runs(args.results)
     stack, date = stack_of(envs)
-    profile = build(runs, arch=args.arch, stack=stack, date=date,
-                    reference_launch_us=reference_launch_us() if args.shipped else None)
+    profile = build(runs, arch=args.arch, stack=stack, date=date)
     Path(args.out).write_text(json.dumps(profile, separators=(",", ":")))
     per_machine = {m: sum(e["machine"] == i for e in profile["entries"]) for i, m in enumerate(profile["machines"])}
     print(f"{len(profile['entries'])} entries ({', '.join(f'{m}: {n}' for m, n in per_machine.items())}) from "

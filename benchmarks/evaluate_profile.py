@@ -38,31 +38,21 @@ HOLDOUT = ("fresh_h100_rerun.json", "eval_h100_final.json", "eval_h200.json")
 
 
 def score(profile: Profile, label: str, params: dict, all_times: dict[str, float], machine: str, *, leave_out: bool,
-          stock: bool, sdpa: float | None = None, host_factor: float = 1.0) -> dict | None:
+          stock: bool, sdpa: float | None = None) -> dict | None:
     times = {n: t for n, t in all_times.items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
     if not times:
         return None
-    pred = profile.predict(AttentionParams(**params), machine=machine, leave_out=leave_out, host_factor=host_factor)
+    pred = profile.predict(AttentionParams(**params), machine=machine, leave_out=leave_out)
     candidates = sorted(times, key=times.get)
     pick = pred.best(list(times)) or candidates[0]
     return {"label": label, "machine": machine, "pick": pick, "fastest": candidates[0],
             "ratio": times[pick] / times[candidates[0]], "vs_sdpa": times[pick] / sdpa if sdpa else None}
 
 
-def evaluate(rows: list[dict], profile: Profile, machine: str, *, stock: bool, leave_out: bool = False,
-             host_factor: float = 1.0) -> list[dict]:
+def evaluate(rows: list[dict], profile: Profile, machine: str, *, stock: bool, leave_out: bool = False) -> list[dict]:
     found = (score(profile, r["label"], r["params"], r["times_ms"], machine, leave_out=leave_out, stock=stock,
-                   sdpa=r["times_ms"].get("sdpa"), host_factor=host_factor) for r in rows)
+                   sdpa=r["times_ms"].get("sdpa")) for r in rows)
     return [r for r in found if r]
-
-
-def run_host_factor(profile: Profile, environment: dict) -> float:
-    """The host factor the default policy used in that run (its probe over the profile's reference), 1.0 for runs
-    from before the probe."""
-    from attn_dispatch.platform import Platform
-    from attn_dispatch.policy.auto import host_factor
-
-    return host_factor(profile, Platform(launch_us=environment.get("launch_us")))
 
 
 def pooled(profile_runs: list[dict], target_runs: list[dict], model: CostModel, *, leave_out: bool,
@@ -217,11 +207,9 @@ def main() -> int:
         if args.timed:
             timed(path)
         data = read_results(path)
-        factor = run_host_factor(profile, data["environment"])
         for stock in (False, True):
-            res = evaluate(data["rows"], profile, data["environment"]["device"], stock=stock, host_factor=factor)
-            summarize(f"{Path(path).name} {'torch providers only' if stock else 'all providers'}"
-                      + (f" (host x{factor:.2f})" if factor != 1.0 else ""), res)
+            res = evaluate(data["rows"], profile, data["environment"]["device"], stock=stock)
+            summarize(f"{Path(path).name} {'torch providers only' if stock else 'all providers'}", res)
             if args.verbose:
                 for r in res:
                     if r["ratio"] > 1.02 or (r["vs_sdpa"] or 0) > 1.02:

@@ -29,8 +29,6 @@ def test_cpu_profile_and_token():
     ("sm80,cudnn=latest", ["cudnn=latest", "not a version"]),
     ("sm80,flashattn=2.1", ["flashattn", "known keys"]),
     ("gpu9000", ["gpu9000", "profile"]),
-    ("h100-cudnn9,launch-us=fast", ["launch-us", "microseconds"]),
-    ("h100-cudnn9,launch-us=-2", ["launch-us", "positive"]),
 ])
 def test_bad_specs_say_what_is_accepted(spec, words):
     with pytest.raises(ValueError) as info:
@@ -61,22 +59,3 @@ def test_detect_on_this_machine_is_consistent():
     assert p is Platform.detect()  # probed once
     assert p.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert p.torch_version == torch.__version__
-
-
-def test_host_speed_is_platform_data():
-    slow, fast = Platform.parse("h100-cudnn9,launch-us=9.5"), Platform.parse("h100-cudnn9,launch-us=4.25")
-    assert (slow.launch_us, fast.launch_us) == (9.5, 4.25) and slow != fast and hash(slow) != hash(fast)
-    assert "host 9.5 us per launch" in slow.describe() and slow.to_dict()["launch_us"] == 9.5
-    assert PROFILES["h100-cudnn9"].launch_us is None and Platform.parse("h100-cudnn9,launch-us=5,cpu").launch_us is None
-    assert Platform.detect().launch_us is None  # measured only when a profile has a reference to scale by
-
-
-def test_host_probe_times_launches_from_python():
-    from attn_dispatch.host_probe import launch_us
-
-    found = [launch_us("cpu", calls=16, loops=3) for _ in range(3)]
-    assert all(0.05 < t < 1000.0 for t in found)  # microseconds per torch.add call on this CPU
-    import torch
-    from attn_dispatch.host_probe import measured_launch_us
-    if not torch.cuda.is_available():
-        assert measured_launch_us() is None

@@ -5,7 +5,6 @@ decides, and the reason says so. KV-cache decode steps are predicted by the memo
 policy/decode.py instead (the profile has no decode rows)."""
 from __future__ import annotations
 
-from ..host_probe import measured_launch_us
 from ..params import AttentionParams
 from ..platform import Platform
 from . import decode
@@ -36,8 +35,7 @@ class AutoPolicy:
             shipped = ", ".join(sorted(p.stem for p in self.directory.glob("*.json"))) or "none"
             return Choice(eligible[0], f"no performance profile for {arch} (shipped: {shipped}); Transformer "
                                        "Engine's preference order decides")
-        factor = host_factor(profile, platform)
-        prediction = profile.predict(params, machine=platform.device_name, host_factor=factor)
+        prediction = profile.predict(params, machine=platform.device_name)
         chosen = prediction.best(eligible)
         if chosen is None:
             return Choice(eligible[0], f"{profile.describe()} has no measurement of this kind of call for "
@@ -49,9 +47,6 @@ class AutoPolicy:
         reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
-        if factor != 1.0:
-            reason += (f"; host times x{factor:.2f} (this host: {_launch_us(profile, platform):.1f} us per launch, "
-                       f"the profile's {profile.reference_launch_us:.1f})")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)
@@ -73,29 +68,6 @@ class AutoPolicy:
         return Choice(chosen, f"tuned on this machine (measured policy cache, bucket "
                               f"{self.measured.scheme.key(params)}): {timed[chosen]:.3f} ms per step",
                       {p: round(t, 4) for p, t in timed.items()}, "ms per step, measured here")
-
-
-# A probe far outside the calibrated leases' range (0.6-1.6x their reference) is more likely a disturbed probe (a
-# preempted process, a GPU still loading) than a host that slow or fast: the factor is clipped.
-HOST_FACTOR_RANGE = (0.5, 2.0)
-
-
-def _launch_us(profile: Profile, platform: Platform) -> float | None:
-    """The platform's launch_us; on the live machine without one, measured once per process (host_probe), and only
-    where the profile has a reference to compare it with."""
-    if platform.launch_us is None and platform.name == "live" and profile.reference_launch_us:
-        return measured_launch_us()
-    return platform.launch_us
-
-
-def host_factor(profile: Profile, platform: Platform) -> float:
-    """This host's launch_us over the profile's reference_launch_us, clipped to HOST_FACTOR_RANGE; 1.0 where either
-    is unknown (a what-if platform without launch-us, or a profile without a calibrated probe)."""
-    launch = _launch_us(profile, platform)
-    if not launch or not profile.reference_launch_us:
-        return 1.0
-    low, high = HOST_FACTOR_RANGE
-    return round(min(high, max(low, launch / profile.reference_launch_us)), 3)
 
 
 def _source(profile: Profile, prediction: Prediction, platform: Platform) -> str:

@@ -256,9 +256,6 @@ class Profile:
         self.machines: list[str] = data.get("machines", [])
         self.stack: dict[str, str] = data.get("stack", {})
         self.date: str = data.get("date", "")
-        # host_probe.launch_us on a host whose step host times are the profile's as predicted (its host_scale
-        # included): a machine's launch_us over it scales them (AutoPolicy); None where no probe was calibrated
-        self.reference_launch_us: float | None = data.get("reference_launch_us")
         self.entries: list[Entry] = []
         for e in data["entries"]:
             kind = tuple(e["kind"])
@@ -318,10 +315,8 @@ class Profile:
             return machine
         return None
 
-    def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False,
-                host_factor: float = 1.0) -> Prediction:
-        """Each provider's step time for the call on `machine` (the platform's device name; None: any machine);
-        host_factor scales the split providers' host times (this host's speed against the reference's)."""
+    def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Prediction:
+        """Each provider's step time for the call on `machine` (the platform's device name; None: any machine)."""
         m = self.model
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in _FEATURES)
@@ -349,7 +344,7 @@ class Profile:
             host = self._split_host(provider, entries, order)
             if host is not None:
                 split.add(provider)
-                hosts[provider] = host * host_factor
+                hosts[provider] = host
                 rates[provider] = self._split_rates(provider, entries, order, dist, amounts[provider], fallback)
         pending = set(self._providers.get(kind, ())) - split  # providers still short of k rates (or a fallback)
         for i in order:
@@ -601,10 +596,10 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
 
 
 def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
-          model: CostModel = COST_MODEL, reference_launch_us: float | None = None) -> dict[str, Any]:
+          model: CostModel = COST_MODEL) -> dict[str, Any]:
     """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
     (the same parameters) on one machine, from any number of runs, make one entry (combine_runs), with the host and
-    GPU times of the providers some run split (pooled_splits). reference_launch_us: see Profile."""
+    GPU times of the providers some run split (pooled_splits)."""
     machines = sorted({run["machine"] for run in runs})
     entries = []
     splits = pooled_splits(runs)
@@ -621,7 +616,4 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
         if split:
             entries[-1]["host_ms"] = {p: float(f"{h:.4g}") for p, (h, _) in split.items()}
             entries[-1]["gpu_ms"] = {p: float(f"{g:.4g}") for p, (_, g) in split.items()}
-    profile = {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
-    if reference_launch_us is not None:
-        profile["reference_launch_us"] = reference_launch_us
-    return profile
+    return {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}

@@ -1,8 +1,9 @@
-"""Calibrate the host probe (attn_dispatch/host_probe.py) against the profile: on this lease, the probe's
-launch_us, and the lease's host factor, F.scaled_dot_product_attention's measured step on small calls over the
+"""Compare the host probe (benchmarks/host_probe.py) with the profile: on this lease, the probe's launch_us, and the
+lease's host factor, F.scaled_dot_product_attention's measured step on small calls over the
 shipped profile's prediction for cuDNN (torch) with no host scaling (the oracle factor of session 15's analysis,
 benchmarks/results/profile/README.md). reference_launch_us = launch_us / factor is the probe value of a host that
-runs steps as the profile predicts them; build_profile.py ships the median over calibrations.
+runs steps as the profile predicts them: were the probe a measure of the host factor, it would agree across leases
+(session 15: 8.66, 6.79 and 5.93 us on three leases, so the policy does not use the probe).
 
 The calls: every small call (cuDNN (torch) predicted under 0.09 ms forward, 0.45 ms training) of eval-blind10-14
 that SDPA expresses, timed as bench_user_step.py times a row (block timer, interleaved, F.sdpa beside cuDNN (torch)
@@ -25,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.benchmarking.cases import CASE_GRIDS  # noqa: E402
-from attn_dispatch.host_probe import launch_us  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
 from attn_dispatch.policy.timing import time_interleaved  # noqa: E402
+from host_probe import launch_us  # noqa: E402
 from bench_user_step import environment, make_tensors, module_for, sdpa_fn, settings_for, step_fn  # noqa: E402
 
 GRIDS = ("eval-blind10", "eval-blind11", "eval-blind12", "eval-blind13", "eval-blind14")

@@ -1,12 +1,10 @@
-"""This machine's host speed, as the default policy reads it: microseconds per small op launched from Python.
+"""A diagnostic of a benchmark run's host: microseconds per small op launched from Python (bench_user_step.py
+records it in each run's environment; gpu/calibrate_host_probe.py compares it with the lease's host factor).
 
-A step's host time (Python, the dispatcher, the launches) differs by machine and process: on the H100 leases that
-measured the profile's blind grids, small calls ran at 0.76-1.6x the profile's prediction by lease, and which engine
-wins a near-tie follows it (benchmarks/results/profile/README.md, session 15). The probe launches a one-element add
-from a Python loop, the path every engine's call takes, and keeps the least mean over a few short loops (a
-preempted loop only raises its own mean). It times no attention engine; it costs ~0.4-0.7 ms, so it runs only
-when asked: by the default policy once per process where the profile carries a calibrated reference, and by the
-benchmarks to record each run's host.
+A step's host time differs by lease: on the H100 leases that measured the blind grids, small calls ran at 0.76-1.6x
+the profile's prediction, and which engine wins a near-tie follows it. This probe (a one-element add from a Python
+loop, the least mean over a few short loops) was tried as the default policy's measure of it and did not follow the
+lease's factor over three leases (benchmarks/results/profile/README.md, session 15), so the policy does not use it.
 """
 from __future__ import annotations
 
@@ -43,7 +41,7 @@ def _measured(device_index: int) -> float:
 
 def measured_launch_us() -> float | None:
     """launch_us() of this process's current CUDA device, measured once; None without CUDA or while a CUDA graph
-    is being captured (its launches would be recorded, not timed)."""
+    is being captured."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
