@@ -67,6 +67,10 @@ class Decision(BaseModel):
     def ok(self) -> bool:
         return self.chosen is not None
 
+    def with_notes(self, *notes: str) -> "Decision":
+        """This decision with more notes on how the call was read (itself when there are none)."""
+        return self.model_copy(update={"notes": self.notes + notes}) if notes else self
+
     def verdict(self, backend: str, provider: str | None = None) -> Verdict:
         """The verdict of a family (its first eligible provider, else its first) or of one provider."""
         matches = [v for v in self.verdicts if v.backend == backend and (provider is None or v.provider == provider)]

@@ -577,9 +577,7 @@ def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
             selection.clear_cache()
             continue
         selection.warn_unfused_fallback(decision)
-        if notes:
-            decision = decision.model_copy(update={"notes": decision.notes + notes})
-        return Plan(params, decision, engine, build_config(spec, params), selection.generation())
+        return Plan(params, decision.with_notes(*notes), engine, build_config(spec, params), selection.generation())
     raise RuntimeError(f"no engine could be loaded for {params.describe()}")
 
 

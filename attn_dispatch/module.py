@@ -497,8 +497,7 @@ class DotProductAttention(torch.nn.Module):
             params = _fp8_params(params, fp8)
         # as make_plan reads a plain call (under context parallelism these lengths are the rank's)
         params, notes = inputs.plain_params(params) if self.cp_group is None else (params, ())
-        decision = selection.explain(params, force=self.backend)
-        return decision.model_copy(update={"notes": decision.notes + notes}) if notes else decision
+        return selection.explain(params, force=self.backend).with_notes(*notes)
 
     # ------------------------------------------------------------------------------------------
     def _describe(self, q, k, v, args: CallArgs):

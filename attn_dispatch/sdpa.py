@@ -95,7 +95,7 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
         decision = module.explain(*_thd_views(query, key, value, layout), qkv_format="thd", **_thd_kwargs(layout))
     else:
         decision = module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
-    return decision if note is None else decision.model_copy(update={"notes": decision.notes + (note(),)})
+    return decision if note is None else decision.with_notes(note())
 
 
 def _thd_views(query, key, value, layout: PaddingLayout):

@@ -22,8 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     platform = platform_from(args)
     params, notes = plain_params(params_from(args, platform))  # as the module reads the call
-    decision = explain(params, platform, EnvFlags.from_environ(), force=args.force)
-    if notes:
-        decision = decision.model_copy(update={"notes": decision.notes + notes})
+    decision = explain(params, platform, EnvFlags.from_environ(), force=args.force).with_notes(*notes)
     print(decision.model_dump_json(indent=2) if args.json else decision.summary())
     return 0 if decision.ok else 1

@@ -563,8 +563,8 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
     (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
     provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
     names a provider (its host path changed since the other runs: --refreshes) is the only source of that
-    provider's split for the calls it split on its machine (of several such runs, the newest by "date"); its host times are scaled onto the other runs' lease by
-    refresh_host_scales. (Its step times stay combined with the other runs': where a provider has a split, the
+    provider's split for the calls it split on its machine (of several such runs, the newest by "date"); its host
+    times are scaled onto the other runs' lease by refresh_host_scales. (Its step times stay combined with the other runs': where a provider has a split, the
     model reads host and GPU time alone.)"""
     def usable(split: dict) -> bool:
         return split.get("covered") == 1
@@ -610,8 +610,9 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
         entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
                         "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
                         "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()}})
-        if two_sided_training(params) and unwindowed_work(params, model) != entries[-1]["work"]:
-            entries[-1]["work_unwindowed"] = unwindowed_work(params, model)
+        unwindowed = unwindowed_work(params, model) if two_sided_training(params) else entries[-1]["work"]
+        if unwindowed != entries[-1]["work"]:
+            entries[-1]["work_unwindowed"] = unwindowed
         split = {p: hg for p, hg in splits.get(key, {}).items() if p in times}
         if split:
             entries[-1]["host_ms"] = {p: float(f"{h:.4g}") for p, (h, _) in split.items()}

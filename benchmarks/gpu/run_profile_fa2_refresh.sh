@@ -70,14 +70,7 @@ case ${1:-} in
       "$OUT/$file"
     ;;
   blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
-  blind8) REPS=48 blind_run eval-blind8 blind8 "${2:-}" "${3:-0}" ;;
-  blind9) REPS=48 blind_run eval-blind9 blind9 "${2:-}" "${3:-0}" ;;
-  blind10) REPS=48 blind_run eval-blind10 blind10 "${2:-}" "${3:-0}" ;;
-  blind11) REPS=48 blind_run eval-blind11 blind11 "${2:-}" "${3:-0}" ;;
-  blind12) REPS=48 blind_run eval-blind12 blind12 "${2:-}" "${3:-0}" ;;
-  blind13) REPS=48 blind_run eval-blind13 blind13 "${2:-}" "${3:-0}" ;;
-  blind14) REPS=48 blind_run eval-blind14 blind14 "${2:-}" "${3:-0}" ;;
-  blind15) REPS=48 blind_run eval-blind15 blind15 "${2:-}" "${3:-0}" ;;
+  blind8|blind9|blind1[0-5]) REPS=48 blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;  # as blind8 (session 12)
   host-probe)  # (stock torch) the host probe's calibration on this lease: $OUT/host_probe_<tag>_<2nd arg>.json
     source "$(dirname "$0")/stock_env.sh"
     timeout 300 python3 benchmarks/gpu/calibrate_host_probe.py --out "$OUT/host_probe_${tag}_${2:-a}.json" 2>&1 \
