@@ -157,9 +157,15 @@ def model_with(settings: list[str]) -> CostModel:
         if not hasattr(COST_MODEL, key) or not value:
             raise SystemExit(f"--model {item!r}: expected KEY=VALUE with KEY a CostModel field "
                              f"({', '.join(COST_MODEL.__dataclass_fields__)})")
-        kind = type(getattr(COST_MODEL, key))
-        changes[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else (
-            tuple(float(x) for x in value.split(",")) if kind is tuple else kind(value))
+        default = getattr(COST_MODEL, key)
+        if isinstance(default, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(default, tuple) and all(isinstance(x, str) for x in default):
+            changes[key] = () if value == "none" else tuple(value.split(","))  # names; "none": the empty tuple
+        elif isinstance(default, tuple):
+            changes[key] = tuple(float(x) for x in value.split(","))
+        else:
+            changes[key] = type(default)(value)
     return dataclasses.replace(COST_MODEL, **changes)
 
 
