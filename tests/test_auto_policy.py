@@ -447,48 +447,6 @@ def test_a_run_refreshing_a_provider_replaces_its_splits_of_the_calls_it_measure
     assert entries[("m", "c4")]["host_ms"]["x:a"] == pytest.approx(0.1 * 2)  # not in the newer run: the older's
 
 
-def test_a_split_samples_first_call_cost_is_taken_out_of_the_listed_providers_dense_host_times():
-    """A split sample of n calls reads h + c / n per call (its first call after the synchronize pays c once); a loop
-    pays h. c is fitted on F.sdpa's split of the run's dense calls, robust to an outlying sample, and taken out of
-    the listed providers' dense entries only; a run too small to fit borrows the median of its machine's fits."""
-    from attn_dispatch.policy.profile import first_call_cost, runs_first_call_costs
-
-    model = dataclasses.replace(COST_MODEL, first_call_providers=("x:a",))
-    c, sizes = 0.4, [1, 2, 3, 4, 6, 8, 12, 16, 1, 2, 4, 8]
-    calls = [dict(max_seqlen_q=128 * (i + 1), attn_mask_type="causal") for i in range(len(sizes))]
-    packed = dict(max_seqlen_q=4096, qkv_format="thd", attn_mask_type="padding_causal")
-
-    def split(h: float, n: int) -> dict:
-        return {"step_ms": 1.0, "host_ms": h + c / n, "gpu_ms": 1.0, "covered": 1.0, "calls_per_sample": n}
-
-    rows = [{"label": f"c{i}", "params": AttentionParams(**kw).to_dict(), "times_ms": {},
-             "split": {"sdpa": split(0.2, n), "x:a": split(0.1, n), "x:b": split(0.3, n)}}
-            for i, (kw, n) in enumerate(zip(calls, sizes))]
-    rows[3]["split"]["sdpa"]["host_ms"] += 2.0  # one slow sample moves a least-squares fit, not the median slope
-    rows.append({"label": "packed", "params": AttentionParams(**packed).to_dict(), "times_ms": {},
-                 "split": {"x:a": split(0.5, 1)}})
-    run = {"machine": "m", "rows": rows}
-    assert first_call_cost(rows, training=True) == pytest.approx(c)
-    assert first_call_cost(rows, training=False) is None  # no inference calls
-    assert first_call_cost(rows[:5], training=True) is None  # too few to fit
-    entries = {e["label"]: e for e in build([run], arch="sm90", stack={}, date="", model=model)["entries"]}
-    for i, n in enumerate(sizes):
-        # h, whatever n was, but never under half of what was read (c is a fit)
-        assert entries[f"c{i}"]["host_ms"]["x:a"] == pytest.approx(max(0.1, 0.5 * (0.1 + c / n)), abs=1e-3)
-        assert entries[f"c{i}"]["host_ms"]["x:b"] == pytest.approx(0.3 + c / n, abs=1e-3)  # not listed: as read
-    assert entries["c0"]["host_ms"]["x:a"] == pytest.approx(0.25)  # n = 1: the floor
-    assert entries["packed"]["host_ms"]["x:a"] == pytest.approx(0.5 + c)  # packed calls: as read
-    # off: as read
-    off = {e["label"]: e for e in build([run], arch="sm90", stack={}, date="",
-                                        model=dataclasses.replace(model, first_call_providers=()))["entries"]}
-    assert off["c0"]["host_ms"]["x:a"] == pytest.approx(0.1 + c)
-    # a run too small to fit takes the median of its machine's fits; another machine's fits are not its own
-    small = {"machine": "m", "rows": rows[:3]}
-    elsewhere = {"machine": "n", "rows": rows[:3]}
-    costs = runs_first_call_costs([run, small, elsewhere], model)
-    assert costs[1][True] == pytest.approx(c) and True not in costs[2]
-
-
 def test_a_refresh_without_enough_reference_calls_is_refused():
     """A refresh whose lease cannot be read (fewer than MIN_REFERENCE_CALLS calls with an F.sdpa split shared with
     the other runs, per pass) would mix two leases' host speeds: the build says which run and why."""

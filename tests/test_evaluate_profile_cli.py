@@ -18,8 +18,8 @@ def test_model_settings_parse_to_their_fields_types_and_refuse_unknown_keys():
     assert model.host_scale == 0.9 and model.use_split is False and model.k == 3
     assert model.weights == (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0)
     assert model.split_combine == COST_MODEL.split_combine  # the rest as shipped
-    names = evaluate_profile.model_with(["first_call_providers=x:a,x:b", "unwindowed_backward=none"])
-    assert names.first_call_providers == ("x:a", "x:b") and names.unwindowed_backward == ()
+    assert evaluate_profile.model_with(["unwindowed_backward=x:a,x:b"]).unwindowed_backward == ("x:a", "x:b")
+    assert evaluate_profile.model_with(["unwindowed_backward=none"]).unwindowed_backward == ()  # provider names
     for bad in (["hostscale=0.9"], ["host_scale="], ["host_scale"]):
         with pytest.raises(SystemExit, match="CostModel field"):
             evaluate_profile.model_with(bad)

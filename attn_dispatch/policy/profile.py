@@ -23,10 +23,9 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
 Where the profile holds a provider's step measured apart as host time and GPU time (bench_user_step.py --split-only:
 the GPU time of calls queued behind a spin kernel, the wall time of enqueueing them), those predict it instead: G
 from the nearest split entry's GPU rate (no host floor to subtract, so no neighbour's host time leaks into a rate),
-H the median host time of the host_k nearest split entries (one host's noise averaged out; a sample's one-off
-first-call cost taken out of each, CostModel.first_call_providers; flash-attn-4's training host time is ~1.7x
-cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a steady loop of one module
-costs a little more than the larger of the two where they are close.
+H the median host time of the host_k nearest split entries (one host's noise averaged out; flash-attn-4's training
+host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
+steady loop of one module costs a little more than the larger of the two where they are close.
 benchmarks/results/profile/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
@@ -76,10 +75,10 @@ class CostModel:
     # t = (H^p + G^p)^(1/p) with p = split_combine.
     use_split: bool = True
     host_k: int = 25
-    # The split leases' hosts against those that ran the block-timer blind grids (0.6-1.5x by lease). 0.9 with the
-    # first-call correction below: of 0.7-1.0, the one no worse than the uncorrected profile (0.8) on any group of
-    # blind5-15's runs (session 16; benchmarks/results/profile/README.md).
-    host_scale: float = 0.9
+    # The split lease's host was slower than the hosts that ran the block-timer blind grids: their host-bound steps
+    # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over blind5-7's 720
+    # rows (session 13; benchmarks/results/profile/README.md).
+    host_scale: float = 0.8
     split_combine: float = 4.0
     # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
     # of more work than its own.
@@ -91,13 +90,6 @@ class CostModel:
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
     # (1.1-1.25x flash-attn-4's GPU time at every cover). session 14, benchmarks/results/profile/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # The split's host time of a sample of n calls carries a one-off cost c of its first call after the spin kernel
-    # was queued (a synchronize just before): per call, h + c / n, where a loop (and the block timer, which leads in
-    # with an untimed call) pays h. c / n is taken out of these providers' dense split entries, c fitted per run and
-    # pass on F.sdpa's (runs_first_call_costs): their own fits agree with it (cuDNN (torch) 0.30 ms a training step
-    # against F.sdpa's 0.30 on one lease, FA2 0.24 against 0.23 on another), flash-attn-4's do not (0.51-0.65
-    # against 0.38-0.58) and correcting it so made blind10-15 worse offline (session 16). () turns it off.
-    first_call_providers: tuple[str, ...] = ("cudnn_fused:frontend", "cudnn_fused:torch", "flash_attn_2:torch")
 
 
 COST_MODEL = CostModel()
@@ -528,77 +520,23 @@ def pooled_calls(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, dic
 
 
 REFRESH_REFERENCE = "sdpa"  # torch's own call, split in every run: its host path is the same in each of them
-MIN_FIRST_CALL_FIT = 10  # dense calls of a run and pass, over two or more sample sizes, to fit c
-
-
-def first_call_cost(rows: list[dict], training: bool, provider: str = REFRESH_REFERENCE) -> float | None:
-    """c, the one-off host cost of a split sample's first call, from one run's rows: the Theil-Sen slope (the median
-    of the pairwise slopes, robust to a noisy sample) of the provider's host time per call against
-    1 / calls_per_sample over the run's covered dense calls of that pass (packed ones carry their own host cost).
-    None: too few calls to fit."""
-    found = []
-    for row in rows:
-        params = AttentionParams(**row["params"])
-        split = row.get("split", {}).get(provider, {})
-        if (params.is_training == training and params.qkv_format != "thd" and split.get("covered") == 1
-                and split.get("calls_per_sample")):
-            found.append((1.0 / split["calls_per_sample"], split["host_ms"]))
-    if len(found) < MIN_FIRST_CALL_FIT or len({x for x, _ in found}) < 2:
-        return None
-    found.sort()
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(found) for x2, y2 in found[i + 1:] if x2 > x1]
-    return max(0.0, statistics.median(slopes))
-
-
-def runs_first_call_costs(runs: list[dict], model: CostModel = COST_MODEL) -> list[dict[bool, float]]:
-    """Per run, training -> the first-call cost taken out of its split host times: F.sdpa's fit in that run (the
-    same synchronize and the same first launch for every provider; split in every run), or, where the run has too
-    few calls to fit it, the median of the other runs' fits on its machine. Empty without
-    model.first_call_providers."""
-    if not model.first_call_providers:
-        return [{} for _ in runs]
-    fitted = [{t: c for t in (False, True) if (c := first_call_cost(run["rows"], t)) is not None} for run in runs]
-    out = []
-    for run, own in zip(runs, fitted):
-        costs = dict(own)
-        for training in (False, True):
-            others = [f[training] for r, f in zip(runs, fitted) if training in f and r["machine"] == run["machine"]]
-            if training not in costs and others:
-                costs[training] = statistics.median(others)
-        out.append(costs)
-    return out
-
-
-def steady_host(split: dict, first_call_ms: float) -> float:
-    """A split's host time per call in a steady loop: its first call's one-off cost taken out (at least half of
-    what was read: c is a fit, and no call is free)."""
-    n = split.get("calls_per_sample")
-    return max(split["host_ms"] - first_call_ms / n, 0.5 * split["host_ms"]) if n else split["host_ms"]
-
-
 MIN_REFERENCE_CALLS = 5  # calls a refresh shares with the other runs, per pass, to read its lease's host speed
 
 
-def refresh_host_scales(runs: list[dict], first_calls: list[dict[bool, float]] | None = None
-                        ) -> dict[tuple[int, bool], float]:
+def refresh_host_scales(runs: list[dict]) -> dict[tuple[int, bool], float]:
     """(index of a refresh run, training) -> the factor putting its host times on the other runs' scale. A lease's
     host speed differs by up to ~1.7x from another's (session 10: H200/H100 leases 0.62-0.68x; the FA2 refresh's
     lease ran F.sdpa at 0.60x the split fit's): so the refresh's own F.sdpa split, against the other runs' of the
     same calls on its machine, gives the median ratio by which the refresh's host times are scaled."""
-    first_calls = first_calls or [{} for _ in runs]
-
-    def host(index: int, row: dict) -> float | None:
+    def host(row: dict) -> float | None:
         split = row.get("split", {}).get(REFRESH_REFERENCE, {})
-        if split.get("covered") != 1:
-            return None
-        params = AttentionParams(**row["params"])
-        return steady_host(split, 0.0 if params.qkv_format == "thd" else first_calls[index].get(params.is_training, 0.0))
+        return split["host_ms"] if split.get("covered") == 1 else None
 
     others: dict[tuple[str, str], list[float]] = {}
-    for index, run in enumerate(runs):
+    for run in runs:
         if not run.get("refreshes"):
             for row in run["rows"]:
-                if (h := host(index, row)) is not None:
+                if (h := host(row)) is not None:
                     others.setdefault((run["machine"], _call_key(row["params"])), []).append(h)
     scales = {}
     for index, run in enumerate(runs):
@@ -608,7 +546,7 @@ def refresh_host_scales(runs: list[dict], first_calls: list[dict[bool, float]] |
         for row in run["rows"]:
             found = ratios.setdefault(AttentionParams(**row["params"]).is_training, [])
             theirs = others.get((run["machine"], _call_key(row["params"])))
-            if theirs and (mine := host(index, row)) is not None:
+            if theirs and (mine := host(row)) is not None:
                 found.append(statistics.median(theirs) / mine)
         for training, found in ratios.items():
             if len(found) < MIN_REFERENCE_CALLS:
@@ -620,7 +558,7 @@ def refresh_host_scales(runs: list[dict], first_calls: list[dict[bool, float]] |
     return scales
 
 
-def pooled_splits(runs: list[dict], model: CostModel = COST_MODEL) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
+def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
     """(machine, call) -> {provider: (host ms, GPU ms)}, medians over the runs' rows with a split
     (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
     provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
@@ -631,8 +569,7 @@ def pooled_splits(runs: list[dict], model: CostModel = COST_MODEL) -> dict[tuple
     def usable(split: dict) -> bool:
         return split.get("covered") == 1
 
-    first_calls = runs_first_call_costs(runs, model)
-    scales = refresh_host_scales(runs, first_calls)
+    scales = refresh_host_scales(runs)
     newest: dict[tuple[str, str, str], str] = {}  # (machine, call, provider) -> the newest refresh's date
     for run in runs:
         for provider in run.get("refreshes", ()):
@@ -652,9 +589,7 @@ def pooled_splits(runs: list[dict], model: CostModel = COST_MODEL) -> dict[tuple
                 if (*key, provider) in newest and (provider not in refreshing
                                                    or run.get("date", "") < newest[(*key, provider)]):
                     continue  # measured before the provider's path last changed: the newest refresh replaces it
-                params = AttentionParams(**row["params"])
-                steady = provider in model.first_call_providers and params.qkv_format != "thd"
-                host = steady_host(split, first_calls[index].get(params.is_training, 0.0) if steady else 0.0) * scale
+                host = split["host_ms"] * scale
                 found.setdefault(key, {}).setdefault(provider, []).append((host, split["gpu_ms"]))
     return {key: {p: (statistics.median(h for h, _ in v), statistics.median(g for _, g in v)) for p, v in by.items()}
             for key, by in found.items()}
@@ -667,7 +602,7 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
     GPU times of the providers some run split (pooled_splits)."""
     machines = sorted({run["machine"] for run in runs})
     entries = []
-    splits = pooled_splits(runs, model)
+    splits = pooled_splits(runs)
     for key, (label, params_dict, times, count) in pooled_calls(runs).items():
         machine = key[0]
         params = AttentionParams(**params_dict)
