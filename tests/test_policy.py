@@ -374,7 +374,7 @@ def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch
 
     timed = []
 
-    def fake_time_engines(engines, shape, mode, settings, cutoff_ratio=None, full_lengths=True):
+    def fake_time_engines(engines, shape, mode, settings, cutoff_ratio=None):
         timed.append(sorted(engines))
         return {pid: Timing(1.0 + i, 1.0 + i, 3) for i, pid in enumerate(sorted(engines))}, {}
     monkeypatch.setattr(measured, "time_engines", fake_time_engines)
@@ -390,51 +390,6 @@ def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch
     assert len(timed) == 1  # skipped counts as settled: no retiming
     assert measured.left_untimed(gpu_call, ["unfused:pytorch"]) == {}
     assert measured.left_untimed(cpu_params(), ["unfused:pytorch", "cudnn_fused:torch"]) == {}
-
-
-def test_a_packed_bucket_is_timed_on_ragged_lengths_and_a_full_length_entry_of_it_is_timed_again(monkeypatch,
-                                                                                               tmp_path):
-    """Engines whose cost follows the tokens present and engines held at their host floor rank differently on a
-    full-length batch than on a packed one (eval-blind16: cuDNN picked at 2.2x FA2's time on a small thd forward):
-    packed calls are timed on random lengths, the entry says so, and an entry timed on full lengths (an older
-    cache) is timed again; a dense bucket keeps its entry."""
-    from attn_dispatch import backends
-    from attn_dispatch.policy import measured
-    from attn_dispatch.policy.timing import Timing, build_inputs
-
-    timed = []
-
-    def fake_time_engines(engines, shape, mode, settings, cutoff_ratio=None, full_lengths=True):
-        timed.append((shape.qkv_format, full_lengths))
-        return {pid: Timing(1.0 + i, 1.0 + i, 3) for i, pid in enumerate(sorted(engines))}, {}
-    monkeypatch.setattr(measured, "time_engines", fake_time_engines)
-    monkeypatch.setattr(measured, "why_not_tunable", lambda params, platform: None)
-    monkeypatch.setattr(backends, "get_engine", lambda pid: object())
-    packed = cpu_params(device_type="cuda", dtype="bfloat16", qkv_format="thd", attn_mask_type="padding_causal",
-                        max_seqlen_q=2048, max_seqlen_kv=2048)
-    dense = cpu_params(device_type="cuda", dtype="bfloat16", max_seqlen_q=2048)
-    engines = ["cudnn_fused:frontend", "flash_attn_2:torch"]
-    policy = MeasuredPolicy(settings=FAST, directory=str(tmp_path))
-    platform = Platform.detect()
-    for call in (packed, dense):
-        policy.tune_bucket(call, platform, engines)
-    assert timed == [("thd", False), ("bshd", True)]
-    assert policy.lookup(packed, platform)["lengths"] == "ragged"
-    assert policy.lookup(dense, platform)["lengths"] == "full"
-    cache = policy.cache_for(platform)
-    for call in (packed, dense):  # entries from before the lengths were recorded: full-length timings
-        old = dict(policy.lookup(call, platform))
-        del old["lengths"]
-        cache.put(BucketScheme().key(call), old)
-    policy.tune_bucket(packed, platform, engines)
-    policy.tune_bucket(dense, platform, engines)
-    assert timed[2:] == [("thd", False)]  # the packed bucket timed again, the dense one not
-    # what the timer's inputs hold: random lengths, or every sequence at max_seqlen
-    cpu_packed = cpu_params(qkv_format="thd", attn_mask_type="padding_causal", batch_size=6, max_seqlen_q=64,
-                            max_seqlen_kv=64)
-    ragged = build_inputs(cpu_packed, full_lengths=False).aux.cu_seqlens_q.diff().tolist()
-    full = build_inputs(cpu_packed).aux.cu_seqlens_q.diff().tolist()
-    assert full == [64] * 6 and max(ragged) == 64 and len(set(ragged)) > 1
 
 
 def test_env_var_selects_the_measured_policy_and_inference_is_tuned_apart(two_engines, monkeypatch):

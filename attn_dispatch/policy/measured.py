@@ -8,8 +8,7 @@ How a bucket is tuned: every provider eligible for the call that first reaches t
 shape (what the user's step costs; later calls of the bucket reuse the result) against the others, interleaved
 after a warm period (timing.time_interleaved; CUDA events on the GPU). One whose least time over its estimate and
 two confirming calls is beyond `prune_ratio` times the best is not timed further (a single estimate right after a
-JIT compile or a graph build is no measurement). A packed call is timed on random sequence lengths (RAGGED_TIMING;
-an entry timed on full lengths is timed again). A sample of a call under 2 ms is a block of back-to-back calls
+JIT compile or a graph build is no measurement). A sample of a call under 2 ms is a block of back-to-back calls
 after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a provider in a steady loop of itself,
 whatever was timed just before it, host launch overhead included where the GPU does not hide it; longer calls
 are sampled one at a time. What is timed is what a user's step costs: the engine called as the module's repeat
@@ -49,12 +48,6 @@ logger = logging.getLogger("attn_dispatch.policy")
 TUNING_SETTINGS = TimerSettings(warmup=2, reps=10, max_reps=60, target_ms=30.0, warm_ms=60.0, confirm=2,
                                 block_ms=3.0)
 PRUNE_RATIO = 2.0
-# RAGGED_TIMING: a packed (thd or padding-masked) call is timed on sequences of random lengths, as a packed batch
-# holds, not on full-length ones: engines whose cost follows the tokens present (FA2) and those held at their host
-# floor on a small call (cuDNN, flash-attn-4) rank differently on the two. eval-blind16's d64 s2048 b4 h12
-# padding_causal thd forward, H100: full-length timing put cuDNN (frontend) at 0.105 ms and FA2 at 0.143, the
-# modules on the row's ragged batch ran 0.138 and 0.105, and random lengths gave 0.106 and 0.101; the measured policy
-# had picked cuDNN there at 2.2x FA2's time (results/profile/README.md, session 16).
 # On a GPU the unfused engine is not timed when a fused one is eligible: over 2329 calls timed on the H100 and H200
 # (benchmarks/results/profile) it never came within 4.1x of the best fused engine, and its probe alone cost up to 2
 # minutes per bucket at long lengths (blind7: 31 s a call at s28672). It stays the choice where nothing else runs.
@@ -152,8 +145,7 @@ class MeasuredPolicy:
         with self._lock:
             cache = self.cache_for(platform)
             entry = None if retune else cache.get(bucket)
-            stale = entry is not None and entry.get("lengths", "full") != _lengths_for(params)
-            missing = [c for c in candidates if retune or stale or self._untimed(entry, bucket, c)]
+            missing = [c for c in candidates if retune or self._untimed(entry, bucket, c)]
             tuned_now = False
             if missing:
                 reason = why_not_tunable(params, platform)
@@ -204,8 +196,7 @@ class MeasuredPolicy:
 
         started = time.perf_counter()
         mode = mode_of(shape)
-        same_shape = entry and entry.get("shape") == shape.to_dict() and \
-            entry.get("lengths", "full") == _lengths_for(shape)
+        same_shape = entry and entry.get("shape") == shape.to_dict()
         entry = _copy(entry) if same_shape else _fresh_entry(shape, mode, self.settings)
         entry["settings"] = self.settings.to_dict()
         untimed = left_untimed(shape, providers)
@@ -219,9 +210,7 @@ class MeasuredPolicy:
             except Exception as exc:  # noqa: BLE001 - an engine that fails to load is reported, never fatal
                 self._record_failure(entry, bucket, pid, exc)
         if engines:
-            entry["lengths"] = _lengths_for(shape)
             timings, errors = time_engines(engines, shape, mode, self.settings,
-                                           full_lengths=entry["lengths"] == "full",
                                            cutoff_ratio=self.prune_ratio if len(engines) > 1 else None)
             for pid, exc in errors.items():
                 self._record_failure(entry, bucket, pid, exc)
@@ -244,11 +233,6 @@ class MeasuredPolicy:
         entry["errors"][pid] = f"{type(exc).__name__}: {exc}"[:500]
         logger.warning("measured policy: %s failed while being timed and is left out of this bucket: %s", pid,
                        entry["errors"][pid])
-
-
-def _lengths_for(shape: AttentionParams) -> str:
-    """How a bucket's calls are timed: 'ragged' (random sequence lengths) for packed calls, else 'full'."""
-    return "ragged" if shape.has_padding else "full"
 
 
 def _fresh_entry(shape: AttentionParams, mode: str, settings: TimerSettings) -> dict[str, Any]:

@@ -184,16 +184,14 @@ def device_for(params: AttentionParams) -> "torch.device":
     return torch.device("cpu")
 
 
-def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False,
-                 full_lengths: bool = True) -> SyntheticCall:
-    """Random q, k, v (and the per-call tensors the params imply) in the call's layout, drawn on the device
-    (attn_dispatch.synthetic builds them); full-length sequences by default, so that the flop count is exact, else
-    padded calls get random lengths (a packed batch as users have them)."""
+def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False) -> SyntheticCall:
+    """Random q, k, v (and the per-call tensors the params imply) in the call's layout, drawn on the device;
+    full-length sequences, so that the flop count is exact (attn_dispatch.synthetic builds them)."""
     import torch
 
     from ..synthetic import make_call
 
-    call = make_call(params, device=device_for(params), seed=seed, requires_grad=False, full_lengths=full_lengths)
+    call = make_call(params, device=device_for(params), seed=seed, requires_grad=False, full_lengths=True)
     dout = None
     if with_dout:
         gen = torch.Generator(device=call.q.device).manual_seed(seed + 1)
@@ -415,15 +413,14 @@ def _clock() -> float:
 
 def time_engines(engines: "dict[str, Engine]", params: AttentionParams, mode: str | None = None,
                  settings: TimerSettings = TimerSettings(), *, seed: int = 0, cutoff_ratio: float | None = None,
-                 cutoff_ms: float | None = None, full_lengths: bool = True
-                 ) -> tuple[dict[str, Timing], dict[str, Exception]]:
+                 cutoff_ms: float | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
     """Engines timed against each other (time_interleaved) at params' shape, in `mode` (default: what the
-    params' call costs), on one set of inputs (build_inputs; full_lengths as there). The caller's random state is
-    left as it was (dropout draws from the default generator)."""
+    params' call costs), on one set of inputs. The caller's random state is left as it was (dropout draws from
+    the default generator)."""
     import torch
 
     mode = check_mode(mode or mode_of(params))
-    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd", full_lengths=full_lengths)
+    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd")
     steps = {name: engine_step(engine, call, mode) for name, engine in engines.items()}
     devices = [call.q.device.index] if call.q.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
