@@ -176,6 +176,8 @@ class SeqInfo:
     batch: int
     pad_between_seqs: bool
     lengths_differ: bool = False  # some sequence has a different number of query and key tokens
+    # thd, from the validated values: each sequence's (query, key) tokens, for a policy that times the call
+    lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # thd only, from the validated values: where each side's sequences end (cu_seqlens[-1]; None where not known
     # on the host, or where padded offsets put gaps between them), the smallest (keys - queries) of a sequence
     # with queries, and whether one has no keys
@@ -384,7 +386,8 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
                    _lengths_differ(cu_q, cu_kv), end_q=None if gaps else sum(lens_q),
                    end_kv=None if gaps else sum(lens_kv),
                    min_kv_minus_q=min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
-                   queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries))
+                   queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries),
+                   lengths=(tuple(lens_q), tuple(lens_kv)))
 
 
 def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:
@@ -562,15 +565,17 @@ def plain_params(params: AttentionParams) -> tuple[AttentionParams, tuple[str, .
                    f"max_seqlen_kv={params.max_seqlen_kv}: run as window_size={plain.window_size}",)
 
 
-def make_plan(spec: ModuleSpec, params: AttentionParams) -> Plan:
+def make_plan(spec: ModuleSpec, params: AttentionParams,
+              lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Plan:
     """Select and load the engine. One that fails to load (a flash-attn wheel built for another torch, say) is
     recorded (backends.LOAD_FAILURES, which its table then reports as the reason), decisions are forgotten, and
-    selection runs again without it; a forced one raises with that reason."""
+    selection runs again without it; a forced one raises with that reason. lengths: a packed call's own, for a
+    policy that times it (SeqInfo.lengths)."""
     from . import selection
 
     params, notes = plain_params(params)
     for _ in range(len(ENGINE_CLASSES) + 1):
-        decision = selection.select(params, force=spec.backend)
+        decision = selection.select(params, force=spec.backend, lengths=lengths)
         try:
             engine = get_engine(decision.chosen)
         except EngineUnavailableError:

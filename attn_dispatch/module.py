@@ -554,7 +554,7 @@ class DotProductAttention(torch.nn.Module):
                 params = _fp8_params(params, fp8)
             if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
                 entry.plans.clear()
-            plan = entry.plans[seq_key] = inputs.make_plan(spec, params)
+            plan = entry.plans[seq_key] = inputs.make_plan(spec, params, seq.lengths)
             if len(self._entries) >= 64:
                 self._forget_plans()
             if not entry.dynamic:

@@ -13,7 +13,7 @@ from .decision import Decision, NoBackendAvailableError, Reason, Verdict
 from .env import FAMILIES, POLICIES, EnvFlags, _validate_forced
 from .params import AttentionParams
 from .platform import Platform
-from .policy.base import Policy
+from .policy.base import Policy, SeqLengths
 from .policy.order import apply_order_rules, preference_order
 
 logger = logging.getLogger("attn_dispatch")
@@ -82,8 +82,10 @@ def refresh_detected() -> Platform:
 
 
 def explain(params: AttentionParams, platform: Platform | None = None, env: EnvFlags | None = None, *,
-            force: str | None = None, policy: str | Policy | None = None, use_cache: bool = True) -> Decision:
-    """The Decision for this call, with every backend's verdict. Never raises for 'nothing qualifies'."""
+            force: str | None = None, policy: str | Policy | None = None, use_cache: bool = True,
+            lengths: SeqLengths | None = None) -> Decision:
+    """The Decision for this call, with every backend's verdict. Never raises for 'nothing qualifies'. lengths: a
+    packed call's own tokens per sequence, for a policy that times the call (not part of the decision's key)."""
     platform = Platform.detect() if platform is None else platform
     env = EnvFlags.from_environ() if env is None else env
     key = (params, platform, platform.name, env, force, policy)  # each part carries a precomputed hash
@@ -91,7 +93,7 @@ def explain(params: AttentionParams, platform: Platform | None = None, env: EnvF
         decision = _CACHE.get(key)
         if decision is not None:
             return decision
-    decision = _decide(params, platform, env, force, policy)
+    decision = _decide(params, platform, env, force, policy, lengths)
     if use_cache:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
@@ -101,16 +103,17 @@ def explain(params: AttentionParams, platform: Platform | None = None, env: EnvF
 
 
 def select(params: AttentionParams, platform: Platform | None = None, env: EnvFlags | None = None, *,
-           force: str | None = None, policy: str | Policy | None = None, use_cache: bool = True) -> Decision:
+           force: str | None = None, policy: str | Policy | None = None, use_cache: bool = True,
+           lengths: SeqLengths | None = None) -> Decision:
     """Like explain, but raises NoBackendAvailableError when nothing (or not the forced backend) qualifies."""
-    decision = explain(params, platform, env, force=force, policy=policy, use_cache=use_cache)
+    decision = explain(params, platform, env, force=force, policy=policy, use_cache=use_cache, lengths=lengths)
     if decision.chosen is None:
         raise NoBackendAvailableError(decision)
     return decision
 
 
 def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: str | None,
-            policy: str | Policy | None) -> Decision:
+            policy: str | Policy | None, lengths: SeqLengths | None = None) -> Decision:
     forced, forced_by = (force, "the force= argument") if force else (env.forced_backend, "ATTN_DISPATCH_BACKEND")
     if force:
         _validate_forced("force", force)
@@ -138,7 +141,7 @@ def _decide(params: AttentionParams, platform: Platform, env: EnvFlags, force: s
         chosen = eligible[0] if eligible else None
         choice_reason, estimates, unit = (f"forced by {forced_by}" if chosen else ""), {}, ""
     else:
-        choice = policy_obj.choose(params, platform, eligible)
+        choice = policy_obj.choose(params, platform, eligible, lengths)
         chosen, choice_reason, estimates, unit = choice.chosen, choice.reason, choice.estimates, choice.unit
     rank = {family: i for i, family in enumerate(order)}
     verdicts.sort(key=lambda v: rank.get(v.backend, len(FAMILIES)))

@@ -34,6 +34,20 @@ def config_for(params: AttentionParams, softmax_scale: float | None = None) -> A
     )
 
 
+def _given_lengths(params: AttentionParams, lengths: tuple[tuple[int, ...], tuple[int, ...]]
+                   ) -> tuple[list[int], list[int]]:
+    """A packed call's own per-sequence lengths, checked against its parameters."""
+    if not params.has_padding:
+        raise ValueError(f"lengths are given for a call without padding ({params.describe()}); they describe the "
+                         "sequences of a packed or padded call")
+    lens_q, lens_kv = (list(side) for side in lengths)
+    for name, lens, longest in (("query", lens_q, params.max_seqlen_q), ("key", lens_kv, params.max_seqlen_kv)):
+        if len(lens) != params.batch_size or not all(0 <= n <= longest for n in lens):
+            raise ValueError(f"{name} lengths {lens} do not fit batch_size={params.batch_size} sequences of at most "
+                             f"{longest} tokens")
+    return lens_q, lens_kv
+
+
 def _lengths(generator: torch.Generator, batch: int, longest: int, ragged: bool) -> list[int]:
     if not ragged:
         return [longest] * batch
@@ -47,10 +61,11 @@ def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", seed: int = 0,
-              requires_grad: bool = True, dtype: torch.dtype | None = None,
-              full_lengths: bool = False) -> SyntheticCall:
+              requires_grad: bool = True, dtype: torch.dtype | None = None, full_lengths: bool = False,
+              lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> SyntheticCall:
     """Fresh random q, k, v (and bias, slopes, sink, masks, cu_seqlens) that match `params`, drawn on `device`.
-    Padded calls get random per-sequence lengths unless `full_lengths` (timing wants an exact flop count)."""
+    Padded calls get random per-sequence lengths unless `full_lengths` (timing wants an exact flop count), or
+    `lengths`: a packed call's own (query, key) tokens per sequence, to time what that call costs."""
     device = torch.device(device)
     if dtype is None and params.dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype={params.dtype!r} has no synthetic inputs; expected one of {', '.join(TORCH_DTYPES)}")
@@ -59,10 +74,13 @@ def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", se
     b, h, hk = params.batch_size, params.num_heads, params.num_gqa_groups
     sq, skv, dqk, dv = params.max_seqlen_q, params.max_seqlen_kv, params.head_dim_qk, params.head_dim_v
     ragged = params.has_padding
-    lens_q = _lengths(generator, b, sq, ragged and not full_lengths)
-    # Self-attention (equal max lengths) keeps each sequence's q and kv lengths equal, as real batches do; the
-    # tables see only the maxima, so per-sequence mismatches are the module's to validate, not the probe's.
-    lens_kv = list(lens_q) if sq == skv else _lengths(generator, b, skv, ragged and not full_lengths)
+    if lengths is not None:
+        lens_q, lens_kv = _given_lengths(params, lengths)
+    else:
+        lens_q = _lengths(generator, b, sq, ragged and not full_lengths)
+        # Self-attention (equal max lengths) keeps each sequence's q and kv lengths equal, as real batches do; the
+        # tables see only the maxima, so per-sequence mismatches are the module's to validate, not the probe's.
+        lens_kv = list(lens_q) if sq == skv else _lengths(generator, b, skv, ragged and not full_lengths)
 
     def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dt)

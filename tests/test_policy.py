@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from attn_dispatch import AttentionParams, Platform, backends, constraints, select, selection
+from attn_dispatch import AttentionParams, DotProductAttention, Platform, backends, constraints, select, selection
 from attn_dispatch.backends.unfused import UnfusedEngine
 from attn_dispatch.cli import main
 from attn_dispatch.constraints.base import Table, fail
@@ -374,7 +374,7 @@ def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch
 
     timed = []
 
-    def fake_time_engines(engines, shape, mode, settings, cutoff_ratio=None):
+    def fake_time_engines(engines, shape, mode, settings, cutoff_ratio=None, lengths=None):
         timed.append(sorted(engines))
         return {pid: Timing(1.0 + i, 1.0 + i, 3) for i, pid in enumerate(sorted(engines))}, {}
     monkeypatch.setattr(measured, "time_engines", fake_time_engines)
@@ -390,6 +390,45 @@ def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch
     assert len(timed) == 1  # skipped counts as settled: no retiming
     assert measured.left_untimed(gpu_call, ["unfused:pytorch"]) == {}
     assert measured.left_untimed(cpu_params(), ["unfused:pytorch", "cudnn_fused:torch"]) == {}
+
+
+def test_a_packed_call_is_timed_on_its_own_sequence_lengths(two_engines, monkeypatch):
+    """On a small packed call the engines rank by the tokens present (eval-blind16: full-length timing picked cuDNN
+    at 2.2x FA2's time): the module hands selection the call's validated lengths, the measured policy times on
+    them and records them; a dense call, or a packed one described without its lengths (the CLI's tune), is timed
+    on full-length sequences. The decision's cache does not key on them: the bucket is timed once."""
+    from attn_dispatch.policy import measured
+
+    seen = []
+    through = measured.time_engines
+
+    def spy(engines, shape, *args, lengths=None, **kw):
+        seen.append((shape.qkv_format, lengths))
+        return through(engines, shape, *args, lengths=lengths, **kw)
+    monkeypatch.setattr(measured, "time_engines", spy)
+    two_engines["unfused:slow"].delay_s = 0.25
+    policy = _policy()
+    monkeypatch.setenv("ATTN_DISPATCH_POLICY", "measured")
+    lens = [5, 9, 3]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    q, k, v = (torch.randn(17, 2, 16) for _ in range(3))
+    module = DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding_causal").eval()
+    with torch.no_grad():
+        out = module(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    assert out.shape == (17, 32) and module.last_decision.chosen == "unfused:fast"
+    assert seen == [("thd", ((5, 9, 3), (5, 9, 3)))]
+    params = AttentionParams(**module.last_decision.params)
+    assert policy.lookup(params, Platform.detect())["lengths"] == [lens, lens]
+    # what the timer builds from them: those sequences, with those offsets
+    call = build_inputs(params, lengths=((5, 9, 3), (5, 9, 3)))
+    assert call.aux.cu_seqlens_q.tolist() == [0, 5, 14, 17] and call.q.shape[0] == 17
+    with pytest.raises(ValueError, match=r"query lengths \[5, 9\] do not fit batch_size=3"):
+        build_inputs(params, lengths=((5, 9), (5, 9)))
+    with pytest.raises(ValueError, match="lengths are given for a call without padding"):
+        build_inputs(cpu_params(), lengths=((5,), (5,)))
+    # a dense call: full lengths
+    select(cpu_params(max_seqlen_q=48), policy="measured")
+    assert seen[-1] == ("bshd", None)
 
 
 def test_env_var_selects_the_measured_policy_and_inference_is_tuned_apart(two_engines, monkeypatch):

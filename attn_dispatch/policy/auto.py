@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..params import AttentionParams
 from ..platform import Platform
 from . import decode
-from .base import Choice
+from .base import Choice, SeqLengths
 from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
 
@@ -19,7 +19,8 @@ class AutoPolicy:
         self.directory = directory
         self.measured = measured  # a MeasuredPolicy whose on-disk tuning cache is read (never timed from here)
 
-    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice:
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str],
+               lengths: SeqLengths | None = None) -> Choice:
         if len(eligible) <= 1:
             return Choice(eligible[0] if eligible else None,
                           "the only eligible provider" if eligible else "no provider is eligible")

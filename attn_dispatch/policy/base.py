@@ -16,9 +16,16 @@ class Choice:
     unit: str = ""
 
 
+# A packed call's own tokens per sequence, (queries, keys), where the host knows them: what a policy that times the
+# call times it on (a small packed call's engines rank by the tokens present; results/profile/README.md, session 16).
+SeqLengths = tuple[tuple[int, ...], tuple[int, ...]]
+
+
 class Policy(Protocol):
-    """A strategy selection consults: `eligible` lists the eligible provider ids in the preference order."""
+    """A strategy selection consults: `eligible` lists the eligible provider ids in the preference order; `lengths`
+    (SeqLengths or None) is for a policy that times the call."""
 
     name: str
 
-    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice: ...
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str],
+               lengths: SeqLengths | None = None) -> Choice: ...

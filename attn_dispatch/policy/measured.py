@@ -8,7 +8,9 @@ How a bucket is tuned: every provider eligible for the call that first reaches t
 shape (what the user's step costs; later calls of the bucket reuse the result) against the others, interleaved
 after a warm period (timing.time_interleaved; CUDA events on the GPU). One whose least time over its estimate and
 two confirming calls is beyond `prune_ratio` times the best is not timed further (a single estimate right after a
-JIT compile or a graph build is no measurement). A sample of a call under 2 ms is a block of back-to-back calls
+JIT compile or a graph build is no measurement). A packed (thd) call is timed on its own sequence lengths where
+selection passes them (the module does), not on full-length sequences (PACKED_LENGTHS). A sample of a call under
+2 ms is a block of back-to-back calls
 after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a provider in a steady loop of itself,
 whatever was timed just before it, host launch overhead included where the GPU does not hide it; longer calls
 are sampled one at a time. What is timed is what a user's step costs: the engine called as the module's repeat
@@ -32,7 +34,7 @@ from typing import Any
 
 from ..params import AttentionParams
 from ..platform import Platform
-from .base import Choice
+from .base import Choice, SeqLengths
 from .buckets import BucketScheme
 from .cache import TuningCache, cache_dir
 from .timing import TimerSettings, mode_of, time_engines
@@ -48,6 +50,11 @@ logger = logging.getLogger("attn_dispatch.policy")
 TUNING_SETTINGS = TimerSettings(warmup=2, reps=10, max_reps=60, target_ms=30.0, warm_ms=60.0, confirm=2,
                                 block_ms=3.0)
 PRUNE_RATIO = 2.0
+# PACKED_LENGTHS: a packed call is timed on the tokens per sequence of the call that reached the bucket, as its
+# shape is. On a small one the engines rank by the tokens present: eval-blind16's d64 s2048 b4 h12 padding_causal thd
+# forward (H100), timed on full-length sequences, had cuDNN (frontend) at 0.105 ms and FA2 at 0.143, where the
+# modules on the row's own batch ran 0.138 and 0.105 (the policy picked cuDNN at 2.2x FA2's time); random lengths
+# instead fixed that row and lost two others (results/profile/README.md, session 16).
 # On a GPU the unfused engine is not timed when a fused one is eligible: over 2329 calls timed on the H100 and H200
 # (benchmarks/results/profile) it never came within 4.1x of the best fused engine, and its probe alone cost up to 2
 # minutes per bucket at long lengths (blind7: 31 s a call at s28672). It stays the choice where nothing else runs.
@@ -115,11 +122,12 @@ class MeasuredPolicy:
         self._lock = threading.RLock()
 
     # --- the policy -------------------------------------------------------------------------------------
-    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice:
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str],
+               lengths: SeqLengths | None = None) -> Choice:
         if len(eligible) <= 1:
             return Choice(eligible[0] if eligible else None,
                           "the only eligible provider" if eligible else "no provider is eligible")
-        result = self.tune_bucket(params, platform, eligible)
+        result = self.tune_bucket(params, platform, eligible, lengths=lengths)
         if result.chosen is None:
             return Choice(eligible[0], f"untimed (bucket {result.bucket}); Transformer Engine's preference order "
                                        "decides")
@@ -136,7 +144,7 @@ class MeasuredPolicy:
             return self.cache_for(platform).get(self.scheme.key(params))
 
     def tune_bucket(self, params: AttentionParams, platform: Platform, candidates: list[str], *,
-                    retune: bool = False) -> TuneResult:
+                    retune: bool = False, lengths: SeqLengths | None = None) -> TuneResult:
         """Look the bucket up; if it has no time for some candidate (or retune), time all candidates together, at
         this call's own shape: what the user's step costs. (Timing the bucket's largest shape instead misled on
         host-bound engines: blind7's enc0 d64 s384 b42 training, tuned at b64 where flash-attn-4's ~0.5 ms host
@@ -151,7 +159,7 @@ class MeasuredPolicy:
                 reason = why_not_tunable(params, platform)
                 if reason is None:
                     timeable = [c for c in candidates if (bucket, c) not in self._failed]
-                    entry = self._tune(params, platform, timeable, entry, bucket)
+                    entry = self._tune(params, platform, timeable, entry, bucket, lengths)
                     cache.put(bucket, entry)
                     tuned_now = True
                 elif bucket not in self._warned:
@@ -189,14 +197,17 @@ class MeasuredPolicy:
         return not any(provider in entry.get(k, {}) for k in ("times_ms", "probe_ms", "skipped"))
 
     def _tune(self, shape: AttentionParams, platform: Platform, providers: list[str],
-              entry: dict | None, bucket: str) -> dict[str, Any]:
-        """Time providers at `shape` (a call's own, eligible for each of them) into the bucket's entry: a fresh one
-        where the entry's times were taken at another shape, so that an entry never mixes shapes."""
+              entry: dict | None, bucket: str, lengths: SeqLengths | None = None) -> dict[str, Any]:
+        """Time providers at `shape` (a call's own, eligible for each of them; on its sequence lengths where given)
+        into the bucket's entry: a fresh one where the entry's times were taken at another shape or on other
+        lengths, so that an entry never mixes them."""
         from ..backends import get_engine
 
         started = time.perf_counter()
         mode = mode_of(shape)
-        same_shape = entry and entry.get("shape") == shape.to_dict()
+        lengths = lengths if shape.qkv_format == "thd" else None  # PACKED_LENGTHS
+        timed_on = [list(side) for side in lengths] if lengths is not None else "full"
+        same_shape = entry and entry.get("shape") == shape.to_dict() and entry.get("lengths", "full") == timed_on
         entry = _copy(entry) if same_shape else _fresh_entry(shape, mode, self.settings)
         entry["settings"] = self.settings.to_dict()
         untimed = left_untimed(shape, providers)
@@ -210,7 +221,8 @@ class MeasuredPolicy:
             except Exception as exc:  # noqa: BLE001 - an engine that fails to load is reported, never fatal
                 self._record_failure(entry, bucket, pid, exc)
         if engines:
-            timings, errors = time_engines(engines, shape, mode, self.settings,
+            entry["lengths"] = timed_on  # what was timed: "full" sequences, or the call's [query, key] lengths
+            timings, errors = time_engines(engines, shape, mode, self.settings, lengths=lengths,
                                            cutoff_ratio=self.prune_ratio if len(engines) > 1 else None)
             for pid, exc in errors.items():
                 self._record_failure(entry, bucket, pid, exc)

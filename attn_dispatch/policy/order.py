@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..decision import Verdict
 from ..params import AttentionParams
 from ..platform import Platform
-from .base import Choice
+from .base import Choice, SeqLengths
 
 
 def preference_order(params: AttentionParams, platform: Platform) -> tuple[tuple[str, ...], str]:
@@ -33,7 +33,8 @@ def apply_order_rules(order: tuple[str, ...], verdicts: list[Verdict], platform:
 class OrderPolicy:
     name = "order"
 
-    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice:
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str],
+               lengths: SeqLengths | None = None) -> Choice:
         if not eligible:
             return Choice(None, "no provider is eligible")
         return Choice(eligible[0], "Transformer Engine's preference order: the first eligible provider")

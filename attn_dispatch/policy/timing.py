@@ -184,14 +184,17 @@ def device_for(params: AttentionParams) -> "torch.device":
     return torch.device("cpu")
 
 
-def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False) -> SyntheticCall:
-    """Random q, k, v (and the per-call tensors the params imply) in the call's layout, drawn on the device;
-    full-length sequences, so that the flop count is exact (attn_dispatch.synthetic builds them)."""
+def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False,
+                 lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> SyntheticCall:
+    """Random q, k, v (and the per-call tensors the params imply) in the call's layout, drawn on the device
+    (attn_dispatch.synthetic builds them): full-length sequences, so that the flop count is exact, or a packed
+    call's own per-sequence (query, key) lengths."""
     import torch
 
     from ..synthetic import make_call
 
-    call = make_call(params, device=device_for(params), seed=seed, requires_grad=False, full_lengths=True)
+    call = make_call(params, device=device_for(params), seed=seed, requires_grad=False, full_lengths=True,
+                     lengths=lengths)
     dout = None
     if with_dout:
         gen = torch.Generator(device=call.q.device).manual_seed(seed + 1)
@@ -413,14 +416,15 @@ def _clock() -> float:
 
 def time_engines(engines: "dict[str, Engine]", params: AttentionParams, mode: str | None = None,
                  settings: TimerSettings = TimerSettings(), *, seed: int = 0, cutoff_ratio: float | None = None,
-                 cutoff_ms: float | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
-    """Engines timed against each other (time_interleaved) at params' shape, in `mode` (default: what the
-    params' call costs), on one set of inputs. The caller's random state is left as it was (dropout draws from
-    the default generator)."""
+                 cutoff_ms: float | None = None, lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+                 ) -> tuple[dict[str, Timing], dict[str, Exception]]:
+    """Engines timed against each other (time_interleaved) at params' shape (and a packed call's own lengths),
+    in `mode` (default: what the params' call costs), on one set of inputs. The caller's random state is left as
+    it was (dropout draws from the default generator)."""
     import torch
 
     mode = check_mode(mode or mode_of(params))
-    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd")
+    call = build_inputs(params, seed=seed, with_dout=mode == "fwd_bwd", lengths=lengths)
     steps = {name: engine_step(engine, call, mode) for name, engine in engines.items()}
     devices = [call.q.device.index] if call.q.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
