@@ -301,7 +301,8 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         from attn_dispatch.policy.measured import MeasuredPolicy
 
         entry = MeasuredPolicy(directory=measured_cache).lookup(p, Platform.detect()) or {}
-        row["measured_entry"] = {k: entry.get(k) for k in ("times_ms", "probe_ms", "errors", "skipped", "tuning_s")}
+        row["measured_entry"] = {k: entry.get(k) for k in ("times_ms", "probe_ms", "errors", "skipped", "tuning_s",
+                                                          "lengths")}
     return row
 
 
