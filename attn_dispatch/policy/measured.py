@@ -10,12 +10,11 @@ after a warm period (timing.time_interleaved; CUDA events on the GPU). One whose
 two confirming calls is beyond `prune_ratio` times the best is not timed further (a single estimate right after a
 JIT compile or a graph build is no measurement). A packed (thd) call is timed on its own sequence lengths where
 selection passes them (the module does), not on full-length sequences (PACKED_LENGTHS). A sample of a call under
-2 ms is a block of back-to-back calls
-after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a provider in a steady loop of itself,
-whatever was timed just before it, host launch overhead included where the GPU does not hide it; longer calls
-are sampled one at a time. What is timed is what a user's step costs: the engine called as the module's repeat
-calls call it (timing.engine_step), forward alone in inference (no_grad), forward then backward into the leaf
-tensors' .grad in training. Whenever a candidate is missing from a bucket's entry, all candidates are timed again
+2 ms is a block of back-to-back calls after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a
+provider in a steady loop of itself, whatever was timed just before it, host launch overhead included where the
+GPU does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the
+engine called as the module's repeat calls call it (timing.engine_step), forward alone in inference (no_grad),
+forward then backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's entry, all candidates are timed again
 together (at the new call's shape), so an entry never compares times taken at different moments. The entry records
 what tuning cost (`tuning_s`). The result goes to the persistent cache (see cache.py), so the next process starts
 tuned.
