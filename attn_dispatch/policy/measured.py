@@ -14,10 +14,10 @@ selection passes them (the module does), not on full-length sequences (PACKED_LE
 provider in a steady loop of itself, whatever was timed just before it, host launch overhead included where the
 GPU does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the
 engine called as the module's repeat calls call it (timing.engine_step), forward alone in inference (no_grad),
-forward then backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's entry, all candidates are timed again
-together (at the new call's shape), so an entry never compares times taken at different moments. The entry records
-what tuning cost (`tuning_s`). The result goes to the persistent cache (see cache.py), so the next process starts
-tuned.
+forward then backward into the leaf tensors' .grad in training. Whenever a candidate is missing from a bucket's
+entry, all candidates are timed again together (at the new call's shape), so an entry never compares times taken
+at different moments. The entry records what tuning cost (`tuning_s`) and on which lengths (`lengths`). The
+result goes to the persistent cache (see cache.py), so the next process starts tuned.
 
 Tuning is skipped (the preference order decides, with one warning per bucket) when it cannot run honestly:
 during CUDA graph capture, inside torch.compile tracing, or for a platform other than this machine.
