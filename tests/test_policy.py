@@ -429,6 +429,16 @@ def test_a_packed_call_is_timed_on_its_own_sequence_lengths(two_engines, monkeyp
     # a dense call: full lengths
     select(cpu_params(max_seqlen_q=48), policy="measured")
     assert seen[-1] == ("bshd", None)
+    # an entry from before entries recorded their lengths (timed on full lengths) is timed again, once
+    bucket = BucketScheme().key(params)
+    old = dict(policy.lookup(params, Platform.detect()))
+    del old["lengths"]
+    policy.cache_for(Platform.detect()).put(bucket, old)
+    for _ in range(2):
+        policy.tune_bucket(params, Platform.detect(), BOTH, lengths=((5, 9, 3), (5, 9, 3)))
+    assert seen[-2:] == [("bshd", None), ("thd", ((5, 9, 3), (5, 9, 3)))]
+    policy.tune_bucket(params, Platform.detect(), BOTH, lengths=((9, 9, 9), (9, 9, 9)))  # other lengths: reused
+    assert len(seen) == 3
 
 
 def test_env_var_selects_the_measured_policy_and_inference_is_tuned_apart(two_engines, monkeypatch):

@@ -9,7 +9,8 @@ shape (what the user's step costs; later calls of the bucket reuse the result) a
 after a warm period (timing.time_interleaved; CUDA events on the GPU). One whose least time over its estimate and
 two confirming calls is beyond `prune_ratio` times the best is not timed further (a single estimate right after a
 JIT compile or a graph build is no measurement). A packed (thd) call is timed on its own sequence lengths where
-selection passes them (the module does), not on full-length sequences (PACKED_LENGTHS). A sample of a call under
+selection passes them (the module does), not on full-length sequences (PACKED_LENGTHS; a packed bucket from an
+older cache, timed on full lengths, is timed again once). A sample of a call under
 2 ms is a block of back-to-back calls after a synchronisation and a lead-in call (TUNING_SETTINGS.block_ms): a
 provider in a steady loop of itself, whatever was timed just before it, host launch overhead included where the
 GPU does not hide it; longer calls are sampled one at a time. What is timed is what a user's step costs: the
@@ -152,7 +153,11 @@ class MeasuredPolicy:
         with self._lock:
             cache = self.cache_for(platform)
             entry = None if retune else cache.get(bucket)
-            missing = [c for c in candidates if retune or self._untimed(entry, bucket, c)]
+            # a packed bucket timed before entries recorded their lengths was timed on full-length sequences:
+            # timed again, once, on this call's (PACKED_LENGTHS)
+            unsized = entry is not None and lengths is not None and params.qkv_format == "thd" and \
+                "lengths" not in entry
+            missing = [c for c in candidates if retune or unsized or self._untimed(entry, bucket, c)]
             tuned_now = False
             if missing:
                 reason = why_not_tunable(params, platform)
