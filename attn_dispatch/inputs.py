@@ -18,7 +18,8 @@ import torch
 from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
 from .backends.base import AttnAux, AttnConfig, Engine, PackedFacts
 from .decision import Decision
-from .params import BIAS_TYPES, MASK_TYPES, TOP_LEFT_MASKS, AttentionParams, has_padding, normalize_window
+from .params import (BIAS_TYPES, MASK_TYPES, TOP_LEFT_MASKS, AttentionParams, SeqLengths, has_padding,
+                     normalize_window)
 from .tensor_cache import cached_on, same_values
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ class SeqInfo:
     pad_between_seqs: bool
     lengths_differ: bool = False  # some sequence has a different number of query and key tokens
     # thd, from the validated values: each sequence's (query, key) tokens, for a policy that times the call
-    lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    lengths: SeqLengths | None = None
     # thd only, from the validated values: where each side's sequences end (cu_seqlens[-1]; None where not known
     # on the host, or where padded offsets put gaps between them), the smallest (keys - queries) of a sequence
     # with queries, and whether one has no keys
@@ -565,8 +566,7 @@ def plain_params(params: AttentionParams) -> tuple[AttentionParams, tuple[str, .
                    f"max_seqlen_kv={params.max_seqlen_kv}: run as window_size={plain.window_size}",)
 
 
-def make_plan(spec: ModuleSpec, params: AttentionParams,
-              lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Plan:
+def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | None = None) -> Plan:
     """Select and load the engine. One that fails to load (a flash-attn wheel built for another torch, say) is
     recorded (backends.LOAD_FAILURES, which its table then reports as the reason), decisions are forgotten, and
     selection runs again without it; a forced one raises with that reason. lengths: a packed call's own, for a

@@ -36,6 +36,8 @@ DTYPE_ALIASES = {
     "fp8": "fp8", "float8": "fp8",
 }
 UNBOUNDED = -1
+# A packed call's own tokens per sequence, (queries, keys), where the host knows them (read from cu_seqlens)
+SeqLengths = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

@@ -11,9 +11,9 @@ import logging
 from .constraints import TABLES
 from .decision import Decision, NoBackendAvailableError, Reason, Verdict
 from .env import FAMILIES, POLICIES, EnvFlags, _validate_forced
-from .params import AttentionParams
+from .params import AttentionParams, SeqLengths
 from .platform import Platform
-from .policy.base import Policy, SeqLengths
+from .policy.base import Policy
 from .policy.order import apply_order_rules, preference_order
 
 logger = logging.getLogger("attn_dispatch")

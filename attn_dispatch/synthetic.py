@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends.base import AttnAux, AttnConfig, PackedFacts
-from .params import AttentionParams
+from .params import AttentionParams, SeqLengths
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float64": torch.float64}
@@ -34,8 +34,7 @@ def config_for(params: AttentionParams, softmax_scale: float | None = None) -> A
     )
 
 
-def _given_lengths(params: AttentionParams, lengths: tuple[tuple[int, ...], tuple[int, ...]]
-                   ) -> tuple[list[int], list[int]]:
+def _given_lengths(params: AttentionParams, lengths: SeqLengths) -> tuple[list[int], list[int]]:
     """A packed call's own per-sequence lengths, checked against its parameters."""
     if not params.has_padding:
         raise ValueError(f"lengths are given for a call without padding ({params.describe()}); they describe the "
@@ -62,7 +61,7 @@ def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", seed: int = 0,
               requires_grad: bool = True, dtype: torch.dtype | None = None, full_lengths: bool = False,
-              lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> SyntheticCall:
+              lengths: SeqLengths | None = None) -> SyntheticCall:
     """Fresh random q, k, v (and bias, slopes, sink, masks, cu_seqlens) that match `params`, drawn on `device`.
     Padded calls get random per-sequence lengths unless `full_lengths` (timing wants an exact flop count), or
     `lengths`: a packed call's own (query, key) tokens per sequence, to time what that call costs."""

@@ -5,10 +5,10 @@ decides, and the reason says so. KV-cache decode steps are predicted by the memo
 policy/decode.py instead (the profile has no decode rows)."""
 from __future__ import annotations
 
-from ..params import AttentionParams
+from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
 from . import decode
-from .base import Choice, SeqLengths
+from .base import Choice
 from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..params import AttentionParams
+from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
 
 
@@ -16,14 +16,10 @@ class Choice:
     unit: str = ""
 
 
-# A packed call's own tokens per sequence, (queries, keys), where the host knows them: what a policy that times the
-# call times it on (a small packed call's engines rank by the tokens present; results/profile/README.md, session 16).
-SeqLengths = tuple[tuple[int, ...], tuple[int, ...]]
-
-
 class Policy(Protocol):
     """A strategy selection consults: `eligible` lists the eligible provider ids in the preference order; `lengths`
-    (SeqLengths or None) is for a policy that times the call."""
+    (a packed call's own, or None) is what a policy that times the call times it on (a small packed call's engines
+    rank by the tokens present; results/profile/README.md, session 16)."""
 
     name: str
 

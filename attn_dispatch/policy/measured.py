@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..params import AttentionParams
+from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
-from .base import Choice, SeqLengths
+from .base import Choice
 from .buckets import BucketScheme
 from .cache import TuningCache, cache_dir
 from .timing import TimerSettings, mode_of, time_engines
@@ -155,8 +155,7 @@ class MeasuredPolicy:
             entry = None if retune else cache.get(bucket)
             # a packed bucket timed before entries recorded their lengths was timed on full-length sequences:
             # timed again, once, on this call's (PACKED_LENGTHS)
-            unsized = entry is not None and lengths is not None and params.qkv_format == "thd" and \
-                "lengths" not in entry
+            unsized = entry is not None and "lengths" not in entry and _timed_lengths(params, lengths) is not None
             missing = [c for c in candidates if retune or unsized or self._untimed(entry, bucket, c)]
             tuned_now = False
             if missing:
@@ -209,7 +208,7 @@ class MeasuredPolicy:
 
         started = time.perf_counter()
         mode = mode_of(shape)
-        lengths = lengths if shape.qkv_format == "thd" else None  # PACKED_LENGTHS
+        lengths = _timed_lengths(shape, lengths)
         timed_on = [list(side) for side in lengths] if lengths is not None else "full"
         same_shape = entry and entry.get("shape") == shape.to_dict() and entry.get("lengths", "full") == timed_on
         entry = _copy(entry) if same_shape else _fresh_entry(shape, mode, self.settings)
@@ -249,6 +248,12 @@ class MeasuredPolicy:
         entry["errors"][pid] = f"{type(exc).__name__}: {exc}"[:500]
         logger.warning("measured policy: %s failed while being timed and is left out of this bucket: %s", pid,
                        entry["errors"][pid])
+
+
+def _timed_lengths(shape: AttentionParams, lengths: SeqLengths | None) -> SeqLengths | None:
+    """The sequence lengths a bucket is timed on (PACKED_LENGTHS): a padded call's own, where given; None, full
+    lengths, otherwise."""
+    return lengths if shape.has_padding else None
 
 
 def _fresh_entry(shape: AttentionParams, mode: str, settings: TimerSettings) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from ..decision import Verdict
-from ..params import AttentionParams
+from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
-from .base import Choice, SeqLengths
+from .base import Choice
 
 
 def preference_order(params: AttentionParams, platform: Platform) -> tuple[tuple[str, ...], str]:

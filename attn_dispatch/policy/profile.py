@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
@@ -132,7 +132,7 @@ def two_sided_training(p: AttentionParams) -> bool:
 
 def unwindowed_work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
     """work() of the call without its window (its mask kept)."""
-    return work(replace(p, window_size=(-1, 0) if p.is_causal else (-1, -1)), model)
+    return work(p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1)), model)
 
 
 def provider_work(provider: str, windowed: float, unwindowed: float, model: CostModel = COST_MODEL) -> float:
@@ -564,8 +564,8 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
     provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
     names a provider (its host path changed since the other runs: --refreshes) is the only source of that
     provider's split for the calls it split on its machine (of several such runs, the newest by "date"); its host
-    times are scaled onto the other runs' lease by refresh_host_scales. (Its step times stay combined with the other runs': where a provider has a split, the
-    model reads host and GPU time alone.)"""
+    times are scaled onto the other runs' lease by refresh_host_scales. (Its step times stay combined with the
+    other runs': where a provider has a split, the model reads host and GPU time alone.)"""
     def usable(split: dict) -> bool:
         return split.get("covered") == 1
 

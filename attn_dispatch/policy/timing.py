@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..params import TOP_LEFT_MASKS, AttentionParams
+from ..params import TOP_LEFT_MASKS, AttentionParams, SeqLengths
 
 if TYPE_CHECKING:
     import torch
@@ -185,7 +185,7 @@ def device_for(params: AttentionParams) -> "torch.device":
 
 
 def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = False,
-                 lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> SyntheticCall:
+                 lengths: SeqLengths | None = None) -> SyntheticCall:
     """Random q, k, v (and the per-call tensors the params imply) in the call's layout, drawn on the device
     (attn_dispatch.synthetic builds them): full-length sequences, so that the flop count is exact, or a packed
     call's own per-sequence (query, key) lengths."""
@@ -416,7 +416,7 @@ def _clock() -> float:
 
 def time_engines(engines: "dict[str, Engine]", params: AttentionParams, mode: str | None = None,
                  settings: TimerSettings = TimerSettings(), *, seed: int = 0, cutoff_ratio: float | None = None,
-                 cutoff_ms: float | None = None, lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+                 cutoff_ms: float | None = None, lengths: SeqLengths | None = None
                  ) -> tuple[dict[str, Timing], dict[str, Exception]]:
     """Engines timed against each other (time_interleaved) at params' shape (and a packed call's own lengths),
     in `mode` (default: what the params' call costs), on one set of inputs. The caller's random state is left as
