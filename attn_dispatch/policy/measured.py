@@ -251,9 +251,9 @@ class MeasuredPolicy:
 
 
 def _timed_lengths(shape: AttentionParams, lengths: SeqLengths | None) -> SeqLengths | None:
-    """The sequence lengths a bucket is timed on (PACKED_LENGTHS): a padded call's own, where given; None, full
-    lengths, otherwise."""
-    return lengths if shape.has_padding else None
+    """The sequence lengths a bucket is timed on (PACKED_LENGTHS): a packed (thd) call's own, where given; None,
+    full lengths, otherwise."""
+    return lengths if shape.qkv_format == "thd" else None
 
 
 def _fresh_entry(shape: AttentionParams, mode: str, settings: TimerSettings) -> dict[str, Any]:
