@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch import DotProductAttention, backends  # noqa: E402
 from attn_dispatch.backends import _torch_native  # noqa: E402
+from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.policy.timing import SyntheticCall, TimerSettings, build_inputs, engine_step, time_interleaved  # noqa: E402,E501
 from bench_user_step import environment  # noqa: E402
 
@@ -84,7 +85,7 @@ def functions(b, s, h, hkv, d, causal, train):
     calls = {"sdpa": sdpa, "op": op_call, "public": public, **modules}
     mode = "fwd_bwd" if train else "fwd"
     modules["module"](q.detach(), k.detach(), v.detach())
-    params = modules["module"].last_decision.params
+    params = AttentionParams(**modules["module"].last_decision.params)
     engines = {"module": backends.get_engine("cudnn_fused:torch"), "fa2": backends.get_engine("flash_attn_2:torch")}
     synth = build_inputs(params, seed=1, with_dout=train)
     steps = {f"{name}_tuner": engine_step(engine, synth, mode) for name, engine in engines.items()}
