@@ -79,7 +79,10 @@ def functions(b, s, h, hkv, d, causal, train):
         return o.permute(*perm).view(merged)
 
     def public(q, k, v):
-        o = sdpa_fn(q.permute(*perm), k.permute(*perm), v.permute(*perm), None, 0.0, causal, None, gqa)
+        if gqa:  # scale and enable_gqa are keyword-only
+            o = sdpa_fn(q.permute(*perm), k.permute(*perm), v.permute(*perm), None, 0.0, causal, enable_gqa=True)
+        else:
+            o = sdpa_fn(q.permute(*perm), k.permute(*perm), v.permute(*perm), None, 0.0, causal)
         return o.permute(*perm).view(merged)
 
     calls = {"sdpa": sdpa, "op": op_call, "public": public, **modules}
