@@ -20,6 +20,7 @@ interleaved, as bench_user_step.py --timer block) of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -110,6 +111,35 @@ def functions(b, s, h, hkv, d, causal, train):
     return {**{name: step_of(c) for name, c in calls.items()}, **steps}, choice
 
 
+SCALE_CALLS = [c for c in CALLS if c[0].startswith(("small2", "d256", "llm", "enc0"))]
+
+
+def scale_variants(b, s, h, hkv, d, causal, train):
+    """--scale: the module's bound cuDNN function against the op called with scale=None and with the module's
+    explicit 1/sqrt(d), and F.sdpa both ways (causal calls read 3-9% slower through the bound function)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, s, h, d, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(b, s, hkv, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    mask = "causal" if causal else "no_mask"
+    module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format="bshd", attn_mask_type=mask,
+                                 backend="cudnn_fused:torch").cuda().eval()
+    module(q, k, v)
+    hit = module._fast_last[2]
+    bound = hit.call
+    perm, op, scale, merged = (0, 2, 1, 3), _torch_native._CUDNN, d ** -0.5, (b, s, h * d)
+    gqa = {"enable_gqa": True} if h != hkv else {}
+
+    def op_with(sc):
+        return lambda: op(q.permute(*perm), k.permute(*perm), v.permute(*perm), None, False, 0.0, causal, False,
+                          scale=sc)[0].permute(*perm).view(merged)
+
+    def sdpa_with(**kw):
+        return lambda: F.scaled_dot_product_attention(q.permute(*perm), k.permute(*perm), v.permute(*perm),
+                                                      is_causal=causal, **gqa, **kw).permute(*perm).reshape(merged)
+    return {"sdpa": sdpa_with(), "sdpa_scale": sdpa_with(scale=scale), "op_none": op_with(None),
+            "op_scale": op_with(scale), "bound": lambda: bound(q, k, v), "module": lambda: module(q, k, v)}
+
+
 def host_us(step, calls: int = 24, loops: int = 7) -> float:
     """Least mean host microseconds per step over `loops` loops of `calls` steps enqueued behind a spin kernel (the
     GPU busy: no launch waits on it), after a synchronize."""
@@ -128,9 +158,20 @@ def host_us(step, calls: int = 24, loops: int = 7) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--scale", action="store_true", help="the scale variants of causal forwards (see scale_variants)")
     args = ap.parse_args()
     rows = []
-    for label, *shape in CALLS:
+    for label, *shape in (SCALE_CALLS if args.scale else CALLS):
+        if args.scale:
+            fns = scale_variants(*shape)
+            with torch.no_grad():
+                timings = [time_interleaved(fns, "cuda", dataclasses.replace(SETTINGS, reps=48))[0] for _ in range(2)]
+            row = {"label": label, "step_ms": {n: [t[n].median_ms for t in timings] for n in fns}}
+            rows.append(row)
+            base = statistics.mean(row["step_ms"]["sdpa"])
+            print(f"{label:36s} " + " ".join(f"{n} {statistics.mean(v) / base:.3f}" for n, v in row["step_ms"].items()),
+                  flush=True)
+            continue
         fns, choice = functions(*shape)
         with torch.no_grad():
             for fn in fns.values():
@@ -151,6 +192,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"environment": environment(), "settings": SETTINGS.to_dict(),
                                           "rows": rows}, indent=1))
+    if args.scale:
+        return 0
     names = list(rows[0]["host_us"])
     print("\nhost us per call (least over loops), then step ms (block timer); ratio to sdpa")
     print(f"{'call':36s} " + " ".join(f"{n[:12]:>12s}" for n in names))
