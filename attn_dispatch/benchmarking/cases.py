@@ -210,9 +210,11 @@ def eval_fresh_cases() -> list[Case]:
 # committed unmeasured, after the host probe's first calibration), eval-blind16 and eval-blind17 (session 16: the
 # first from 20261161, 20261161, and the next, 20261163, the same way; committed unmeasured, after the split's
 # first-call correction was chosen on blind5-15), eval-blind18 (session 16: the first from 20261164, 20261167, the same
-# way; committed unmeasured, after blind16-17 were measured twice with the profile that ships)
+# way; committed unmeasured, after blind16-17 were measured twice with the profile that ships), eval-blind19 (session
+# 17: the first from 20261168, 20261168, the same way; committed unmeasured, to be measured on two leases for the
+# static bound of benchmarks/static_bound.py on a fresh grid)
 BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153,
-               20261154, 20261155, 20261158, 20261159, 20261160, 20261161, 20261163, 20261167)
+               20261154, 20261155, 20261158, 20261159, 20261160, 20261161, 20261163, 20261167, 20261168)
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those

@@ -24,7 +24,7 @@
 #        (session 15), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh host-probe NAME   # (stock) calibrate the host probe on this lease
 #   eval-blind15 (session 15), eval-blind16 and eval-blind17 (session 16, after the first-call correction) and
-#        eval-blind18 (session 16, with the profile that ships), as blind8
+#        eval-blind18 (session 16, with the profile that ships) and eval-blind19 (session 17, the same), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
 # `python3 benchmarks/build_profile.py --shipped`, and decide on shipping before blind7 is run with the new
 # profile (the criterion written down first, as in session 10).
@@ -72,7 +72,7 @@ case ${1:-} in
       "$OUT/$file"
     ;;
   blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
-  blind8|blind9|blind1[0-8]) REPS=48 blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;  # as blind8 (session 12)
+  blind8|blind9|blind1[0-9]) REPS=48 blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;  # as blind8 (session 12)
   host-probe)  # (stock torch) the host probe's calibration on this lease: $OUT/host_probe_<tag>_<2nd arg>.json
     source "$(dirname "$0")/stock_env.sh"
     timeout 300 python3 benchmarks/gpu/calibrate_host_probe.py --out "$OUT/host_probe_${tag}_${2:-a}.json" 2>&1 \
@@ -83,5 +83,5 @@ case ${1:-} in
     timeout 240 python3 benchmarks/gpu/profile_fa4_host.py --out "$OUT/fa4_host_profile_${tag}.json" 2>&1 | tail -n 200
     ;;
   *) echo "usage: run_profile_fa2_refresh.sh refresh|refresh-fa4 START SECS | replay-check | replay-host |"\
-          "blind7|...|blind18 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
+          "blind7|...|blind19 full|stock [START] | refresh-cudnn START SECS"; exit 2 ;;
 esac
