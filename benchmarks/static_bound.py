@@ -106,9 +106,10 @@ def main() -> int:
         best = [r["best_worst"] for r in rows]
         picks = [r["pick_worst"] for r in rows if r["pick_worst"]]
         sdpa = [r for r in rows if r["sdpa_best"] is not None]
+        pick_line = (f"{statistics.mean(picks):13.4f} / {max(picks):5.3f} / {sum(p > 1.05 for p in picks):3d}"
+                     if picks else f"{'no prediction':>35s}")
         print(f"{name:44s} {len(rows):4d}  {statistics.mean(best):12.4f} / {max(best):5.3f} / "
-              f"{sum(b > 1.05 for b in best):3d}  {statistics.mean(picks):13.4f} / {max(picks):5.3f} / "
-              f"{sum(p > 1.05 for p in picks):3d}  {sum(r['sdpa_best'] > 1.03 for r in sdpa):9d} / "
+              f"{sum(b > 1.05 for b in best):3d}  {pick_line}  {sum(r['sdpa_best'] > 1.03 for r in sdpa):9d} / "
               f"{sum((r['pick_sdpa'] or 0) > 1.03 for r in sdpa):2d} of {len(sdpa)}")
         if args.verbose:
             for r in rows:
