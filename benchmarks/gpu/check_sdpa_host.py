@@ -142,6 +142,44 @@ def scale_variants(b, s, h, hkv, d, causal, train):
             "op_scale": op_with(scale), "bound": lambda: bound(q, k, v), "module": lambda: module(q, k, v)}
 
 
+def path_check() -> list[dict]:
+    """--path: host microseconds per call (behind a spin) of the module forced to cuDNN (torch) and of its bound
+    function alone, for a module planned with grad enabled or under no_grad and then called either way, and how
+    many of those calls missed the inline cached path (counted by wrapping _fast_forward, which only a miss calls)."""
+    from attn_dispatch import module as module_py
+
+    b, s, h, d = 10, 384, 16, 96
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    misses = [0]
+    original = module_py.DotProductAttention._fast_forward
+
+    def counted(self, *args, **kwargs):
+        misses[0] += 1
+        return original(self, *args, **kwargs)
+    module_py.DotProductAttention._fast_forward = counted
+    rows = []
+    try:
+        for planned_with_grad in (True, False):
+            module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask",
+                                         backend="cudnn_fused:torch").cuda().eval()
+            with torch.set_grad_enabled(planned_with_grad):
+                module(q, k, v)
+            bound = module._fast_last[2].call
+            for called_with_grad in (True, False):
+                with torch.set_grad_enabled(called_with_grad):
+                    misses[0] = 0
+                    module_us = host_us(lambda: module(q, k, v))
+                    calls_missed = misses[0]
+                    bound_us = host_us(lambda: bound(q, k, v))
+                rows.append({"planned_with_grad": planned_with_grad, "called_with_grad": called_with_grad,
+                             "module_us": module_us, "bound_us": bound_us, "missed": calls_missed})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        module_py.DotProductAttention._fast_forward = original
+    return rows
+
+
 def host_us(step, calls: int = 24, loops: int = 7) -> float:
     """Least mean host microseconds per step over `loops` loops of `calls` steps enqueued behind a spin kernel (the
     GPU busy: no launch waits on it), after a synchronize."""
@@ -161,7 +199,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", action="store_true", help="the scale variants of causal forwards (see scale_variants)")
+    ap.add_argument("--path", action="store_true", help="the module's cached path against its bound call (path_check)")
     args = ap.parse_args()
+    if args.path:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"environment": environment(), "rows": path_check()}, indent=1))
+        return 0
     rows = []
     for label, *shape in (SCALE_CALLS if args.scale else CALLS):
         if args.scale:
