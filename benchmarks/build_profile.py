@@ -54,9 +54,14 @@ def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
     return runs, envs
 
 
+def full_stack(env: dict) -> bool:
+    """Whether a run's environment had flash-attn-4 (the full stack), not a stock `pip install torch`."""
+    return env.get("flash_attn_4") not in (None, "absent")
+
+
 def stack_of(envs: list[dict]) -> tuple[dict[str, str], str]:
     """The software stack of the full-stack runs (the first with flash-attn-4's version), and the newest date."""
-    full = [e for e in envs if e.get("flash_attn_4") not in (None, "absent")] or envs
+    full = [e for e in envs if full_stack(e)] or envs
     env = dict(full[-1])
     for key, dist in (("cudnn_frontend", "cudnn-frontend"), ("flash_attn_4", "flash-attn-4")):
         if not str(env[key])[:1].isdigit():  # older harness runs recorded 'present': the platform line has it

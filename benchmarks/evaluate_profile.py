@@ -37,9 +37,14 @@ TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
 HOLDOUT = ("fresh_h100_rerun.json", "eval_h100_final.json", "eval_h200.json")
 
 
+def forced_times(all_times: dict[str, float], stock: bool) -> dict[str, float]:
+    """A row's providers forced (the columns named family:provider), torch's own only where `stock`."""
+    return {n: t for n, t in all_times.items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
+
+
 def score(profile: Profile, label: str, params: dict, all_times: dict[str, float], machine: str, *, leave_out: bool,
           stock: bool, sdpa: float | None = None) -> dict | None:
-    times = {n: t for n, t in all_times.items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
+    times = forced_times(all_times, stock)
     if not times:
         return None
     pred = profile.predict(AttentionParams(**params), machine=machine, leave_out=leave_out)

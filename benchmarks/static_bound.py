@@ -20,15 +20,12 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
-
-TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
-
-
-def stack_of(env: dict) -> str:
-    return "stock" if env.get("flash_attn_4") in (None, "absent") else "full"
+from build_profile import full_stack  # noqa: E402
+from evaluate_profile import forced_times  # noqa: E402
 
 
 def groups(paths: list[str]) -> dict[tuple[str, str, str], list[tuple[str, dict]]]:
@@ -38,7 +35,7 @@ def groups(paths: list[str]) -> dict[tuple[str, str, str], list[tuple[str, dict]
     for path in paths:
         data = read_results(path)
         env = data["environment"]
-        key = (data.get("grid", ""), stack_of(env), env["device"])
+        key = (data.get("grid", ""), "full" if full_stack(env) else "stock", env["device"])
         found[key].append((Path(path).name, {row["label"]: row for row in data["rows"]}))
     merged = {}
     for key, files in found.items():
@@ -54,17 +51,13 @@ def groups(paths: list[str]) -> dict[tuple[str, str, str], list[tuple[str, dict]
     return merged
 
 
-def forced(row: dict, stock: bool) -> dict[str, float]:
-    return {n: t for n, t in row["times_ms"].items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
-
-
 def bound_rows(runs: list[tuple[str, dict]], stock: bool, profile: Profile, machine: str) -> list[dict]:
     """Per call timed in every run: the best fixed engine's worst ratios, and the profile pick's."""
     labels = set.intersection(*(set(rows) for _, rows in runs))
     out = []
     for label in sorted(labels):
         rows = [rows[label] for _, rows in runs]
-        times = [forced(row, stock) for row in rows]
+        times = [forced_times(row["times_ms"], stock) for row in rows]
         common = set.intersection(*(set(t) for t in times))
         if not common:
             continue
