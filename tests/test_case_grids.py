@@ -60,10 +60,22 @@ def test_later_blind_grids_cover_the_issue_and_are_disjoint_from_every_other_gri
     assert all(c.h % c.hkv == 0 for c in grid)
 
 
+def test_fit_dense_grid_is_new_and_drawn_from_the_missed_families():
+    dense = CASE_GRIDS["fit-dense"]()
+    shapes = {_shape(c) for c in dense}
+    assert len(dense) == len(shapes) == 76 and sum(c.train for c in dense) == 38
+    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "fit-dense" for c in grid()}
+    assert not others & shapes  # no call of a fit grid, and none of a blind grid (before or after it)
+    assert sum(c.name.split("-", 1)[1].startswith("enc") for c in dense) == 24
+    assert {c.fmt for c in dense} >= {"thd", "sbhd"} and any(c.window for c in dense)
+
+
 def test_fit_thd_grid_is_every_runnable_packed_call_of_the_fit_grids():
     refresh = CASE_GRIDS["fit-thd"]()
     assert all(c.fmt == "thd" and c.h % c.hkv == 0 for c in refresh)
-    fit_grids = [g for name, g in CASE_GRIDS.items() if not name.startswith(("eval-blind", "fit-thd", "smoke"))]
+    # fit-dense was measured after the thd host path changed: it needs no refresh
+    fit_grids = [g for name, g in CASE_GRIDS.items()
+                 if not name.startswith(("eval-blind", "fit-thd", "smoke", "fit-dense"))]
     packed = {_shape(c) for grid in fit_grids for c in grid() if c.fmt == "thd" and c.h % c.hkv == 0}
     assert {_shape(c) for c in refresh} == packed and len(refresh) == len(packed)
     blind = {_shape(c) for name, grid in CASE_GRIDS.items() if name.startswith("eval-blind") for c in grid()}

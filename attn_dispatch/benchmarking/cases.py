@@ -226,6 +226,13 @@ _BLIND_COUNTS = (("llm", 6), ("long", 3), ("encoder", 4), ("small", 3), ("window
                  ("d256", 1))
 _FIT_COUNTS = (("windowed", 7), ("mla", 3), ("d256", 3), ("packed", 4), ("encoder", 5), ("llm", 5), ("small", 2),
                ("long", 2))
+# fit-dense (session 18): more fit rows, with a host/GPU split, in the families where the profile's pick missed the
+# fastest engine on every lease of a repeated blind grid (benchmarks/static_bound.py over blind9-19: mid-size
+# encoders, packed d128, causal windows, GQA causal forwards near s3000, d256). Drawn after, and excluding, every
+# grid before it; the blind grids from BLIND_SEEDS[_DENSE_FROM] on exclude it.
+FIT_DENSE_SEEDS = (7101, 7102)
+_DENSE_COUNTS = (("encoder", 6), ("llm", 3), ("windowed", 3), ("packed", 3), ("d256", 2), ("small", 2))
+_DENSE_FROM = 19
 
 
 def _case_key(c: Case) -> tuple:
@@ -332,6 +339,8 @@ def _blind_draw(seed: int, seeds: tuple[int, ...]) -> tuple[Case, ...]:
     earlier = _hand_grids() + [lambda s=s: list(_blind_draw(s, seeds)) for s in seeds[:index]]
     if index >= _LEGACY_DRAWS:  # later blind grids are drawn after the fit-drawn grids, and exclude them too
         earlier += [lambda n=n: fit_drawn_cases(n) for n in FIT_DRAWN_SEEDS]
+    if index >= _DENSE_FROM:
+        earlier.append(fit_dense_cases)
     seen = {_case_key(c) for grid in earlier for c in grid()}
     return tuple(_both(_draw(seed, _BLIND_COUNTS, seen, legacy=index < _LEGACY_DRAWS)))
 
@@ -351,6 +360,17 @@ def fit_drawn_cases(name: str) -> list[Case]:
         if grid == name:
             return _both(shapes)
     raise ValueError(f"no fit-drawn grid {name!r}; expected one of {sorted(FIT_DRAWN_SEEDS)}")
+
+
+def fit_dense_cases() -> list[Case]:
+    """Fit rows from the blind families where the profile missed (FIT_DENSE_SEEDS): no call of any grid before it."""
+    earlier = _hand_grids() + [lambda n=n: fit_drawn_cases(n) for n in FIT_DRAWN_SEEDS]
+    earlier += [lambda s=s: eval_blind_cases(s) for s in BLIND_SEEDS[:_DENSE_FROM]]
+    seen = {_case_key(c) for grid in earlier for c in grid()}
+    shapes: list[Case] = []
+    for seed in FIT_DENSE_SEEDS:
+        shapes += [Case(**{**c.to_dict(), "name": f"s{seed % 100}-{c.name}"}) for c in _draw(seed, _DENSE_COUNTS, seen)]
+    return _both(shapes)
 
 
 def fit_thd_cases() -> list[Case]:
@@ -377,4 +397,4 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "eval-blind": eval_blind_cases,
               **{f"eval-blind{i + 1}": (lambda s=seed: eval_blind_cases(s)) for i, seed in enumerate(BLIND_SEEDS) if i},
               "fit-thd": fit_thd_cases,
-              **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}}
+              **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases}

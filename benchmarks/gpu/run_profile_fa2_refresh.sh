@@ -23,6 +23,7 @@
 #        provider runs (FA2's and flash-attn-4's splits were refreshed after it); eval-blind13 and eval-blind14
 #        (session 15), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh host-probe NAME   # (stock) calibrate the host probe on this lease
+#   bash benchmarks/gpu/run_profile_fa2_refresh.sh dense START SECS   # (full stack, session 18) the fit-dense grid
 #   eval-blind15 (session 15), eval-blind16 and eval-blind17 (session 16, after the first-call correction) and
 #        eval-blind18 (session 16, with the profile that ships) and eval-blind19 (session 17, the same), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
@@ -68,6 +69,16 @@ case ${1:-} in
     timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid "$SOURCES" --split-only --start "$2" \
       --providers cudnn_fused:frontend,cudnn_fused:torch --refreshes cudnn_fused:frontend,cudnn_fused:torch \
       --max-seconds "$3" --out "$OUT/$file" 2>&1 | tail -n 4
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
+      "$OUT/$file"
+    ;;
+  dense)  # session 18 (full stack): the fit-dense grid, timed and split, with fit-gqa as the lease's host reference
+    # (--refreshes: its host times are scaled by F.sdpa's on fit-gqa against the split fit's, as a refresh's are)
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    file="split_dense_${tag}_from$2.json"
+    providers=cudnn_fused:frontend,cudnn_fused:torch,flash_attn_2:torch,flash_attn_4:cute
+    timeout $(($3 + 60)) python3 benchmarks/bench_user_step.py --grid fit-dense,fit-gqa --split --start "$2" \
+      --providers "$providers" --refreshes "$providers" --max-seconds "$3" --out "$OUT/$file" 2>&1 | tail -n 4
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('stopped_at', d.get('stopped_at'))" \
       "$OUT/$file"
     ;;
