@@ -147,7 +147,7 @@ class PlainProfile:
                     found.append((dist, math.log(done(e, provider) / gpu)))
                     sizes.append(e["sizes"])
             # the local fit's own arithmetic is checked against numpy in test_profile_rate_fit.py
-            fitted = m.rate_fit and len(found) >= m.rate_fit
+            fitted = m.rate_fit and len(found) >= m.rate_fit and (m.rate_fit_windows or "window" not in kind[1])
             rates[provider] = [(0.0, _local_log_rate(found, sizes, here, m))] if fitted else found[:m.k]
         for dist, _, i in near:
             e = of_kind[i]
@@ -185,12 +185,13 @@ def calls() -> list[AttentionParams]:
     return every_grid_call()
 
 
-@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3, rate_fit=0),
+@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3),
                                    CostModel(tile=0, split_windows=False, min_own=5),
                                    CostModel(use_split=False), CostModel(host_k=4, host_scale=1.3, split_combine=3.0),
-                                   CostModel(rate_fit=5, rate_fit_slopes=("sq", "bh", "gqa"))],
-                         ids=["shipped-model", "k3-no-fit", "untiled-unsplit", "step-times-only", "other-split",
-                              "other-fit"])
+                                   CostModel(rate_fit=0),
+                                   CostModel(rate_fit=5, rate_fit_slopes=("sq", "bh", "gqa"), rate_fit_windows=True)],
+                         ids=["shipped-model", "k3", "untiled-unsplit", "step-times-only", "other-split",
+                              "no-rate-fit", "other-fit"])
 def test_predictions_equal_the_plain_walk_bit_for_bit(shipped, calls, model):
     fast, plain = Profile(shipped, model=model), PlainProfile(shipped, model)
     assert len(calls) > 500 and {features(p)[0] for p in calls} >= {e["kind"] for e in plain.entries}

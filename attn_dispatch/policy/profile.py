@@ -23,7 +23,8 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
 Where the profile holds a provider's step measured apart as host time and GPU time (bench_user_step.py --split-only:
 the GPU time of calls queued behind a spin kernel, the wall time of enqueueing them), those predict it instead: G
 from the GPU rates of the rate_fit nearest split entries, fitted as log-linear in their lengths and batch x heads
-and read at the call (no host floor to subtract, so no neighbour's host time leaks into a rate),
+and read at the call (windows: the nearest entry's rate) (no host floor to subtract, so no neighbour's host time
+leaks into a rate),
 H the median host time of the host_k nearest split entries (one host's noise averaged out; flash-attn-4's training
 host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
 steady loop of one module costs a little more than the larger of the two where they are close.
@@ -91,14 +92,17 @@ class CostModel:
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
     # (1.1-1.25x flash-attn-4's GPU time at every cover). session 14, benchmarks/results/profile/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # The split providers' GPU rate, from a local fit instead of the nearest entry alone: log rate fitted as linear
-    # in the rate_fit_slopes' log2 sizes over the rate_fit nearest split entries (weights 1 / (distance + 0.25);
-    # ridge rate_fit_ridge x the weights' sum on the slopes), read at the call, and kept within rate_fit_clamp (in
-    # log rate) of the neighbours' rates. A kernel's rate rises with its lengths and its batch x heads until the
-    # GPU fills; the nearest entry alone carries its own lengths' rate to the call (eval-blind19's enc1 d96 s1024
-    # training took flash-attn-4's from a d96 s512 call, 1.26x too slow). 0: the nearest entries' rates (k).
-    # Session 18, benchmarks/results/profile/README.md (chosen on blind10-14, checked on blind15-19, and the reverse).
+    # rate_fit > 0: the split providers' GPU rate from a local fit instead of the nearest entries' (k): log rate
+    # fitted as linear in the rate_fit_slopes' log2 sizes over the rate_fit nearest split entries (weights
+    # 1 / (distance + 0.25); ridge rate_fit_ridge x the weights' sum on the slopes), read at the call, and kept
+    # within rate_fit_clamp (in log rate) of the neighbours' rates. A kernel's rate rises with its lengths and
+    # batch x heads until the GPU fills, and the nearest entry carries its own size's rate to the call (eval-blind19's
+    # enc1 d96 s1024 training took flash-attn-4's from a d96 s512 call: 1.26x too slow). Not for windows
+    # (rate_fit_windows): their rate follows the window's span (d256 training at w128: 160-200 TFLOP/s, at w1024-2048:
+    # 250-370), and a fit over neighbours of several spans pulled eval-blind20's w128 call towards the wide ones'
+    # (FA2 -> flash-attn-4, 1.12x). Session 18, benchmarks/results/profile/README.md.
     rate_fit: int = 12
+    rate_fit_windows: bool = False
     rate_fit_ridge: float = 0.3
     rate_fit_slopes: tuple[str, str, str] = ("sq", "skv", "bh")  # three of _FEATURES
     rate_fit_clamp: float = 0.1
@@ -425,6 +429,7 @@ class Profile:
                    for provider in self._providers.get(kind, ())}
         fallback: dict[str, tuple[float, float]] = {}
         split = set()  # providers predicted from split entries: those some neighbour holds a split of
+        fit = m.rate_fit > 0 and (m.rate_fit_windows or not kind[1].startswith("window"))
         fits: dict[tuple[int, ...], list[float]] = {}  # the local fit's coefficients per set of neighbours
         for provider in self._split.get(kind, ()):
             ranked = near.ranked(provider, order, dist)
@@ -433,7 +438,7 @@ class Profile:
                 split.add(provider)
                 hosts[provider] = host
                 rates[provider] = self._split_rates(provider, entries, ranked, dist, amounts[provider], fallback,
-                                                    here, fits)
+                                                    here, fit, fits)
         pending = set(self._providers.get(kind, ())) - split  # providers still short of k rates (or a fallback)
         for i in order:
             if not pending:
@@ -479,12 +484,12 @@ class Profile:
 
     def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: Sequence[int], dist: list[float],
                      amount: float, fallback: dict[str, tuple[float, float]], here: tuple[float, ...],
-                     fits: dict[tuple[int, ...], list[float]]) -> list[tuple[float, float]]:
-        """(distance, log GPU rate) of the k nearest entries that split the provider's step, or one (0, the local
-        fit's log rate) where model.rate_fit entries are found; a neighbour whose GPU time is under
-        min_rate_gpu_ms gives none to a call of more work (its first one becomes the fallback)."""
+                     fit: bool, fits: dict[tuple[int, ...], list[float]]) -> list[tuple[float, float]]:
+        """(distance, log GPU rate) of the k nearest entries that split the provider's step, or, where `fit` and
+        model.rate_fit such entries are found, one (0, the local fit's log rate at `here`); a neighbour whose GPU
+        time is under min_rate_gpu_ms gives none to a call of more work (its first one becomes the fallback)."""
         m = self.model
-        wanted = max(m.k, m.rate_fit)
+        wanted = max(m.k, m.rate_fit) if fit else m.k
         found, picked = [], []
         for i in order:
             e = entries[i]
@@ -499,7 +504,7 @@ class Profile:
             picked.append(i)
             if len(found) >= wanted:
                 break
-        if m.rate_fit and len(found) >= m.rate_fit:
+        if fit and len(found) >= m.rate_fit:
             key = tuple(picked)
             if key not in fits:
                 fits[key] = _fit_coefficients([dist[i] for i in picked], [entries[i].sizes for i in picked], here, m)
