@@ -13,8 +13,7 @@ import pytest
 
 from attn_dispatch import AttentionParams
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
-from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, _local_log_rate, features,
-                                          tiled_pairs)
+from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, CostModel, Profile, features, tiled_pairs
 from attn_dispatch.policy.timing import attended_pairs, attention_flops, mode_of
 
 FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
@@ -138,17 +137,13 @@ class PlainProfile:
             split.add(provider)
             nearest = [e["host_ms"][provider] for _, e in with_split[:m.host_k]]
             hosts[provider] = statistics.median(nearest) * m.host_scale
-            found, sizes = [], []
+            found = rates[provider] = []
             for dist, e in with_split:
                 gpu = e["gpu_ms"][provider]
                 if gpu < m.min_rate_gpu_ms and amount_of(provider) > done(e, provider):
                     fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu)))
-                elif len(found) < max(m.k, m.rate_fit):
+                elif len(found) < m.k:
                     found.append((dist, math.log(done(e, provider) / gpu)))
-                    sizes.append(e["sizes"])
-            # the local fit's own arithmetic is checked against numpy in test_profile_rate_fit.py
-            fitted = m.rate_fit and len(found) >= m.rate_fit and (m.rate_fit_windows or "window" not in kind[1])
-            rates[provider] = [(0.0, _local_log_rate(found, sizes, here, m))] if fitted else found[:m.k]
         for dist, _, i in near:
             e = of_kind[i]
             for provider, ms in e["times"].items():
@@ -185,13 +180,9 @@ def calls() -> list[AttentionParams]:
     return every_grid_call()
 
 
-@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3),
-                                   CostModel(tile=0, split_windows=False, min_own=5),
-                                   CostModel(use_split=False), CostModel(host_k=4, host_scale=1.3, split_combine=3.0),
-                                   CostModel(rate_fit=0),
-                                   CostModel(rate_fit=5, rate_fit_slopes=("sq", "bh", "gqa"), rate_fit_windows=True)],
-                         ids=["shipped-model", "k3", "untiled-unsplit", "step-times-only", "other-split",
-                              "no-rate-fit", "other-fit"])
+@pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3), CostModel(tile=0, split_windows=False, min_own=5),
+                                   CostModel(use_split=False), CostModel(host_k=4, host_scale=1.3, split_combine=3.0)],
+                         ids=["shipped-model", "k3", "untiled-unsplit", "step-times-only", "other-split"])
 def test_predictions_equal_the_plain_walk_bit_for_bit(shipped, calls, model):
     fast, plain = Profile(shipped, model=model), PlainProfile(shipped, model)
     assert len(calls) > 500 and {features(p)[0] for p in calls} >= {e["kind"] for e in plain.entries}

@@ -22,9 +22,7 @@ combined smoothly as t = (H^8 + G^8)^(1/8).
   call and in the neighbours alike.
 Where the profile holds a provider's step measured apart as host time and GPU time (bench_user_step.py --split-only:
 the GPU time of calls queued behind a spin kernel, the wall time of enqueueing them), those predict it instead: G
-from the GPU rates of the rate_fit nearest split entries, fitted as log-linear in their lengths and batch x heads
-and read at the call (windows: the nearest entry's rate) (no host floor to subtract, so no neighbour's host time
-leaks into a rate),
+from the nearest split entry's GPU rate (no host floor to subtract, so no neighbour's host time leaks into a rate),
 H the median host time of the host_k nearest split entries (one host's noise averaged out; flash-attn-4's training
 host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
 steady loop of one module costs a little more than the larger of the two where they are close.
@@ -41,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..params import TOP_LEFT_MASKS, AttentionParams
 from ..platform import Platform
@@ -92,24 +90,6 @@ class CostModel:
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
     # (1.1-1.25x flash-attn-4's GPU time at every cover). session 14, benchmarks/results/profile/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # rate_fit > 0: the split providers' GPU rate from a local fit instead of the nearest entries' (k): log rate
-    # fitted as linear in the rate_fit_slopes' log2 sizes over the rate_fit nearest split entries (weights
-    # 1 / (distance + 0.25); ridge rate_fit_ridge x the weights' sum on the slopes), read at the call, and kept
-    # within rate_fit_clamp (in log rate) of the neighbours' rates. A kernel's rate rises with its lengths and
-    # batch x heads until the GPU fills, and the nearest entry carries its own size's rate to the call (eval-blind19's
-    # enc1 d96 s1024 training took flash-attn-4's from a d96 s512 call: 1.26x too slow). Not for windows
-    # (rate_fit_windows): their rate follows the window's span (d256 training at w128: 160-200 TFLOP/s, at w1024-2048:
-    # 250-370), and a fit over neighbours of several spans pulled eval-blind20's w128 call towards the wide ones'
-    # (FA2 -> flash-attn-4, 1.12x). Session 18, benchmarks/results/profile/README.md.
-    rate_fit: int = 12
-    rate_fit_windows: bool = False
-    rate_fit_ridge: float = 0.3
-    rate_fit_slopes: tuple[str, str, str] = ("sq", "skv", "bh")  # three of _FEATURES
-    rate_fit_clamp: float = 0.1
-
-    def __post_init__(self):
-        if len(self.rate_fit_slopes) != 3 or not set(self.rate_fit_slopes) <= set(_FEATURES):
-            raise ValueError(f"rate_fit_slopes={self.rate_fit_slopes!r}: expected three of {_FEATURES}")
 
 
 COST_MODEL = CostModel()
@@ -215,14 +195,6 @@ class Entry:
         return provider_work(provider, self.work, self.work_unwindowed or self.work, model)
 
 
-def _split_members(entries: tuple[Entry, ...] | list[Entry]) -> dict[str, tuple[int, ...]]:
-    found: dict[str, list[int]] = {}
-    for i, e in enumerate(entries):
-        for provider in e.gpu_ms:
-            found.setdefault(provider, []).append(i)
-    return {p: tuple(ix) for p, ix in found.items()}
-
-
 @dataclass(frozen=True)
 class _Neighbours:
     """The entries a prediction compares, in the order that breaks ties of distance (the platform's machine's
@@ -235,7 +207,6 @@ class _Neighbours:
     codes: tuple[tuple[int, ...], ...]
     values: tuple[tuple[float, ...], ...]
     formats: tuple[str, ...]
-    split: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per provider, the entries that split it
 
     @classmethod
     def of(cls, entries: list[Entry]) -> _Neighbours:
@@ -244,20 +215,12 @@ class _Neighbours:
         index = [{v: i for i, v in enumerate(vs)} for vs in values]
         fmt_index = {f: i for i, f in enumerate(formats)}
         codes = tuple(tuple(ix[v] for ix, v in zip(index, e.sizes)) + (fmt_index[e.fmt],) for e in entries)
-        return cls(tuple(entries), codes, values, formats, _split_members(entries))
+        return cls(tuple(entries), codes, values, formats)
 
     def without(self, shape: tuple) -> _Neighbours:
         kept = [i for i, e in enumerate(self.entries) if e.shape != shape]
-        entries = tuple(self.entries[i] for i in kept)
-        return _Neighbours(entries, tuple(self.codes[i] for i in kept), self.values, self.formats,
-                           _split_members(entries))
-
-    def ranked(self, provider: str, order: list[int], dist: list[float]) -> list[int] | tuple[int, ...]:
-        """The entries that split the provider, nearest first, as `order` ranks them: `order` itself where most
-        do (the walk stops after the first few), else their own few sorted (the unfused engine's dozen: walking
-        `order` for them crossed every entry)."""
-        members = self.split.get(provider, ())
-        return order if 4 * len(members) > len(self.entries) else sorted(members, key=dist.__getitem__)
+        return _Neighbours(tuple(self.entries[i] for i in kept), tuple(self.codes[i] for i in kept), self.values,
+                           self.formats)
 
     def distances(self, here: tuple[float, ...], fmt: str, model: CostModel) -> list[float]:
         """Each entry's distance from a call of these log2 sizes and format: the sum over the features of
@@ -283,58 +246,6 @@ class Prediction:
     def best(self, candidates: list[str]) -> str | None:
         known = [(self.times_ms[c], i, c) for i, c in enumerate(candidates) if c in self.times_ms]
         return min(known)[2] if known else None
-
-
-_SLOPE_INDEX = {name: i for i, name in enumerate(_FEATURES)}
-
-
-def _fit_coefficients(distances: list[float], sizes: list[tuple[float, ...]], here: tuple[float, ...],
-                      model: CostModel) -> list[float]:
-    """c with sum(c[k] * y[k]) the value at `here` of the weighted ridge fit of any y over these neighbours: linear
-    in the three rate_fit_slopes' log2 sizes, weights 1 / (distance + 0.25), the slopes shrunk by rate_fit_ridge x
-    the weights' sum and the intercept not. A fit is linear in y, so the providers that share neighbours share c.
-    Written out for three slopes: a fresh decision fits once per provider, and general loops cost it ~0.1 ms."""
-    i, j, k = (_SLOPE_INDEX[name] for name in model.rate_fit_slopes)
-    xs = [(at[i], at[j], at[k]) for at in sizes]
-    weights = []
-    total = sa = sb = sc = saa = sab = sac = sbb = sbc = scc = 0.0
-    for d, (a, b, c) in zip(distances, xs):
-        w = 1.0 / (d + 0.25)
-        weights.append(w)
-        total += w
-        wa, wb, wc = w * a, w * b, w * c
-        sa, sb, sc = sa + wa, sb + wb, sc + wc
-        saa, sab, sac = saa + wa * a, sab + wa * b, sac + wa * c
-        sbb, sbc, scc = sbb + wb * b, sbc + wb * c, scc + wc * c
-    ma, mb, mc = sa / total, sb / total, sc / total
-    ridge = max(model.rate_fit_ridge, 1e-9) * total  # the floor: lengths that move together (sq = skv) are singular
-    # A: the centred weighted cross-products plus the ridge (symmetric, positive definite); C: its adjugate
-    a11, a12, a13 = saa - total * ma * ma + ridge, sab - total * ma * mb, sac - total * ma * mc
-    a22, a23, a33 = sbb - total * mb * mb + ridge, sbc - total * mb * mc, scc - total * mc * mc + ridge
-    c11, c12, c13 = a22 * a33 - a23 * a23, a13 * a23 - a12 * a33, a12 * a23 - a13 * a22
-    c22, c23, c33 = a11 * a33 - a13 * a13, a12 * a13 - a11 * a23, a11 * a22 - a12 * a12
-    det = a11 * c11 + a12 * c12 + a13 * c13
-    # the fit at here = mean(y) + slopes . (here - mean), slopes = A^-1 sum_k w_k (x_k - mean) y_k: so
-    # c_k = w_k (1 / total + v . (x_k - mean)) with v = A^-1 (here - mean)
-    da, db, dc = here[i] - ma, here[j] - mb, here[k] - mc
-    va = (c11 * da + c12 * db + c13 * dc) / det
-    vb = (c12 * da + c22 * db + c23 * dc) / det
-    vc = (c13 * da + c23 * db + c33 * dc) / det
-    inv = 1.0 / total
-    return [w * (inv + va * (a - ma) + vb * (b - mb) + vc * (c - mc)) for w, (a, b, c) in zip(weights, xs)]
-
-
-def _local_log_rate(found: list[tuple[float, float]], sizes: list[tuple[float, ...]], here: tuple[float, ...],
-                    model: CostModel) -> float:
-    """The log rate at `here` fitted over the neighbours' (distance, log rate) (_fit_coefficients), kept within
-    rate_fit_clamp of their least and greatest."""
-    coefficients = _fit_coefficients([d for d, _ in found], sizes, here, model)
-    return _clamped(sum(c * lr for c, (_, lr) in zip(coefficients, found)), found, model)
-
-
-def _clamped(fitted: float, found: list[tuple[float, float]], model: CostModel) -> float:
-    rates = [log_rate for _, log_rate in found]
-    return min(max(fitted, min(rates) - model.rate_fit_clamp), max(rates) + model.rate_fit_clamp)
 
 
 class Profile:
@@ -429,16 +340,12 @@ class Profile:
                    for provider in self._providers.get(kind, ())}
         fallback: dict[str, tuple[float, float]] = {}
         split = set()  # providers predicted from split entries: those some neighbour holds a split of
-        fit = m.rate_fit > 0 and (m.rate_fit_windows or not kind[1].startswith("window"))
-        fits: dict[tuple[int, ...], list[float]] = {}  # the local fit's coefficients per set of neighbours
         for provider in self._split.get(kind, ()):
-            ranked = near.ranked(provider, order, dist)
-            host = self._split_host(provider, entries, ranked)
+            host = self._split_host(provider, entries, order)
             if host is not None:
                 split.add(provider)
                 hosts[provider] = host
-                rates[provider] = self._split_rates(provider, entries, ranked, dist, amounts[provider], fallback,
-                                                    here, fit, fits)
+                rates[provider] = self._split_rates(provider, entries, order, dist, amounts[provider], fallback)
         pending = set(self._providers.get(kind, ())) - split  # providers still short of k rates (or a fallback)
         for i in order:
             if not pending:
@@ -475,41 +382,31 @@ class Profile:
                       for i in order[:max(1, m.k)])
         return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
 
-    def _split_host(self, provider: str, entries: tuple[Entry, ...], order: Sequence[int]) -> float | None:
+    def _split_host(self, provider: str, entries: tuple[Entry, ...], order: list[int]) -> float | None:
         """The median host time of the host_k nearest entries that split the provider's step, x host_scale (None:
         no neighbour does)."""
         found = list(islice((entries[i].host_ms[provider] for i in order if provider in entries[i].host_ms),
                             self.model.host_k))
         return statistics.median(found) * self.model.host_scale if found else None
 
-    def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: Sequence[int], dist: list[float],
-                     amount: float, fallback: dict[str, tuple[float, float]], here: tuple[float, ...],
-                     fit: bool, fits: dict[tuple[int, ...], list[float]]) -> list[tuple[float, float]]:
-        """(distance, log GPU rate) of the k nearest entries that split the provider's step, or, where `fit` and
-        model.rate_fit such entries are found, one (0, the local fit's log rate at `here`); a neighbour whose GPU
+    def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: list[int], dist: list[float],
+                     amount: float, fallback: dict[str, tuple[float, float]]) -> list[tuple[float, float]]:
+        """(distance, log GPU rate) of the k nearest entries that split the provider's step; a neighbour whose GPU
         time is under min_rate_gpu_ms gives none to a call of more work (its first one becomes the fallback)."""
-        m = self.model
-        wanted = max(m.k, m.rate_fit) if fit else m.k
-        found, picked = [], []
+        found = []
         for i in order:
             e = entries[i]
             gpu = e.gpu_ms.get(provider)
             if gpu is None:
                 continue
-            done = e.work_of(provider, m)
-            if gpu < m.min_rate_gpu_ms and amount > done:
+            done = e.work_of(provider, self.model)
+            if gpu < self.model.min_rate_gpu_ms and amount > done:
                 fallback.setdefault(provider, (dist[i], math.log(done / gpu)))
                 continue
             found.append((dist[i], math.log(done / gpu)))
-            picked.append(i)
-            if len(found) >= wanted:
+            if len(found) >= self.model.k:
                 break
-        if fit and len(found) >= m.rate_fit:
-            key = tuple(picked)
-            if key not in fits:
-                fits[key] = _fit_coefficients([dist[i] for i in picked], [entries[i].sizes for i in picked], here, m)
-            return [(0.0, _clamped(sum(c * lr for c, (_, lr) in zip(fits[key], found)), found, m))]
-        return found[:m.k]
+        return found
 
     def _candidates(self, kind: tuple, machine: str | None, own: str | None) -> _Neighbours | None:
         """The entries a prediction compares, ordered as ties of distance are broken: the own machine's alone, or
