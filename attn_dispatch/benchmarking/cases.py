@@ -365,7 +365,9 @@ def fit_drawn_cases(name: str) -> list[Case]:
 
 
 def fit_dense_cases() -> list[Case]:
-    """Fit rows from the blind families where the profile missed (FIT_DENSE_SEEDS): no call of any grid before it."""
+    """Fit rows from the blind families where the profile missed (FIT_DENSE_SEEDS): no call of any grid before it.
+    Labels are prefixed s<last two digits of the seed>-, as the fit-drawn grids' are (s1-, s2- occur in both; the
+    calls differ)."""
     earlier = _hand_grids() + [lambda n=n: fit_drawn_cases(n) for n in FIT_DRAWN_SEEDS]
     earlier += [lambda s=s: eval_blind_cases(s) for s in BLIND_SEEDS[:_DENSE_FROM]]
     seen = {_case_key(c) for grid in earlier for c in grid()}
