@@ -37,6 +37,7 @@ from attn_dispatch.backends import _torch_native  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.policy.timing import SyntheticCall, TimerSettings, build_inputs, engine_step, time_interleaved  # noqa: E402,E501
 from bench_user_step import environment  # noqa: E402
+from check_host_overhead import tensors  # noqa: E402  (the same seeded q, k, v, dout as that check's)
 
 CALLS = [  # (label, b, s, h, hkv, d, causal, train): blind10-18 rows where F.sdpa beat the module on cuDNN
     ("enc2 d64 s128 b64 h20 fwd", 64, 128, 20, 20, 64, False, False),
@@ -54,11 +55,7 @@ SCALE_SETTINGS = dataclasses.replace(SETTINGS, reps=48)  # --scale: 48 samples a
 
 
 def functions(b, s, h, hkv, d, causal, train):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, s, h, d, generator=gen, device="cuda").bfloat16().requires_grad_(train)
-    k, v = (torch.randn(b, s, hkv, d, generator=gen, device="cuda").bfloat16().requires_grad_(train)
-            for _ in range(2))
-    dout = torch.randn(b, s, h * d, generator=gen, device="cuda").bfloat16()
+    q, k, v, dout = tensors(b, s, h, hkv, d, "bshd", train)
     mask = "causal" if causal else "no_mask"
     modules = {name: DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format="bshd", attn_mask_type=mask,
                                          backend=provider).cuda().train(train)
@@ -119,9 +116,7 @@ def scale_variants(b, s, h, hkv, d, causal, train):
     """--scale: the module's bound cuDNN function called alone, the module around it, the op with scale=None and with
     the module's explicit 1/sqrt(d), and F.sdpa both ways (the first run read the module 1.07x SDPA on causal
     forwards: this tells the bound function from the module's path around it)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, s, h, d, generator=gen, device="cuda").bfloat16()
-    k, v = (torch.randn(b, s, hkv, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    q, k, v, _ = tensors(b, s, h, hkv, d, "bshd", False)
     mask = "causal" if causal else "no_mask"
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format="bshd", attn_mask_type=mask,
                                  backend="cudnn_fused:torch").cuda().eval()
@@ -149,8 +144,7 @@ def path_check() -> list[dict]:
     from attn_dispatch import module as module_py
 
     b, s, h, d = 10, 384, 16, 96
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    q, k, v, _ = tensors(b, s, h, h, d, "bshd", False)
     misses = [0]
     original = module_py.DotProductAttention._fast_forward
 
