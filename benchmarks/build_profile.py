@@ -26,10 +26,11 @@ from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "profile"
 # Not profile data: held-out grids (blind*), the H200's fit and split runs, split refreshes included (kept out: they
 # made its held-out mean worse, results/profile/README.md), a run from before the torch providers' path was fixed
-# (session3_first), the checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*), and the
-# fit-dense grid's run (session 18: its host times made blind10-19's picks worse, stock 1.0030 -> 1.0052;
+# (session3_first), the checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*, sustained_*), and
+# the fit-dense grid's run (session 18: its host times made blind10-19's picks worse, stock 1.0030 -> 1.0052;
 # results/profile/README.md).
-NOT_FIT = ("session3_first", "gqa_cudnn", "sdpa_gap", "blind", "check_", "host_", "split_stock", "split_dense")
+NOT_FIT = ("session3_first", "gqa_cudnn", "sdpa_gap", "blind", "check_", "host_", "split_stock", "split_dense",
+           "sustained_")
 
 
 def shipped_sources() -> list[str]:
