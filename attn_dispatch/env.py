@@ -13,7 +13,7 @@ FAMILIES = ("flash_attn_4", "flash_attn_3", "cudnn_fused", "flash_attn_2", "unfu
 
 # NVTE_FUSED_ATTN_BACKEND values, as Transformer Engine's NVTE_Fused_Attn_Backend enum numbers them.
 FUSED_SUB_BACKENDS = {"0": "F16_max512_seqlen", "1": "F16_arbitrary_seqlen", "2": "FP8"}
-POLICIES = ("auto", "order", "measured")
+POLICIES = ("auto", "order", "measured", "checked")
 
 ENV_VARS = (
     "NVTE_FLASH_ATTN",
@@ -47,7 +47,7 @@ class EnvFlags:
     debug: bool = False               # NVTE_DEBUG
     debug_level: int = 0              # NVTE_DEBUG_LEVEL: 0, 1 (chosen backend) or 2 (every verdict)
     forced_backend: str | None = None  # ATTN_DISPATCH_BACKEND: 'family' or 'family:provider'
-    policy: str = "auto"              # ATTN_DISPATCH_POLICY: auto (shipped profile), order (TE's), measured
+    policy: str = "auto"              # ATTN_DISPATCH_POLICY: auto (shipped profile), order (TE's), measured, checked
     allow_untested_versions: bool = False  # ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS=1
     raw: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False)

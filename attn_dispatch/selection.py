@@ -36,10 +36,11 @@ def policy_named(name: str) -> Policy:
     """The process's policy object for a name in env.POLICIES (built on first use)."""
     policy = _POLICIES.get(name)
     if policy is None:
-        from .policy import AutoPolicy, OrderPolicy, default_policy
+        from .policy import AutoPolicy, CheckedPolicy, OrderPolicy, default_policy
 
         makers = {"order": OrderPolicy, "measured": default_policy,
-                  "auto": lambda: AutoPolicy(measured=default_policy())}
+                  "auto": lambda: AutoPolicy(measured=default_policy()),
+                  "checked": lambda: CheckedPolicy(policy_named("auto"), default_policy())}
         if name not in makers:
             raise ValueError(f"policy={name!r} is not a policy; use one of {', '.join(makers)}")
         policy = _POLICIES[name] = makers[name]()
@@ -48,14 +49,16 @@ def policy_named(name: str) -> Policy:
 
 def set_policy(name: str, policy: Policy) -> None:
     """Use this policy object for `name` from now on (e.g. a MeasuredPolicy with other timer settings or cache
-    directory); cached decisions are dropped. `auto` reads the tuned buckets of the `measured` one."""
+    directory); cached decisions are dropped. `auto` reads the tuned buckets of the `measured` one, and `checked`
+    times with it."""
     if name not in POLICIES:
         raise ValueError(f"name={name!r} is not a policy; use one of {', '.join(POLICIES)}")
     _POLICIES[name] = policy
     if name == "measured":
-        from .policy import AutoPolicy
+        from .policy import AutoPolicy, CheckedPolicy
 
         _POLICIES["auto"] = AutoPolicy(measured=policy)
+        _POLICIES["checked"] = CheckedPolicy(_POLICIES["auto"], policy)
     clear_cache()
 
 

@@ -8,6 +8,8 @@ inference). For every eligible provider a module is built with that provider for
   - `measured` (--measured): a module deciding under ATTN_DISPATCH_POLICY=measured (it times the candidates on its
     first call, into a tuning cache of its own; the default module reads an empty one, so that the profile alone
     decides there);
+  - `checked` (--checked): a module deciding under ATTN_DISPATCH_POLICY=checked (the profile, and on its first call
+    timing the candidates the profile predicts within 10% of each other, into a third cache);
   - `pick_twin` (with --policies): a second module with the default's pick forced: the A/A control. It and the
     pick's own column run the same engine on the same inputs, so `aa_ratio` (pick_twin / pick forced) is the
     timer's own spread on that row; a difference between columns of that order is noise, not a finding;
@@ -60,7 +62,7 @@ from host_probe import measured_launch_us  # benchmarks/: a diagnostic of the ru
 
 SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)  # --timer call
 BLOCK_MS = 3.0  # --timer block: one sample's block of calls (calls over 2 ms: one call per sample)
-USER_COLUMNS = frozenset({"default", "measured", "sdpa", "pick_twin"})  # always timed in full
+USER_COLUMNS = frozenset({"default", "measured", "checked", "sdpa", "pick_twin"})  # always timed in full
 
 
 def settings_for(timer: str) -> TimerSettings:
@@ -209,7 +211,8 @@ def environment_set(**values: str):
 
 
 def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, device: torch.device,
-             measured_cache: str | None = None, settings: TimerSettings = SETTINGS, split: str = "") -> dict:
+             measured_cache: str | None = None, settings: TimerSettings = SETTINGS, split: str = "",
+             checked_cache: str | None = None) -> dict:
     """One row. split: "" (none), "also" (the interleaved times and each provider's split_times), "only"."""
     q, k, v, dout, kwargs = make_tensors(case, device, seed)
     default = module_for(case, None, device)
@@ -246,6 +249,17 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
             t0 = time.perf_counter()
             fns["measured"]()
             measured = (measured_module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
+        q.grad = k.grad = v.grad = None
+    checked = checked_module = None
+    if checked_cache is not None:
+        # No selection.clear_cache() here: the measured module would then plan again under the restored environment.
+        # The decision is cached apart all the same (the environment's policy is part of its key).
+        with environment_set(ATTN_DISPATCH_POLICY="checked", ATTN_DISPATCH_CACHE_DIR=checked_cache):
+            checked_module = module_for(case, None, device)
+            fns["checked"] = step_fn(checked_module, q, k, v, dout, kwargs, case.train)
+            t0 = time.perf_counter()
+            fns["checked"]()
+            checked = (checked_module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
         q.grad = k.grad = v.grad = None
     sdpa = sdpa_fn(case)
     if sdpa is not None:
@@ -303,6 +317,17 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         entry = MeasuredPolicy(directory=measured_cache).lookup(p, Platform.detect()) or {}
         row["measured_entry"] = {k: entry.get(k) for k in ("times_ms", "probe_ms", "errors", "skipped", "tuning_s",
                                                           "lengths")}
+    if checked is not None:
+        row["checked_pick"], row["checked_first_ms"] = checked
+        decision = checked_module.last_decision
+        row["checked_reason"] = decision.policy_reason[:600]
+        if decision.chosen != checked[0] or decision.policy != "checked":
+            row["errors"]["checked"] = f"the checked module ran {decision.chosen} under {decision.policy}"
+        from attn_dispatch.policy.measured import MeasuredPolicy
+
+        entry = MeasuredPolicy(directory=checked_cache).lookup(p, Platform.detect())  # None: nothing was timed
+        row["checked_entry"] = None if entry is None else {k: entry.get(k) for k in ("times_ms", "probe_ms",
+                                                                                     "tuning_s")}
     return row
 
 
@@ -345,6 +370,8 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="a label for this stack ('stock': checked to lack the extra engines)")
     ap.add_argument("--measured", action="store_true",
                     help="also time a module under ATTN_DISPATCH_POLICY=measured (tuned on its first call)")
+    ap.add_argument("--checked", action="store_true",
+                    help="also time a module under ATTN_DISPATCH_POLICY=checked (timing close calls on its first)")
     ap.add_argument("--max-seconds", type=float, default=540.0, help="stop starting new rows after this")
     ap.add_argument("--start", type=int, default=0, help="skip the first N cases")
     ap.add_argument("--match", default=None, help="only the cases whose label contains this text")
@@ -369,11 +396,14 @@ def main() -> int:
         if extra:
             sys.exit(f"--tag stock, but {', '.join(extra)} can be imported here: run without the wheel bundles on "
                      "PYTHONPATH")
-    measured_cache = None
-    if args.measured:
-        # The default module must not read the measured module's tunings (auto prefers a bucket tuned here).
+    measured_cache = checked_cache = None
+    if args.measured or args.checked:
+        # The default module must not read the other modules' tunings (auto prefers a bucket tuned here).
         os.environ["ATTN_DISPATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-dispatch-auto-")
+    if args.measured:
         measured_cache = tempfile.mkdtemp(prefix="attn-dispatch-measured-")
+    if args.checked:
+        checked_cache = tempfile.mkdtemp(prefix="attn-dispatch-checked-")
     grids = args.grid.split(",")
     unknown = [g for g in grids if g not in CASE_GRIDS]
     if unknown:
@@ -404,7 +434,7 @@ def main() -> int:
             break
         try:
             row = run_case(case, args.policies, args.seed + i, only, torch.device(args.device), measured_cache,
-                           settings, split)
+                           settings, split, checked_cache)
             result["rows"].append(row)
             times = row["times_ms"] or {n: r["step_ms"] for n, r in row.get("split", {}).items()}
             best = min((t for n, t in times.items() if ":" in n), default=float("nan"))
@@ -413,6 +443,8 @@ def main() -> int:
                 extra += f" default {row['default_pick']} {times['default'] / best:.3f}"
             if "measured" in times:
                 extra += f" measured {row['measured_pick']} {times['measured'] / best:.3f}"
+            if "checked" in times:
+                extra += f" checked {row['checked_pick']} {times['checked'] / best:.3f}"
             if "sdpa" in times:
                 extra += f" sdpa {times['sdpa'] / best:.3f}"
             if "aa_ratio" in row:

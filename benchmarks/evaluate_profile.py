@@ -124,9 +124,11 @@ def timed(path: str) -> None:
     measured policy's time over the fastest provider forced, over SDPA, and default / its own pick forced (the
     same engine in two modules: the timer's noise on that row)."""
     rows = read_results(path)["rows"]
-    found: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [], "default/sdpa": [],
+    found: dict[str, list[tuple[float, str]]] = {"default/fastest": [], "measured/fastest": [],
+                                                 "checked/fastest": [], "default/sdpa": [], "checked/sdpa": [],
                                                  "default/pick forced": [], "measured pick forced/fastest": [],
-                                                 "measured/pick forced": [], "A/A twin/pick": []}
+                                                 "measured/pick forced": [], "checked pick forced/fastest": [],
+                                                 "A/A twin/pick": []}
     for row in rows:
         t = row["times_ms"]
         forced = {n: v for n, v in t.items() if ":" in n}
@@ -136,8 +138,14 @@ def timed(path: str) -> None:
         found["default/fastest"].append((t["default"] / best, row["label"]))
         if "measured" in t:
             found["measured/fastest"].append((t["measured"] / best, row["label"]))
+        if "checked" in t:
+            found["checked/fastest"].append((t["checked"] / best, row["label"]))
         if "sdpa" in t:
             found["default/sdpa"].append((t["default"] / t["sdpa"], row["label"]))
+            if "checked" in t:
+                found["checked/sdpa"].append((t["checked"] / t["sdpa"], row["label"]))
+        if row.get("checked_pick") in forced:
+            found["checked pick forced/fastest"].append((forced[row["checked_pick"]] / best, row["label"]))
         if row.get("default_pick") in forced:
             found["default/pick forced"].append((t["default"] / forced[row["default_pick"]], row["label"]))
         if row.get("measured_pick") in forced:  # the measured policy's pick, timed as a forced module

@@ -575,3 +575,98 @@ def test_the_shipped_profile_holds_host_and_gpu_splits_from_its_listed_sources()
     assert len(split) >= 0.9 * sum(e.machine.startswith("NVIDIA H100") for e in profile.entries)
     assert all(e.host_ms.keys() == e.gpu_ms.keys() and min(e.gpu_ms.values()) > 0 for e in split)
 
+
+
+# --- the checked policy: the profile, timing only what it cannot separate ----------------------------------
+
+class RecordingMeasured:
+    """The measured policy's tune_bucket, recording what it is asked to time and answering with given times."""
+
+    def __init__(self, times: dict[str, float] | None):
+        self.times, self.asked = times, []
+
+    def lookup(self, params, platform):
+        return None
+
+    def tune_bucket(self, params, platform, candidates, *, lengths=None):
+        from attn_dispatch.policy import TuneResult
+
+        self.asked.append(list(candidates))
+        if self.times is None:  # nothing timed (a described platform, say)
+            return TuneResult("bucket-1", params, {}, None, False)
+        entry = {"times_ms": {p: self.times[p] for p in candidates}}
+        return TuneResult("bucket-1", params, entry, min(candidates, key=self.times.get), True)
+
+
+def checked_policy(tmp_path, times_ms: dict[str, float], measured, margin=0.10):
+    from attn_dispatch.policy import CheckedPolicy
+
+    rows = [(dict(max_seqlen_q=s, attn_mask_type="causal"), {p: t * s / 1024 for p, t in times_ms.items()})
+            for s in (1024, 4096)]
+    directory = synthetic_profile(tmp_path, rows)
+    return CheckedPolicy(AutoPolicy(directory=directory, measured=measured), measured, margin)
+
+
+CALL = AttentionParams(max_seqlen_q=2048, attn_mask_type="causal")
+
+
+def test_checked_keeps_a_clear_prediction_untimed(tmp_path):
+    measured = RecordingMeasured({"cudnn_fused:frontend": 0.5, "flash_attn_4:cute": 1.0})
+    policy = checked_policy(tmp_path, {"cudnn_fused:frontend": 2.0, "flash_attn_4:cute": 1.0}, measured)
+    choice = policy.choose(CALL, H100, ["cudnn_fused:frontend", "flash_attn_4:cute"])
+    assert choice.chosen == "flash_attn_4:cute" and measured.asked == []
+    assert "predicted fastest" in choice.reason and "not timed: every other provider is predicted 10% or more" \
+        in choice.reason and choice.unit == "ms per step, predicted"
+
+
+def test_checked_times_only_the_providers_within_the_margin_and_takes_the_measured_fastest(tmp_path):
+    measured = RecordingMeasured({"cudnn_fused:frontend": 0.9, "cudnn_fused:torch": 0.8, "flash_attn_4:cute": 1.0})
+    predicted = {"cudnn_fused:frontend": 1.05, "cudnn_fused:torch": 1.5, "flash_attn_4:cute": 1.0}
+    policy = checked_policy(tmp_path, predicted, measured)
+    eligible = ["cudnn_fused:frontend", "cudnn_fused:torch", "flash_attn_4:cute"]
+    choice = policy.choose(CALL, H100, eligible)
+    # cuDNN (torch), predicted 1.5x, is not timed although it would have measured fastest: only the close ones are
+    assert measured.asked == [["cudnn_fused:frontend", "flash_attn_4:cute"]]
+    assert choice.chosen == "cudnn_fused:frontend" and choice.unit == "ms per step, measured here"
+    assert choice.estimates == {"cudnn_fused:frontend": 0.9, "flash_attn_4:cute": 1.0}
+    assert "measured fastest of the providers the profile could not separate (predicted within 10%" in choice.reason
+    # a wider margin takes the third in too
+    wide = checked_policy(tmp_path, predicted, RecordingMeasured(measured.times), margin=0.6)
+    assert wide.choose(CALL, H100, eligible).chosen == "cudnn_fused:torch"
+
+
+def test_checked_keeps_the_prediction_where_it_cannot_time_and_says_why(tmp_path):
+    from attn_dispatch.policy import MeasuredPolicy
+
+    measured = MeasuredPolicy(directory=str(tmp_path / "cache"))
+    policy = checked_policy(tmp_path, {"cudnn_fused:frontend": 1.02, "flash_attn_4:cute": 1.0}, measured)
+    choice = policy.choose(CALL, H100, ["cudnn_fused:frontend", "flash_attn_4:cute"])  # a described H100
+    assert choice.chosen == "flash_attn_4:cute" and choice.unit == "ms per step, predicted"
+    assert "were not timed (the platform is not this machine" in choice.reason
+    assert measured.cache_for(H100).entries() == {}  # nothing written
+
+
+def test_checked_defers_to_auto_where_auto_does_not_predict_and_rejects_a_bad_margin(tmp_path):
+    from attn_dispatch.policy import CheckedPolicy
+
+    measured = RecordingMeasured({"flash_attn_2:package": 1.0, "cudnn_fused:frontend": 2.0})
+    policy = CheckedPolicy(AutoPolicy(directory=tmp_path), measured)  # no profile for the architecture
+    choice = policy.choose(AttentionParams(), A100, ["flash_attn_2:package", "cudnn_fused:frontend"])
+    assert choice.chosen == "flash_attn_2:package" and "no performance profile for sm80" in choice.reason
+    assert measured.asked == []
+    with pytest.raises(ValueError, match="margin=0 must be > 0"):
+        CheckedPolicy(AutoPolicy(directory=tmp_path), measured, margin=0)
+
+
+def test_env_selects_the_checked_policy_and_set_policy_keeps_it_on_the_measured_one(monkeypatch):
+    from attn_dispatch.policy import MeasuredPolicy
+
+    p = AttentionParams(max_seqlen_q=8192, batch_size=4, attn_mask_type="causal")
+    d = explain(p, H100, EnvFlags.from_environ({"ATTN_DISPATCH_POLICY": "checked"}))
+    assert d.policy == "checked" and d.chosen in d.estimates and "predicted fastest" in d.policy_reason
+    assert "not timed" in d.policy_reason  # a described platform is never timed
+    monkeypatch.setattr(selection, "_POLICIES", {})
+    mine = MeasuredPolicy(directory="/nonexistent/attn-dispatch-test")
+    selection.set_policy("measured", mine)
+    checked = selection.policy_named("checked")
+    assert checked.measured is mine and checked.auto.measured is mine

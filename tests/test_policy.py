@@ -485,6 +485,36 @@ def test_forced_backend_is_respected_by_the_measured_policy(two_engines):
     assert select(cpu_params(), policy="measured", force="unfused:slow").chosen == "unfused:slow"
 
 
+def test_checked_policy_times_the_close_engines_for_real_through_selection(two_engines):
+    """`checked` on the test engines: a stand-in profile predicts the slow engine fastest by 5% (too close to call),
+    so both are timed for real (the measured policy's timer and cache) and the fast one wins; at a 20x prediction
+    nothing is timed and the prediction stands."""
+    from attn_dispatch.policy import AutoPolicy, CheckedPolicy, Choice
+    from attn_dispatch.policy.auto import PREDICTED
+
+    class Predicting(AutoPolicy):
+        ratio = 1.05
+
+        def choose(self, params, platform, eligible, lengths=None):
+            return Choice("unfused:slow", "stand-in prediction",
+                          {"unfused:slow": 1.0, "unfused:fast": self.ratio}, PREDICTED)
+
+    two_engines["unfused:slow"].delay_s = 0.25
+    measured = _policy()
+    auto = Predicting(measured=measured)
+    selection.set_policy("checked", CheckedPolicy(auto, measured))
+    decision = select(cpu_params(), policy="checked")
+    assert decision.policy == "checked" and decision.chosen == "unfused:fast"
+    assert "measured fastest of the providers the profile could not separate" in decision.policy_reason
+    assert two_engines["unfused:fast"].forwards > 0
+    auto.ratio = 20.0
+    selection.clear_cache()
+    calls = two_engines["unfused:fast"].forwards
+    decision = select(cpu_params(max_seqlen_q=256), policy="checked")  # another bucket, nothing timed
+    assert decision.chosen == "unfused:slow" and "not timed" in decision.policy_reason
+    assert two_engines["unfused:fast"].forwards == calls
+
+
 # --- tune and bench commands ----------------------------------------------------------------------------
 
 def test_tune_command(two_engines, tmp_path, capsys):

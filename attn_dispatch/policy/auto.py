@@ -11,6 +11,8 @@ from . import decode
 from .base import Choice
 from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
+PREDICTED = "ms per step, predicted"  # the unit of a Choice made from the profile's prediction
+
 
 class AutoPolicy:
     name = "auto"
@@ -53,7 +55,7 @@ class AutoPolicy:
         drift = _stack_drift(profile, platform)
         if drift:
             reason += f"; this machine's stack differs ({drift})"
-        return Choice(chosen, reason, estimates, "ms per step, predicted")
+        return Choice(chosen, reason, estimates, PREDICTED)
 
     def _tuned_here(self, params: AttentionParams, platform: Platform, eligible: list[str]) -> Choice | None:
         if self.measured is None:

@@ -6,7 +6,7 @@ tag=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('h200' i
 SOURCES=fit,fit-drawn-a,fit-drawn-b,fit-drawn-c,fit-extra,fit-gqa,fit-thd,eval,eval-fresh  # the profile's grids
 
 # blind_run GRID NAME full|stock [START]: $OUT/NAME[_stock]_<tag>_from<START>.json, then its offline evaluation;
-# REPS (default 16, sessions 8-12) sets --reps
+# REPS (default 16, sessions 8-12) sets --reps; EXTRA, more flags for bench_user_step.py (--checked)
 blind_run() {
   local grid=$1 name=$2 stack_name=$3 start=${4:-0} file stack
   if [ "$stack_name" = stock ]; then
@@ -17,6 +17,6 @@ blind_run() {
     file="${name}_${tag}_from${start}.json"; stack=()
   fi
   timeout 560 python3 benchmarks/bench_user_step.py --grid "$grid" --policies --measured --reps "${REPS:-16}" \
-    --start "$start" --max-seconds 480 "${stack[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
-  python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 9
+    --start "$start" --max-seconds 480 ${EXTRA:-} "${stack[@]}" --out "$OUT/$file" 2>&1 | tail -n 3
+  python3 benchmarks/evaluate_profile.py --timed "$OUT/$file" | tail -n 13
 }

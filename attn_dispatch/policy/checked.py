@@ -1,0 +1,59 @@
+"""The `checked` policy (opt in: ATTN_DISPATCH_POLICY=checked): the shipped profile's pick where its prediction is
+clear, timing only where the prediction is too close to call.
+
+Where the profile predicts every other eligible provider at least `margin` slower than its pick, the pick stands
+untimed, as under `auto`. Otherwise the providers predicted within the margin of the fastest are timed against each
+other, once per shape bucket, by the measured policy (its timer, its persistent cache: the user's step at this call's
+shape), and the fastest measured wins. Every decision `auto` makes otherwise (a bucket tuned here, a decode step, no
+profile for the architecture, a single candidate) is auto's.
+
+Why: the profile's misses are close calls. Offline over every run of blind10-21 (38 runs, pick / fastest, mean),
+timing only the providers within 10% of the predicted best, with the times the measured policy's tuner recorded in
+those runs, scored 1.0052 / 1.0044 / 1.0023 on blind10-14 / 15-19 / 20-21's full-stack runs against the profile's
+1.0150 / 1.0098 / 1.0060 and the measured policy's own picks' 1.0026 / 1.0078 / 1.0030 (worst row 1.24-2.24); it
+timed ~45% of those buckets on the full stack and ~3% on stock torch (benchmarks/results/profile/README.md, session
+19). Unlike `auto`, it times at run time, so it is not the default.
+"""
+from __future__ import annotations
+
+from ..params import AttentionParams, SeqLengths
+from ..platform import Platform
+from .auto import PREDICTED, AutoPolicy
+from .base import Choice
+from .measured import MeasuredPolicy, why_not_tunable
+
+CHECK_MARGIN = 0.10
+
+
+class CheckedPolicy:
+    name = "checked"
+
+    def __init__(self, auto: AutoPolicy, measured: MeasuredPolicy, margin: float = CHECK_MARGIN):
+        if not 0.0 < margin:
+            raise ValueError(f"margin={margin!r} must be > 0 (0.10: time the providers predicted within 10%)")
+        self.auto, self.measured, self.margin = auto, measured, margin
+
+    def choose(self, params: AttentionParams, platform: Platform, eligible: list[str],
+               lengths: SeqLengths | None = None) -> Choice:
+        predicted = self.auto.choose(params, platform, eligible, lengths)
+        if predicted.unit != PREDICTED or predicted.chosen is None:
+            return predicted
+        best = predicted.estimates[predicted.chosen]
+        close = [p for p in eligible if p in predicted.estimates and predicted.estimates[p] < best * (1 + self.margin)]
+        if len(close) < 2:
+            return Choice(predicted.chosen, f"{predicted.reason}; not timed: every other provider is predicted "
+                                            f"{self.margin:.0%} or more slower", predicted.estimates, PREDICTED)
+        why_not = why_not_tunable(params, platform)
+        result = self.measured.tune_bucket(params, platform, close, lengths=lengths)
+        if result.chosen is None:
+            return Choice(predicted.chosen, f"{predicted.reason}; {', '.join(close)} are predicted within "
+                                            f"{self.margin:.0%} of each other but were not timed ({why_not})",
+                          predicted.estimates, PREDICTED)
+        times = {**result.entry.get("probe_ms", {}), **result.entry.get("times_ms", {})}
+        timed = {p: round(times[p], 4) for p in close if times.get(p) is not None}
+        how = "timed now" if result.tuned_now else "timed earlier on this machine"
+        forecast = ", ".join(f"{p} {predicted.estimates[p]:.3f}" for p in close)
+        return Choice(result.chosen, f"measured fastest of the providers the profile could not separate (predicted "
+                                     f"within {self.margin:.0%}: {forecast} ms; {how}, bucket {result.bucket}, at "
+                                     f"{result.timed_shape.describe()}): {timed[result.chosen]:.3f} ms per step",
+                      timed, "ms per step, measured here")
