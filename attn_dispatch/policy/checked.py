@@ -11,9 +11,10 @@ Why: the profile's misses are close calls. Offline over every run of blind10-21 
 the providers within 10% of the predicted best, with the times the measured policy's tuner recorded in those runs,
 scored 1.0052 / 1.0044 / 1.0023 on blind10-14 / 15-19 / 20-21's full-stack runs against the profile's 1.0150 /
 1.0098 / 1.0060, timing ~45% of those buckets (~3% on stock torch). Timed on two grids drawn after it was written
-(eval-blind23 and 24, H100): 1.0095 against the default's 1.0141 on the full stack, timing 45 of 96 buckets, and
-1.0011 against 0.9997 on stock torch, timing 1 of 96 (benchmarks/results/profile/README.md, session 19). Unlike
-`auto`, it times at run time, so it is not the default.
+(eval-blind23 and 24, two H100 leases): 1.0072 against the default's 1.0117 on the full stack, timing 45 of 96
+buckets, and 1.0011 against 0.9997 on stock torch, timing 1 of 96; the measured policy, timing every bucket, scored
+1.0022 there (benchmarks/results/profile/README.md, session 19). Unlike `auto`, it times at run time, so it is not
+the default.
 """
 from __future__ import annotations
 
