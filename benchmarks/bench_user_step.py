@@ -238,29 +238,19 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
             never_cut.add(decision.chosen)
     measured = measured_module = None
     if measured_cache is not None:
-        # Decided (and tuned) on its first call, with the very tensors it is then timed on: later calls take the
-        # module's plan. No selection.clear_cache() after it: that makes every module's plan stale, and this one
-        # would plan again under the restored environment (the auto policy), which is what the session-4 JSON's
-        # 'measured' column timed (its measured_pick was right, its times were the default's pick).
-        with environment_set(ATTN_DISPATCH_POLICY="measured", ATTN_DISPATCH_CACHE_DIR=measured_cache):
-            selection.clear_cache()
-            measured_module = module_for(case, None, device)
-            fns["measured"] = step_fn(measured_module, q, k, v, dout, kwargs, case.train)
-            t0 = time.perf_counter()
-            fns["measured"]()
-            measured = (measured_module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
-        q.grad = k.grad = v.grad = None
+        # selection.clear_cache() before it, never after: that makes every module's plan stale, and this one would
+        # plan again under the restored environment (the auto policy), which is what the session-4 JSON's 'measured'
+        # column timed (its measured_pick was right, its times were the default's pick).
+        measured_module, fns["measured"], first_ms = first_call_under("measured", measured_cache, case, device, q, k,
+                                                                      v, dout, kwargs, clear=True)
+        measured = (measured_module.last_decision.chosen, first_ms)
     checked = checked_module = None
     if checked_cache is not None:
-        # No selection.clear_cache() here: the measured module would then plan again under the restored environment.
-        # The decision is cached apart all the same (the environment's policy is part of its key).
-        with environment_set(ATTN_DISPATCH_POLICY="checked", ATTN_DISPATCH_CACHE_DIR=checked_cache):
-            checked_module = module_for(case, None, device)
-            fns["checked"] = step_fn(checked_module, q, k, v, dout, kwargs, case.train)
-            t0 = time.perf_counter()
-            fns["checked"]()
-            checked = (checked_module.last_decision.chosen, (time.perf_counter() - t0) * 1e3)
-        q.grad = k.grad = v.grad = None
+        # No clear_cache() here: the measured module would plan again under the restored environment. The decision
+        # is cached apart all the same (the environment's policy is part of its key).
+        checked_module, fns["checked"], first_ms = first_call_under("checked", checked_cache, case, device, q, k, v,
+                                                                    dout, kwargs, clear=False)
+        checked = (checked_module.last_decision.chosen, first_ms)
     sdpa = sdpa_fn(case)
     if sdpa is not None:
         fns["sdpa"] = step_fn(sdpa, q, k, v, dout, {}, case.train)
@@ -329,6 +319,23 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         row["checked_entry"] = None if entry is None else {k: entry.get(k) for k in ("times_ms", "probe_ms",
                                                                                      "tuning_s")}
     return row
+
+
+def first_call_under(policy: str, cache: str, case: Case, device: torch.device, q, k, v, dout, kwargs, *,
+                     clear: bool) -> tuple[DotProductAttention, object, float]:
+    """A module deciding under ATTN_DISPATCH_POLICY=policy with a tuning cache of its own, called once: it decides
+    (and tunes) on that call, with the very tensors it is then timed on; later calls take its plan. (module, its
+    step, the first call's ms). clear: selection.clear_cache() first."""
+    with environment_set(ATTN_DISPATCH_POLICY=policy, ATTN_DISPATCH_CACHE_DIR=cache):
+        if clear:
+            selection.clear_cache()
+        module = module_for(case, None, device)
+        step = step_fn(module, q, k, v, dout, kwargs, case.train)
+        t0 = time.perf_counter()
+        step()
+        first_ms = (time.perf_counter() - t0) * 1e3
+    q.grad = k.grad = v.grad = None
+    return module, step, first_ms
 
 
 def selection_params(decision):

@@ -7,7 +7,7 @@ against 3%). This times the same GPU-bound calls per provider forced four ways, 
 by nvidia-smi beside them:
   - split: split_times' GPU time (the profile's measure);
   - idle_burst: a ~3 ms block of calls after 0.3 s with the GPU idle;
-  - sustained: a block after 1 s of the provider's own calls back to back (as a training loop keeps the GPU);
+  - sustained: blocks timed back to back after 1 s of the provider's own calls (as a training loop keeps the GPU);
   - interleaved: time_interleaved with the blind grids' settings (block timer, 40 ms warm, 48 reps).
 
     PYTHONPATH=. python3 benchmarks/gpu/check_sustained_gpu.py --out $OUT/sustained.json
@@ -69,13 +69,25 @@ def idle_burst(run, repeats: int = 5, idle_s: float = 0.3) -> float:
 
 @torch.no_grad()
 def sustained(run, heat_s: float = 1.0, blocks: int = 5) -> float:
+    """Per call, the median of `blocks` blocks timed back to back, after heat_s of the provider's own calls and an
+    untimed lead-in block: no synchronisation between them, so a host-bound step reads its host-limited rate, as in
+    a training loop (the first version synchronised before each block and read host time into GPU-bound steps)."""
     n = calls_for(run)
     end = time.perf_counter() + heat_s
     while time.perf_counter() < end:
         for _ in range(n):
             run()
-        torch.cuda.synchronize()  # keeps the queue short: the blocks below start with the GPU this warm
-    return statistics.median(block_ms(run, n) for _ in range(blocks))
+        torch.cuda.synchronize()  # keeps the queue short while heating
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(blocks + 1)]
+    for _ in range(n):  # the lead-in: the GPU has work queued when the first timed block starts
+        run()
+    events[0].record()
+    for i in range(blocks):
+        for _ in range(n):
+            run()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) / n for a, b in zip(events, events[1:]))
 
 
 def start_smi(path: Path) -> subprocess.Popen | None:
@@ -120,14 +132,15 @@ def main() -> int:
             row = {"label": case.label, "case": case.to_dict(), "errors": errors,
                    **{m: {} for m in ("split", "split_step", "idle_burst", "sustained")}}
             for method in ("split", "idle_burst", "sustained"):
-                t0 = time.time()
                 for name, fn in fns.items():
+                    t0 = time.time()
                     if method == "split":
                         s = split_times(fn, samples=9)
                         row["split"][name], row["split_step"][name] = s["gpu_ms"], s["step_ms"]
                     else:
                         row[method][name] = (idle_burst if method == "idle_burst" else sustained)(fn)
-                phases.append({"case": case.label, "phase": method, "start": t0, "end": time.time()})
+                    phases.append({"case": case.label, "phase": method, "provider": name, "start": t0,
+                                   "end": time.time()})
             t0 = time.time()
             timings, terr = time_interleaved(fns, "cuda", settings)
             phases.append({"case": case.label, "phase": "interleaved", "start": t0, "end": time.time()})
