@@ -11,13 +11,13 @@ from __future__ import annotations
 from .auto import AutoPolicy
 from .base import Choice, Policy
 from .buckets import BucketScheme
-from .checked import CheckedPolicy
 from .cache import TuningCache, cache_dir
+from .checked import CheckedPolicy
 from .measured import MeasuredPolicy, TuneResult, default_policy
 from .order import OrderPolicy, preference_order
 from .profile import Profile, profile_for
 from .timing import TimerSettings, Timing, attention_flops, build_inputs, time_engine
 
-__all__ = ["AutoPolicy", "BucketScheme", "CheckedPolicy", "Choice", "MeasuredPolicy", "OrderPolicy", "Policy", "Profile",
-           "TimerSettings", "Timing", "TuneResult", "TuningCache", "attention_flops", "build_inputs", "cache_dir",
-           "default_policy", "preference_order", "profile_for", "time_engine"]
+__all__ = ["AutoPolicy", "BucketScheme", "CheckedPolicy", "Choice", "MeasuredPolicy", "OrderPolicy", "Policy",
+           "Profile", "TimerSettings", "Timing", "TuneResult", "TuningCache", "attention_flops", "build_inputs",
+           "cache_dir", "default_policy", "preference_order", "profile_for", "time_engine"]

@@ -48,6 +48,7 @@ class CheckedPolicy:
         why_not = why_not_tunable(params, platform)
         result = self.measured.tune_bucket(params, platform, close, lengths=lengths)
         if result.chosen is None:
+            why_not = why_not or "each failed while being timed: the measured policy's log says why"
             return Choice(predicted.chosen, f"{predicted.reason}; {', '.join(close)} are predicted within "
                                             f"{self.margin:.0%} of each other but were not timed ({why_not})",
                           predicted.estimates, PREDICTED)
