@@ -559,8 +559,8 @@ def test_bench_one_shape_on_the_cpu_writes_json_png_and_table(tmp_path, capsys, 
     for row in result["rows"]:
         timed = row["engines"]["unfused:pytorch"]
         assert timed["median_ms"] > 0 and timed["tflops"] > 0 and timed["reps"] == 2
-        assert row["picks"] == {"order": "unfused:pytorch", "measured": "unfused:pytorch"}
-        assert row["ratios"] == {"order": 1.0, "measured": 1.0}
+        assert row["picks"] == {"auto": "unfused:pytorch", "order": "unfused:pytorch", "measured": "unfused:pytorch"}
+        assert row["ratios"] == {"auto": 1.0, "order": 1.0, "measured": 1.0}
     assert result["rows"][1]["flops"] == pytest.approx(3.5 * result["rows"][0]["flops"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
@@ -570,7 +570,7 @@ def test_bench_one_shape_on_the_cpu_writes_json_png_and_table(tmp_path, capsys, 
 def test_bench_rates_each_policy_pick_against_the_fastest(two_engines, tmp_path, capsys):
     out = tmp_path / "b.json"
     assert main(["bench", "--grid", "quick", "--modes", "fwd", "--warmup", "1", "--reps", "3", "--max-reps", "3",
-                 "--no-progress", "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+                 "--no-progress", "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0  # auto, order, measured
     result = json.loads(out.read_text())
     assert len(result["rows"]) == 4 and (tmp_path / "p.png").exists()
     for row in result["rows"]:
@@ -578,8 +578,37 @@ def test_bench_rates_each_policy_pick_against_the_fastest(two_engines, tmp_path,
         assert row["ratios"]["order"] > 1.5 and row["ratios"]["measured"] == 1.0
         assert row["measured"]["tuning_times_ms"]["unfused:fast"] > 0
     assert result["summary"]["order"]["worst_ratio"] > 1.5 and result["summary"]["measured"]["worst_ratio"] == 1.0
+    # the default policy is rated too: on the CPU there is no profile, so auto (and checked) take the order's pick
+    assert {row["picks"]["auto"] for row in result["rows"]} == {"unfused:slow"}
+    assert "no performance profile" in result["rows"][0]["auto"]["reason"]
     assert main(["bench", "--grid", "quick", "--seqlen", "64"]) == 2
     assert "--grid cannot be combined" in capsys.readouterr().err
+    assert main(["bench", "--grid", "quick", "--policies", "auto,fastest"]) == 2
+    assert "policy='fastest' is not supported; expected one of auto, order, measured, checked" in \
+        capsys.readouterr().err
+
+
+def test_bench_rates_the_checked_policy_with_a_cache_of_its_own(two_engines, tmp_path):
+    """`checked` in bench decides through selection with its own tuning cache: with a stand-in prediction that
+    cannot separate the engines it times both and picks the fast one; nothing lands in the measured cache."""
+    from attn_dispatch.benchmarking import bench
+    from attn_dispatch.env import EnvFlags
+    from attn_dispatch.policy import AutoPolicy, Choice
+    from attn_dispatch.policy.auto import PREDICTED
+
+    class CloseCall(AutoPolicy):
+        def choose(self, params, platform, eligible, lengths=None):
+            return Choice("unfused:slow", "stand-in prediction", {"unfused:slow": 1.0, "unfused:fast": 1.02},
+                          PREDICTED)
+
+    two_engines["unfused:slow"].delay_s = 0.25
+    made = bench._checked_policy(None)
+    checked = type(made)(CloseCall(measured=made.measured), made.measured)
+    config = bench.BenchConfig(modes=("fwd",), settings=FAST, policies=("order", "checked"), show_progress=False)
+    row = bench.bench_row(cpu_params(), Platform.detect(), EnvFlags.from_environ(), config, None, checked)
+    assert row["picks"] == {"order": "unfused:slow", "checked": "unfused:fast"}
+    assert row["checked"]["tuning_times_ms"]["unfused:fast"] > 0 and "could not separate" in row["checked"]["reason"]
+    assert TuningCache(Platform.detect(), tmp_path).entries() == {}  # the usual cache (the fixture's) is untouched
 
 
 def test_default_grid_covers_issue_8():

@@ -1,13 +1,15 @@
 """Benchmark core (behind `attn-dispatch bench` and benchmarks/bench_policy.py).
 
-For each shape and mode: what each policy picks (the measured policy through selection's real hook, so its
-pick comes from its own tuning pass), then every eligible engine timed again for the evaluation (interleaved
-call by call after a warm period, longer than tuning, on fresh inputs), and the ratio time(picked) /
-time(fastest) for each policy.
+For each shape and mode: what each policy picks through selection (`auto`, the default, as a call on this machine
+would decide: the shipped profile, or a bucket tuned here before; `order`; `measured` from its own tuning pass;
+`checked` timing what the profile cannot separate, into a cache of its own for the run, so that measured's tunings
+do not decide for it), then every eligible engine timed again for the evaluation (interleaved call by call after a
+warm period, longer than tuning, on fresh inputs), and the ratio time(picked) / time(fastest) for each policy.
 """
 from __future__ import annotations
 
 import platform as py_platform
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -21,7 +23,8 @@ from ..policy.measured import MeasuredPolicy
 from .progress import progress
 from ..policy.timing import MODES, TimerSettings, attention_flops, check_mode, time_engines
 
-POLICIES = ("order", "measured")
+POLICIES = ("auto", "order", "measured", "checked")
+DEFAULT_POLICIES = ("auto", "order", "measured")
 RATIO_TARGET = 1.03
 # The evaluation times all eligible engines interleaved, as tuning does, but longer: ~100 ms warm, >= 100 ms each.
 EVAL_SETTINGS = TimerSettings(warmup=3, reps=15, max_reps=300, target_ms=100.0, warm_ms=100.0)
@@ -39,7 +42,7 @@ def short_name(provider_id: str) -> str:
 class BenchConfig:
     modes: tuple[str, ...] = MODES
     settings: TimerSettings = EVAL_SETTINGS
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     providers: tuple[str, ...] | None = None  # time only these ('family' or 'family:provider'); None: all
     show_progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -64,12 +67,13 @@ def run_bench(shapes: list[AttentionParams], platform: Platform, config: BenchCo
     env = EnvFlags.from_environ() if env is None else env
     if "measured" in config.policies and measured is None:
         measured = MeasuredPolicy()
+    checked = _checked_policy(measured) if "checked" in config.policies else None
     rows = []
     with progress(len(shapes) * len(config.modes), "bench", enabled=config.show_progress) as advance:
         for shape in shapes:
             for mode in config.modes:
                 params = shape.replace(is_training=mode == "fwd_bwd")
-                rows.append(bench_row(params, platform, env, config, measured))
+                rows.append(bench_row(params, platform, env, config, measured, checked))
                 advance(f"{rows[-1]['label']} {mode}")
                 if on_row is not None:
                     on_row(rows)
@@ -77,7 +81,7 @@ def run_bench(shapes: list[AttentionParams], platform: Platform, config: BenchCo
 
 
 def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config: BenchConfig,
-              measured: MeasuredPolicy | None) -> dict[str, Any]:
+              measured: MeasuredPolicy | None, checked=None) -> dict[str, Any]:
     from ..backends import get_engine
 
     mode = "fwd_bwd" if params.is_training else "fwd"
@@ -87,11 +91,15 @@ def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config
     row["eligible"] = [v.id for v in decision.verdicts if v.eligible]
     if "order" in config.policies:
         row["picks"]["order"] = decision.chosen
-    if "measured" in config.policies and measured is not None:
+    # auto before measured: it reads the buckets tuned here before this run, never this run's
+    for name, policy, tuner in (("auto", "auto", None), ("measured", measured, measured),
+                                ("checked", checked, checked and checked.measured)):
+        if name not in config.policies or policy is None:
+            continue
         try:
-            row["picks"]["measured"], row["measured"] = _measured_pick(params, platform, env, measured)
+            row["picks"][name], row[name] = _pick(params, platform, env, policy, tuner)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the evaluation still runs
-            row["picks"]["measured"], row["measured"] = None, {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            row["picks"][name], row[name] = None, {"error": f"{type(exc).__name__}: {exc}"[:500]}
     engines, load_errors = {}, {}
     for pid in row["eligible"]:
         if config.wants(pid):
@@ -112,17 +120,28 @@ def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config
     return row
 
 
-def _measured_pick(params: AttentionParams, platform: Platform, env: EnvFlags,
-                   measured: MeasuredPolicy) -> tuple[str | None, dict[str, Any]]:
-    """The pick through selection, exactly as a call with policy='measured' makes it (with this policy object)."""
+def _pick(params: AttentionParams, platform: Platform, env: EnvFlags, policy,
+          tuner: MeasuredPolicy | None = None) -> tuple[str | None, dict[str, Any]]:
+    """The pick through selection, exactly as a call under this policy (a name or a policy object) makes it: the
+    decision's time and reason, and what the tuner (the measured policy, or the one checked times with) recorded."""
     started = time.perf_counter()
-    decision = selection.explain(params, platform, env, policy=measured, use_cache=False)
-    entry = measured.cache_for(platform).get(measured.scheme.key(params)) or {}
-    info = {"decision_s": round(time.perf_counter() - started, 4),
-            "bucket_shape": shape_label(measured.scheme.representative(params)),
-            "tuning_times_ms": entry.get("times_ms", {}), "pruned_probe_ms": entry.get("probe_ms", {}),
-            "errors": entry.get("errors", {}), "skipped": entry.get("skipped", {})}
+    decision = selection.explain(params, platform, env, policy=policy, use_cache=False)
+    info: dict[str, Any] = {"decision_s": round(time.perf_counter() - started, 4), "reason": decision.policy_reason}
+    if tuner is not None:
+        entry = tuner.cache_for(platform).get(tuner.scheme.key(params)) or {}
+        info.update({"bucket_shape": shape_label(tuner.scheme.representative(params)),
+                     "tuning_times_ms": entry.get("times_ms", {}), "pruned_probe_ms": entry.get("probe_ms", {}),
+                     "errors": entry.get("errors", {}), "skipped": entry.get("skipped", {})})
     return decision.chosen, info
+
+
+def _checked_policy(measured: MeasuredPolicy | None):
+    """The checked policy timing into a cache of its own for the run (with the measured policy's timer settings)."""
+    from ..policy import AutoPolicy, CheckedPolicy
+
+    settings = {} if measured is None else {"settings": measured.settings, "prune_ratio": measured.prune_ratio}
+    own = MeasuredPolicy(directory=tempfile.mkdtemp(prefix="attn-dispatch-bench-checked-"), **settings)
+    return CheckedPolicy(AutoPolicy(measured=own), own)
 
 
 def _rate(row: dict[str, Any]) -> None:

@@ -9,8 +9,10 @@ from typing import Any
 
 from .bench import short_name
 
-_POLICY_MARKS = {"order": dict(marker="s", s=140, facecolors="none", edgecolors="black", linewidths=1.4),
-                 "measured": dict(marker="x", s=70, color="red", linewidths=1.6)}
+_POLICY_MARKS = {"auto": dict(marker="o", s=110, facecolors="none", edgecolors="tab:blue", linewidths=1.4),
+                 "order": dict(marker="s", s=140, facecolors="none", edgecolors="black", linewidths=1.4),
+                 "measured": dict(marker="x", s=70, color="red", linewidths=1.6),
+                 "checked": dict(marker="+", s=90, color="green", linewidths=1.6)}
 
 
 def plot_bench(result: dict[str, Any], path: str | Path) -> Path:

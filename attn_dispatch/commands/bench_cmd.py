@@ -3,7 +3,8 @@
 Writes JSON (--out), prints a table (TFLOP/s per engine, the fastest starred, each policy's pick with
 time(pick)/time(fastest)) and writes a PNG plot (--plot, needs matplotlib). With no call flags and no --shapes
 the grid is --grid (default: issue 8's grid on a GPU, 'quick' on the CPU). The measured policy's pick comes from
-its own tuning pass (cache: --cache-dir, else the usual cache directory).
+its own tuning pass (cache: --cache-dir, else the usual cache directory); the checked policy's (--policies ...,checked)
+from its own, into a cache of its own for the run.
 
 Exit status: 0 when every shape had at least one engine timed, 1 otherwise, 2 on bad arguments."""
 from __future__ import annotations
@@ -26,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(format: attn_dispatch/policy/grid.py)")
     g.add_argument("--modes", default="fwd,fwd_bwd", help="comma list of fwd, fwd_bwd (default both)")
     g.add_argument("--providers", default=None, help="time only these, comma list of families or family:provider")
-    g.add_argument("--policies", default="order,measured", help="policies whose picks are marked (order, measured)")
+    g.add_argument("--policies", default="auto,order,measured",
+                   help="policies whose picks are marked: auto (the default policy), order, measured, checked")
     t = parser.add_argument_group("timing")
     defaults = EVAL_SETTINGS
     t.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed calls per engine (first ones compile)")
