@@ -580,13 +580,16 @@ def test_the_shipped_profile_holds_host_and_gpu_splits_from_its_listed_sources()
 # --- the checked policy: the profile, timing only what it cannot separate ----------------------------------
 
 class RecordingMeasured:
-    """The measured policy's tune_bucket, recording what it is asked to time and answering with given times."""
+    """The measured policy's tune_bucket, recording what it is asked to time and answering with given times; its
+    lookup answers with `earlier` (a bucket timed before), else nothing."""
 
-    def __init__(self, times: dict[str, float] | None):
-        self.times, self.asked = times, []
+    scheme = type("Scheme", (), {"key": staticmethod(lambda params: "bucket-1")})()
+
+    def __init__(self, times: dict[str, float] | None, earlier: dict | None = None):
+        self.times, self.earlier, self.asked = times, earlier, []
 
     def lookup(self, params, platform):
-        return None
+        return self.earlier
 
     def tune_bucket(self, params, platform, candidates, *, lengths=None):
         from attn_dispatch.policy import TuneResult
@@ -610,6 +613,14 @@ def checked_policy(tmp_path, times_ms: dict[str, float], measured, margin=0.10):
 CALL = AttentionParams(max_seqlen_q=2048, attn_mask_type="causal")
 
 
+@pytest.fixture
+def timing_allowed(monkeypatch):
+    """The described H100 stands for this machine: the checked policy may time (the stand-in tuner answers)."""
+    from attn_dispatch.policy import checked
+
+    monkeypatch.setattr(checked, "why_not_tunable", lambda params, platform: None)
+
+
 def test_checked_keeps_a_clear_prediction_untimed(tmp_path):
     measured = RecordingMeasured({"cudnn_fused:frontend": 0.5, "flash_attn_4:cute": 1.0})
     policy = checked_policy(tmp_path, {"cudnn_fused:frontend": 2.0, "flash_attn_4:cute": 1.0}, measured)
@@ -619,7 +630,7 @@ def test_checked_keeps_a_clear_prediction_untimed(tmp_path):
         in choice.reason and choice.unit == "ms per step, predicted"
 
 
-def test_checked_times_only_the_providers_within_the_margin_and_takes_the_measured_fastest(tmp_path):
+def test_checked_times_only_the_providers_within_the_margin_and_takes_the_measured_fastest(tmp_path, timing_allowed):
     measured = RecordingMeasured({"cudnn_fused:frontend": 0.9, "cudnn_fused:torch": 0.8, "flash_attn_4:cute": 1.0})
     predicted = {"cudnn_fused:frontend": 1.05, "cudnn_fused:torch": 1.5, "flash_attn_4:cute": 1.0}
     policy = checked_policy(tmp_path, predicted, measured)
@@ -635,7 +646,7 @@ def test_checked_times_only_the_providers_within_the_margin_and_takes_the_measur
     assert wide.choose(CALL, H100, eligible).chosen == "cudnn_fused:torch"
 
 
-def test_checked_keeps_the_prediction_where_it_cannot_time_and_says_why(tmp_path):
+def test_checked_keeps_the_prediction_where_it_cannot_time_and_says_why(tmp_path, caplog):
     from attn_dispatch.policy import MeasuredPolicy
 
     measured = MeasuredPolicy(directory=str(tmp_path / "cache"))
@@ -644,6 +655,23 @@ def test_checked_keeps_the_prediction_where_it_cannot_time_and_says_why(tmp_path
     assert choice.chosen == "flash_attn_4:cute" and choice.unit == "ms per step, predicted"
     assert "were not timed (the platform is not this machine" in choice.reason
     assert measured.cache_for(H100).entries() == {}  # nothing written
+    assert "preference order decides" not in caplog.text  # the measured policy's fallback is not this one's
+
+
+def test_checked_uses_a_bucket_timed_earlier_where_it_cannot_time_now(tmp_path):
+    """A bucket timed before for the close providers answers on a platform that cannot time now (auto would not use
+    it: it lacks FA2, predicted far slower and never timed)."""
+    earlier = {"times_ms": {"cudnn_fused:frontend": 0.8}, "probe_ms": {"flash_attn_4:cute": 1.9}}
+    measured = RecordingMeasured(None, earlier)
+    predicted = {"cudnn_fused:frontend": 1.02, "flash_attn_4:cute": 1.0, "flash_attn_2:torch": 1.5}
+    policy = checked_policy(tmp_path, predicted, measured)
+    eligible = ["cudnn_fused:frontend", "flash_attn_4:cute", "flash_attn_2:torch"]
+    choice = policy.choose(CALL, H100, eligible)
+    assert choice.chosen == "cudnn_fused:frontend" and measured.asked == []
+    assert "timed earlier on this machine, bucket bucket-1" in choice.reason
+    # a bucket missing one of the close providers does not decide
+    measured.earlier = {"times_ms": {"cudnn_fused:frontend": 0.8}}
+    assert policy.choose(CALL, H100, eligible).chosen == "flash_attn_4:cute"
 
 
 def test_checked_defers_to_auto_where_auto_does_not_predict_and_rejects_a_bad_margin(tmp_path):

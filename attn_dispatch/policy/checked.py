@@ -22,7 +22,7 @@ from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
 from .auto import PREDICTED, AutoPolicy
 from .base import Choice
-from .measured import MeasuredPolicy, why_not_tunable
+from .measured import MeasuredPolicy, fastest, why_not_tunable
 
 CHECK_MARGIN = 0.10
 
@@ -46,17 +46,28 @@ class CheckedPolicy:
             return Choice(predicted.chosen, f"{predicted.reason}; not timed: every other provider is predicted "
                                             f"{self.margin:.0%} or more slower", predicted.estimates, PREDICTED)
         why_not = why_not_tunable(params, platform)
-        result = self.measured.tune_bucket(params, platform, close, lengths=lengths)
-        if result.chosen is None:
+        if why_not is None:
+            result = self.measured.tune_bucket(params, platform, close, lengths=lengths)
+            entry, chosen, how = result.entry, result.chosen, "timed now" if result.tuned_now else "timed earlier"
+        else:  # a bucket timed earlier still answers (the measured policy's warning would name the wrong fallback)
+            entry = self.measured.lookup(params, platform) or {}
+            chosen, how = fastest(entry, close) if _covers(entry, close) else None, "timed earlier"
+        if chosen is None:
             why_not = why_not or "each failed while being timed: the measured policy's log says why"
             return Choice(predicted.chosen, f"{predicted.reason}; {', '.join(close)} are predicted within "
                                             f"{self.margin:.0%} of each other but were not timed ({why_not})",
                           predicted.estimates, PREDICTED)
-        times = {**result.entry.get("probe_ms", {}), **result.entry.get("times_ms", {})}
+        times = {**entry.get("probe_ms", {}), **entry.get("times_ms", {})}
         timed = {p: round(times[p], 4) for p in close if times.get(p) is not None}
-        how = "timed now" if result.tuned_now else "timed earlier on this machine"
         forecast = ", ".join(f"{p} {predicted.estimates[p]:.3f}" for p in close)
-        return Choice(result.chosen, f"measured fastest of the providers the profile could not separate (predicted "
-                                     f"within {self.margin:.0%}: {forecast} ms; {how}, bucket {result.bucket}, at "
-                                     f"{result.timed_shape.describe()}): {timed[result.chosen]:.3f} ms per step",
+        shape = AttentionParams(**entry["shape"]).describe() if "shape" in entry else params.describe()
+        return Choice(chosen, f"measured fastest of the providers the profile could not separate (predicted within "
+                              f"{self.margin:.0%}: {forecast} ms; {how} on this machine, bucket "
+                              f"{self.measured.scheme.key(params)}, at {shape}): {timed[chosen]:.3f} ms per step",
                       timed, "ms per step, measured here")
+
+
+def _covers(entry: dict, providers: list[str]) -> bool:
+    """Whether a tuned bucket holds a time (or a pruned probe) for every one of the providers."""
+    times = {**entry.get("probe_ms", {}), **entry.get("times_ms", {})}
+    return all(times.get(p) is not None for p in providers)
