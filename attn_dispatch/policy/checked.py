@@ -50,14 +50,15 @@ class CheckedPolicy:
             result = self.measured.tune_bucket(params, platform, close, lengths=lengths)
             entry, chosen, how = result.entry, result.chosen, "timed now" if result.tuned_now else "timed earlier"
         else:  # a bucket timed earlier still answers (the measured policy's warning would name the wrong fallback)
-            entry = self.measured.lookup(params, platform) or {}
-            chosen, how = fastest(entry, close) if _covers(entry, close) else None, "timed earlier"
+            entry, chosen, how = self.measured.lookup(params, platform) or {}, None, "timed earlier"
+        times = {**entry.get("probe_ms", {}), **entry.get("times_ms", {})}
+        if why_not is not None and all(times.get(p) is not None for p in close):
+            chosen = fastest(entry, close)
         if chosen is None:
             why_not = why_not or "each failed while being timed: the measured policy's log says why"
             return Choice(predicted.chosen, f"{predicted.reason}; {', '.join(close)} are predicted within "
                                             f"{self.margin:.0%} of each other but were not timed ({why_not})",
                           predicted.estimates, PREDICTED)
-        times = {**entry.get("probe_ms", {}), **entry.get("times_ms", {})}
         timed = {p: round(times[p], 4) for p in close if times.get(p) is not None}
         forecast = ", ".join(f"{p} {predicted.estimates[p]:.3f}" for p in close)
         shape = AttentionParams(**entry["shape"]).describe() if "shape" in entry else params.describe()
@@ -66,8 +67,3 @@ class CheckedPolicy:
                               f"{self.measured.scheme.key(params)}, at {shape}): {timed[chosen]:.3f} ms per step",
                       timed, "ms per step, measured here")
 
-
-def _covers(entry: dict, providers: list[str]) -> bool:
-    """Whether a tuned bucket holds a time (or a pruned probe) for every one of the providers."""
-    times = {**entry.get("probe_ms", {}), **entry.get("times_ms", {})}
-    return all(times.get(p) is not None for p in providers)
