@@ -66,4 +66,3 @@ class CheckedPolicy:
                               f"{self.margin:.0%}: {forecast} ms; {how} on this machine, bucket "
                               f"{self.measured.scheme.key(params)}, at {shape}): {timed[chosen]:.3f} ms per step",
                       timed, "ms per step, measured here")
-
