@@ -51,11 +51,11 @@ def test_merge_matches_float64(fmt, dtype):
         torch.testing.assert_close(out.double().cpu(), want, rtol=tol, atol=tol)
         torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
     # in place, into a float32 accumulator, and into the second half's rows (views) only
-    acc, acc_lse = o_a.float(), l_a.clone()
+    acc, acc_lse = o_a.to(torch.float32, copy=True), l_a.clone()
     merge_(acc, acc_lse, o_b, l_b, fmt)
     torch.testing.assert_close(acc.double().cpu(), want, rtol=1e-5, atol=1e-5)
     seq_dim, half = (0 if fmt in ("sbhd", "thd") else 1), o_a.shape[0 if fmt in ("sbhd", "thd") else 1] // 2
-    acc, acc_lse = o_a.float(), l_a.clone()
+    acc, acc_lse = o_a.to(torch.float32, copy=True), l_a.clone()
     merge_to(acc.narrow(seq_dim, half, half), acc_lse.narrow(-1, half, half), acc.narrow(seq_dim, half, half),
              acc_lse.narrow(-1, half, half), o_b.narrow(seq_dim, half, half), l_b.narrow(-1, half, half), fmt)
     torch.testing.assert_close(acc.narrow(seq_dim, half, half).double().cpu(),
