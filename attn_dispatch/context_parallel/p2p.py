@@ -68,8 +68,8 @@ def _thd_aux(cu_q, cu_kv, max_q: int, max_kv: int, aux: AttnAux) -> AttnAux:
 
 
 class Pair:
-    """K and V (or dK and dV) travelling together: one contiguous [2, ...] buffer, so one transfer per hop,
-    when their shapes agree; else two buffers."""
+    """K and V (or dK and dV) travelling together: copies in one contiguous [2, ...] buffer when their shapes
+    agree, else two buffers; or the two tensors themselves (of(copy=False)). One batched transfer per hop."""
 
     def __init__(self, buffers: tuple[torch.Tensor, ...]):
         self.buffers = buffers
@@ -216,7 +216,7 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
             if step == 0:
                 dkv = Pair.of(g.dk, g.dv, copy=False)  # our own K/V's gradient: the partner's part is added below
             else:
-                dkv = _exchange_pair(dkv, g, kind, plan, info, ring)
+                dkv = _exchange_pair(dkv, g, plan, info, ring)
         elif incoming is None:
             dkv = Pair.of(g.dk, g.dv, acc_dtype(q))
         else:
@@ -250,7 +250,7 @@ def _add_grad(acc: torch.Tensor | None, part: torch.Tensor, half: int | None, ha
     return acc
 
 
-def _exchange_pair(own: Pair, g, kind: str, plan: RingPlan, info: GroupInfo, ring: Ring) -> Pair:
+def _exchange_pair(own: Pair, g, plan: RingPlan, info: GroupInfo, ring: Ring) -> Pair:
     """Two ranks: send this rank's contribution to the partner's K/V gradient (g, of the block computed from the
     partner's K/V) to the partner, receive the partner's to ours, and add it into our own (`own`, step 0's)."""
     mine_kind = plan.kind(1, info.rank, (info.rank + 1) % 2)  # the block the partner computed from our K/V
