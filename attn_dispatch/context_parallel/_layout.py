@@ -71,6 +71,12 @@ class Halves:
             return x.index_select(dim, self.index[which])
         return x.narrow(dim, which * self.half, self.half)
 
+    def shape_of(self, x: torch.Tensor, which: int) -> torch.Size:
+        """take(x, which)'s shape (x out/dq/dk-shaped), without gathering thd's rows."""
+        dim = SEQ_DIM[self.fmt]
+        rows = len(self.index[which]) if self.index is not None else self.half
+        return torch.Size((*x.shape[:dim], rows, *x.shape[dim + 1:]))
+
     def add_into(self, dst: torch.Tensor, src: torch.Tensor, which: int) -> None:
         """dst[half which] += src (dst is an out/dq/dk-shaped accumulator)."""
         dim = SEQ_DIM[self.fmt]

@@ -44,32 +44,25 @@ def merge_to(out: torch.Tensor, lse_out: torch.Tensor, out_a: torch.Tensor, lse_
     _layout says; any of them may be views (halves of a shard), out may be out_a (in place), and each output may
     have any float dtype (the arithmetic is float32, float64 for float64). On CUDA one Triton pass
     (_merge_kernel); elsewhere torch ops."""
-    if out is out_a and lse_out is lse_a:
-        merge_(out, lse_out, out_b, lse_b, fmt)
-    elif _merge_kernel.usable(out, lse_out, out_a, lse_a, out_b, lse_b):
+    if _merge_kernel.usable(out, lse_out, out_a, lse_a, out_b, lse_b):
         _merge_kernel.merge(out, lse_out, out_a, lse_a, out_b, lse_b, fmt)
+        return
+    lse_new = torch.logaddexp(lse_a, lse_b.to(lse_a.dtype))
+    ref = _safe(lse_new)
+    w_a = lse_as_out(torch.exp(lse_a - ref), fmt)
+    w_b = lse_as_out(torch.exp(lse_b.to(ref.dtype) - ref), fmt)
+    if out is out_a:  # a float32 accumulator: scaled and added to where it lies
+        out.mul_(w_a).addcmul_(out_b, w_b)
     else:
-        lse_new = torch.logaddexp(lse_a, lse_b.to(lse_a.dtype))
-        ref = _safe(lse_new)
-        w_a = lse_as_out(torch.exp(lse_a - ref), fmt)
-        w_b = lse_as_out(torch.exp(lse_b.to(ref.dtype) - ref), fmt)
         out.copy_(torch.addcmul(out_a.to(ref.dtype) * w_a, out_b, w_b))
-        lse_out.copy_(lse_new)
+    lse_out.copy_(lse_new)
 
 
 def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor,
            fmt: str) -> None:
     """In place: (out_acc, lse_acc) <- merge of itself with (out_i, lse_i). out_acc and lse_acc are float32
     (they may be views of larger accumulators); out_i may be any float dtype."""
-    if _merge_kernel.usable(out_acc, lse_acc, out_i, lse_i):
-        _merge_kernel.merge(out_acc, lse_acc, out_acc, lse_acc, out_i, lse_i, fmt)
-        return
-    lse_new = torch.logaddexp(lse_acc, lse_i)
-    ref = _safe(lse_new)
-    w_old = torch.exp(lse_acc - ref)
-    w_new = torch.exp(lse_i.to(ref.dtype) - ref)
-    out_acc.mul_(lse_as_out(w_old, fmt)).addcmul_(out_i, lse_as_out(w_new, fmt))
-    lse_acc.copy_(lse_new)
+    merge_to(out_acc, lse_acc, out_acc, lse_acc, out_i, lse_i, fmt)
 
 
 def sink_logits(softmax_type: str, softmax_offset: torch.Tensor | None, num_heads: int,

@@ -143,8 +143,7 @@ def _merge_step(out, lse, owned: bool, res, kind: str, halves: Halves | None, fm
         new_out, new_lse = out, lse
     else:
         new_out = torch.empty(out.shape, dtype=dtype, device=out.device)
-        new_lse = torch.empty(lse.shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                              device=lse.device)
+        new_lse = torch.empty(lse.shape, dtype=acc_dtype(new_out), device=lse.device)
         if kind == Q_SECOND:
             _put_rows(new_out, new_lse, halves.take(out, 0), halves.take(lse, 0, lse=True), halves, 0, fmt)
     if kind != Q_SECOND:
@@ -256,7 +255,7 @@ def _exchange_pair(own: Pair, g, plan: RingPlan, info: GroupInfo, ring: Ring) ->
     mine_kind = plan.kind(1, info.rank, (info.rank + 1) % 2)  # the block the partner computed from our K/V
     rows = 0 if mine_kind == KV_FIRST else None
     sent = Pair.of(g.dk, g.dv, copy=False)
-    shapes = [t.shape if rows is None else plan.halves.take(t, 0).shape for t in own.parts]
+    shapes = [t.shape if rows is None else plan.halves.shape_of(t, 0) for t in own.parts]
     got = Pair(tuple(torch.empty(shape, dtype=t.dtype, device=t.device) for shape, t in zip(shapes, own.parts)))
     Ring.wait(ring.start(sent.tagged(TAG_DK), got.tagged(TAG_DK)))
     return Pair(tuple(_add_grad(acc, part, rows, plan.halves, acc.dtype) for acc, part in zip(own.parts, got.parts)))
