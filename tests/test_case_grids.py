@@ -50,7 +50,8 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
                                   "eval-blind9", "eval-blind10", "eval-blind11", "eval-blind12",
                                   "eval-blind13", "eval-blind14", "eval-blind15", "eval-blind16",
                                   "eval-blind17", "eval-blind18", "eval-blind19", "eval-blind20", "eval-blind21",
-                                  "eval-blind22", "eval-blind23", "eval-blind24"])
+                                  "eval-blind22", "eval-blind23", "eval-blind24",
+                                  "eval-blind25"])
 def test_later_blind_grids_cover_the_issue_and_are_disjoint_from_every_other_grid(name):
     grid = CASE_GRIDS[name]()
     assert len(grid) == 48 and len({_shape(c) for c in grid}) == 48
@@ -105,7 +106,8 @@ def test_grids_already_measured_keep_their_draws():
                 "eval-blind20": "60b0902df3537b7185feabf2c6635288",  # blind20-21: committed before measured
                 "eval-blind21": "93f2d6c121cf6ef03032723fe58f4f10",
                 "eval-blind22": "88e413aabf4d1f7af15fd7244f6c94c1",  # blind22-24: committed before measured
-                "eval-blind23": "99022b37cc1c783c697647bc3e5f6bc7", "eval-blind24": "5da4a33c4a5d54d8afcd8c3953e3890e"}
+                "eval-blind23": "99022b37cc1c783c697647bc3e5f6bc7", "eval-blind24": "5da4a33c4a5d54d8afcd8c3953e3890e",
+                "eval-blind25": "85e7227665215e587000fec63e5d0427"}  # blind25: committed before measured
     for name, digest in measured.items():
         labels = str([c.label for c in CASE_GRIDS[name]()])
         assert hashlib.md5(labels.encode()).hexdigest() == digest, name

@@ -219,7 +219,8 @@ BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261
                20261178,  # eval-blind21 (session 18): the first from 20261176, after the rate fit left windows out
                20261181,  # eval-blind22 (session 19): the first from 20261179, the shipped profile unchanged
                20261187,  # eval-blind23 and eval-blind24 (session 19): the first two from 20261182, drawn after the
-               20261188)  # checked policy was written, to check it
+               20261188,  # checked policy was written, to check it
+               20261189)  # eval-blind25 (session 21): the first from 20261189, the profile and policies unchanged
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those

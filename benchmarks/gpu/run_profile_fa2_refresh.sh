@@ -27,7 +27,8 @@
 #        eval-blind20 (session 18, after the local rate fit) and eval-blind21 (after it left windows out), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh sustained   # (full stack, session 19) split GPU time against
 #        sustained and interleaved timing, with nvidia-smi's clocks; eval-blind22 (session 19, the shipped profile);
-#        eval-blind23 and eval-blind24 (session 19), as blind8 with the checked policy's column (--checked)
+#        eval-blind23 and eval-blind24 (session 19), as blind8 with the checked policy's column (--checked); eval-blind25
+#        (session 21), the same
 #   eval-blind15 (session 15), eval-blind16 and eval-blind17 (session 16, after the first-call correction) and
 #        eval-blind18 (session 16, with the profile that ships) and eval-blind19 (session 17, the same), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
@@ -88,7 +89,7 @@ case ${1:-} in
     ;;
   blind7) blind_run eval-blind7 blind7 "${2:-}" "${3:-0}" ;;
   blind8|blind9|blind1[0-9]|blind2[0-2]) REPS=48 blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;  # as blind8 (session 12)
-  blind2[34]) REPS=48 EXTRA=--checked blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;  # and the checked policy's column
+  blind2[345]) REPS=48 EXTRA=--checked blind_run "eval-$1" "$1" "${2:-}" "${3:-0}" ;;  # and the checked policy's column
   sustained)  # (full stack) session 19: is the split's GPU time optimistic under sustained load, per engine?
     source "$(dirname "$0")/setup.sh" > /dev/null
     timeout 420 python3 benchmarks/gpu/check_sustained_gpu.py --out "$OUT/sustained_${tag}.json" 2>&1 | tail -n 40
