@@ -99,6 +99,11 @@ case ${1:-} in
     timeout 300 python3 benchmarks/gpu/calibrate_host_probe.py --out "$OUT/host_probe_${tag}_${2:-a}.json" 2>&1 \
       | tail -n 6
     ;;
+  first-call)  # (full stack) session 21: each policy's first calls in a fresh process, compiles included
+    source "$(dirname "$0")/setup.sh" > /dev/null
+    timeout 560 python3 benchmarks/gpu/check_first_call_cost.py --out "$OUT/first_call_cost_${tag}.json" 2>&1 \
+      | tail -n 60
+    ;;
   fa4-host)  # (full stack) where flash-attn-4's training host time goes: cProfile beside cuDNN (torch)
     source "$(dirname "$0")/setup.sh" > /dev/null
     timeout 240 python3 benchmarks/gpu/profile_fa4_host.py --out "$OUT/fa4_host_profile_${tag}.json" 2>&1 | tail -n 200
