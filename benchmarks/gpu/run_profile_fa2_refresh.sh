@@ -27,8 +27,8 @@
 #        eval-blind20 (session 18, after the local rate fit) and eval-blind21 (after it left windows out), as blind8
 #   bash benchmarks/gpu/run_profile_fa2_refresh.sh sustained   # (full stack, session 19) split GPU time against
 #        sustained and interleaved timing, with nvidia-smi's clocks; eval-blind22 (session 19, the shipped profile);
-#        eval-blind23 and eval-blind24 (session 19), as blind8 with the checked policy's column (--checked); eval-blind25
-#        (session 21), the same
+#        eval-blind23 and eval-blind24 (session 19), as blind8 with the checked policy's column (--checked);
+#        eval-blind25 (session 21), the same
 #   eval-blind15 (session 15), eval-blind16 and eval-blind17 (session 16, after the first-call correction) and
 #        eval-blind18 (session 16, with the profile that ships) and eval-blind19 (session 17, the same), as blind8
 # Then, here: add the refresh files to benchmarks/results/profile/ as split_refresh_fa2_<machine>_from<N>.json.gz,
@@ -101,7 +101,7 @@ case ${1:-} in
     ;;
   first-call)  # (full stack) session 21: each policy's first calls in a fresh process, compiles included
     source "$(dirname "$0")/setup.sh" > /dev/null
-    timeout 560 python3 benchmarks/gpu/check_first_call_cost.py --out "$OUT/first_call_cost_${tag}.json" 2>&1 \
+    timeout 560 python3 benchmarks/gpu/check_first_call_cost.py --out "$OUT/check_first_call_cost_${tag}.json" 2>&1 \
       | tail -n 60
     ;;
   fa4-host)  # (full stack) where flash-attn-4's training host time goes: cProfile beside cuDNN (torch)
