@@ -99,10 +99,14 @@ def main() -> int:
     if args.worker:
         worker(args.worker, args.worker_out)
         return 0
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        ap.error(f"--policies {args.policies!r}: expected a comma list of {', '.join(POLICIES)}")
     from bench_user_step import environment
 
     results = {"environment": environment(), "workload": [c.label for c in workload()], "runs": {}}
-    for policy in args.policies.split(","):
+    for policy in policies:
         with tempfile.TemporaryDirectory(prefix="attn-dispatch-first-") as cache, \
                 tempfile.NamedTemporaryFile(suffix=".json") as part:
             env = {**os.environ, "ATTN_DISPATCH_POLICY": policy, "ATTN_DISPATCH_CACHE_DIR": cache}
