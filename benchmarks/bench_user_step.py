@@ -138,6 +138,23 @@ def sdpa_choice(case: Case, q, k, v) -> str | None:
 SPIN_CYCLES_PER_MS = 2.0e6  # torch.cuda._sleep spins GPU clock cycles: ~1.7-2 GHz on the H100 and H200
 
 
+def block_ms_per_call(run, calls: int) -> float:
+    """Milliseconds per call of `calls` calls of run enqueued back to back between two CUDA events (no
+    synchronisation before them: a steady loop of one function)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        run()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def calls_per_block(first_ms: float, block_ms: float) -> int:
+    """How many back-to-back calls of a step that took first_ms fill a block of ~block_ms (1 to 16)."""
+    return max(1, min(16, round(block_ms / max(first_ms, 1e-3))))
+
+
 @torch.no_grad()  # as time_interleaved runs steps: a training step enables grad itself
 def split_times(run, samples: int = 5, block_ms: float = 3.0) -> dict[str, float]:
     """One function's step split into host and GPU time, medians over `samples` samples of n calls (n: a block of
@@ -156,17 +173,12 @@ def split_times(run, samples: int = 5, block_ms: float = 3.0) -> dict[str, float
     run()
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    n = max(1, min(16, round(block_ms / max(first_ms, 1e-3))))
+    n = calls_per_block(first_ms, block_ms)
     spin_ms = 6.0 + 3.0 * n * min(first_ms, 4.0)  # host time per call is at most the call's, and a few ms
     step, gpu, host, covered = [], [], [], 0
     for _ in range(samples):
+        step.append(block_ms_per_call(run, n))
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            run()
-        b.record()
-        torch.cuda.synchronize()
-        step.append(a.elapsed_time(b) / n)
         torch.cuda._sleep(int(spin_ms * SPIN_CYCLES_PER_MS))
         a.record()
         t0 = time.perf_counter()

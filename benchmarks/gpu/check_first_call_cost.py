@@ -50,7 +50,7 @@ def worker(policy: str, out: str) -> None:
     import torch
 
     from attn_dispatch import DotProductAttention  # noqa: F401 - the import is part of what is timed
-    from bench_user_step import make_tensors, module_for, step_fn
+    from bench_user_step import block_ms_per_call, make_tensors, module_for, step_fn
 
     import_s = time.perf_counter() - t_start
     device = torch.device("cuda")
@@ -71,16 +71,8 @@ def worker(policy: str, out: str) -> None:
         decision = module.last_decision
         for _ in range(3):
             step()
-        samples = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            a.record()
-            for _ in range(5):
-                step()
-            b.record()
-            torch.cuda.synchronize()
-            samples.append(a.elapsed_time(b) / 5)
+        torch.cuda.synchronize()
+        samples = [block_ms_per_call(step, 5) for _ in range(7)]
         rows.append({"label": case.label, "chosen": decision.chosen, "reason": decision.policy_reason[:400],
                      "first_ms": first_ms, "step_ms": statistics.median(samples)})
         print(f"  {policy:9s} {case.label:55s} {decision.chosen:22s} first {first_ms:9.1f} ms  step "

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_user_step import (BLOCK_MS, SETTINGS, environment, make_tensors, module_for, sdpa_fn,  # noqa: E402
-                             split_times, step_fn)
+from bench_user_step import (BLOCK_MS, SETTINGS, block_ms_per_call, calls_per_block, environment,  # noqa: E402
+                             make_tensors, module_for, sdpa_fn, split_times, step_fn)
 from attn_dispatch.benchmarking.cases import Case  # noqa: E402
 from attn_dispatch.policy.timing import time_interleaved  # noqa: E402
 
@@ -40,22 +40,12 @@ SMI_FIELDS = "timestamp,clocks.sm,power.draw.instant,temperature.gpu,clocks_even
 SMI_FALLBACK = "timestamp,clocks.sm,power.draw,temperature.gpu"
 
 
-def block_ms(run, calls: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        run()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / calls
-
-
 def calls_for(run) -> int:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     run()
     torch.cuda.synchronize()
-    return max(1, min(16, round(BLOCK_MS / max((time.perf_counter() - t0) * 1e3, 1e-3))))
+    return calls_per_block((time.perf_counter() - t0) * 1e3, BLOCK_MS)
 
 
 @torch.no_grad()
@@ -63,7 +53,7 @@ def idle_burst(run, repeats: int = 5, idle_s: float = 0.3) -> float:
     n, found = calls_for(run), []
     for _ in range(repeats):
         time.sleep(idle_s)
-        found.append(block_ms(run, n))
+        found.append(block_ms_per_call(run, n))
     return statistics.median(found)
 
 
