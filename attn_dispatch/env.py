@@ -27,6 +27,9 @@ ENV_VARS = (
     "ATTN_DISPATCH_POLICY",
     "ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS",
 )
+# The variables a decision depends on (the debug switches only change what is logged): a plan made under other
+# values of these is stale (freshness.current_stamp).
+DECISION_ENV_VARS = tuple(name for name in ENV_VARS if name not in ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL"))
 
 
 def _flag(name: str, raw: str | None, default: bool) -> bool:
