@@ -27,6 +27,11 @@ ENV_VARS = (
     "ATTN_DISPATCH_POLICY",
     "ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS",
 )
+# One switch for every mechanism that reads private torch or CPython internals to save host time (the C++ tensor
+# guard, autograd's raw apply, the raw CUDA stream, nn.Module.__call__'s shortcut, flash-attn-4's launch replay,
+# the raw environment read of freshness.py): ATTN_DISPATCH_PRIVATE_TORCH=0, read once at import, turns them all off.
+PRIVATE_TORCH = os.environ.get("ATTN_DISPATCH_PRIVATE_TORCH", "1") != "0"
+
 # The variables a decision depends on (the debug switches only change what is logged): a plan made under other
 # values of these is stale (freshness.current_stamp).
 DECISION_ENV_VARS = tuple(name for name in ENV_VARS if name not in ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL"))

@@ -18,6 +18,8 @@ import torch
 from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
 from .backends.base import AttnAux, AttnConfig, Engine, PackedFacts
 from .decision import Decision
+from .env import PRIVATE_TORCH
+from .freshness import current_stamp
 from .params import (BIAS_TYPES, MASK_TYPES, TOP_LEFT_MASKS, AttentionParams, SeqLengths, has_padding,
                      normalize_window)
 from .tensor_cache import cached_on, same_values
@@ -82,19 +84,19 @@ class Plan:
     decision: Decision
     engine: Engine
     cfg: AttnConfig
-    generation: int = 0  # selection.generation() when made: a later one makes the plan stale
+    stamp: tuple = ()  # freshness.current_stamp() when made: the plan stands while the current stamp equals it
 
 
-# Plans one call signature keeps for thd/padding calls (one per longest-sequence pair seen); beyond it they are
-# dropped and remade, so that a stream of packed batches cannot grow them without bound.
-MAX_DYNAMIC_PLANS = 16
+# Plans one call signature keeps for thd/padding calls (one per sequence count and longest-sequence pair seen);
+# beyond it the least recently used is dropped, so that a stream of packed batches cannot grow them without bound.
+MAX_DYNAMIC_PLANS = 64
 
 
 @dataclass
 class Entry:
     """What one raw call signature resolved to. Sequence facts that depend on tensor contents (thd, padding
-    masks) are 'dynamic': re-derived per call, with one Plan per (max_seqlen_q, max_seqlen_kv, pad_between_seqs,
-    lengths_differ)."""
+    masks) are 'dynamic': re-derived per call, with one Plan per SeqInfo.plan_key (every sequence fact that
+    AttentionParams holds: the number of sequences, the longest on each side, gaps, differing lengths)."""
 
     fmt: str
     mask_type: str
@@ -112,7 +114,6 @@ class FastHit:
     aux: AttnAux | None
     max_q: int
     max_kv: int
-    deterministic: bool  # torch.are_deterministic_algorithms_enabled() when planned: a change misses
     guard: Callable[..., bool] | None = None  # tensor_guard of the q, k, v that were validated
     call: Callable[..., Any] | None = None  # the engine's bind_fast for them: (q, k, v) -> out, under the guard
     # For the SDPA function: (guard, call) on its [b, h, s, d] tensors (bind_fast(layout="bhsd")), bound on the
@@ -149,7 +150,7 @@ def _load_tensor_guards() -> Any:
         return None
 
 
-_TensorGuards = _load_tensor_guards()
+_TensorGuards = _load_tensor_guards() if PRIVATE_TORCH else None
 
 
 def arg_signature(x: Any, grad: bool = False) -> Any:
@@ -187,6 +188,10 @@ class SeqInfo:
     min_kv_minus_q: int = 0
     queries_without_keys: bool = False
     facts: dict = field(default_factory=dict)  # (mask type, window) -> PackedFacts, made once (packed_facts)
+
+    def plan_key(self) -> tuple:
+        """The sequence facts a decision reads (build_params puts exactly these into AttentionParams)."""
+        return self.batch, self.max_q, self.max_kv, self.pad_between_seqs, self.lengths_differ
 
 
 # ------------------------------------------------------------------------------------------------
@@ -575,6 +580,7 @@ def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | N
 
     params, notes = plain_params(params)
     for _ in range(len(ENGINE_CLASSES) + 1):
+        stamp = current_stamp()
         decision = selection.select(params, force=spec.backend, lengths=lengths)
         try:
             engine = get_engine(decision.chosen)
@@ -582,7 +588,7 @@ def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | N
             selection.clear_cache()
             continue
         selection.warn_unfused_fallback(decision)
-        return Plan(params, decision.with_notes(*notes), engine, build_config(spec, params), selection.generation())
+        return Plan(params, decision.with_notes(*notes), engine, build_config(spec, params), stamp)
     raise RuntimeError(f"no engine could be loaded for {params.describe()}")
 
 

@@ -32,8 +32,8 @@ from .backends.unfused import draw_dropout_seed
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .fp8 import autocast as _fp8_autocast
-from .env import FAMILIES, EnvFlags
-from .selection import _GENERATION
+from .env import FAMILIES, PRIVATE_TORCH, EnvFlags
+from .freshness import current_stamp
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
@@ -114,7 +114,7 @@ class DotProductAttention(torch.nn.Module):
         self._fast_last: tuple = (None, None, None, None)
         self._bhsd_last: tuple = (None, None)  # the SDPA function's last (training, FastHit with a bhsd call)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
-        self._generation = _GENERATION[0]
+        self._stamp = current_stamp()
         self.last_decision: Decision | None = None
         self.__dict__["_planned"] = True
         self._configure()
@@ -233,7 +233,7 @@ class DotProductAttention(torch.nn.Module):
         engine) cannot spare; every other call, and any module with hooks, goes through them unchanged."""
         if _is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
             return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
-        if self._fast and isinstance(query_layer, torch.Tensor) and not (
+        if self._fast and _SHORTCUT and isinstance(query_layer, torch.Tensor) and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
                 or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
@@ -245,8 +245,8 @@ class DotProductAttention(torch.nn.Module):
                 guard, training, hit, last_call = self._fast_last
                 if hit is not None and hit.call is not None and training is self.training \
                         and (call is last_call or call == last_call) and self.cp_group is None \
-                        and not _FP8_REGIONS[0] and hit.plan.generation == _GENERATION[0] \
-                        and _deterministic_now() is hit.deterministic and guard(query_layer, key_layer, value_layer):
+                        and not _FP8_REGIONS[0] and hit.plan.stamp == current_stamp() \
+                        and guard(query_layer, key_layer, value_layer):
                     plan = hit.plan
                     if self.__dict__["last_decision"] is not plan.decision:
                         self.__dict__["last_decision"] = plan.decision
@@ -451,7 +451,7 @@ class DotProductAttention(torch.nn.Module):
         bound = plan.engine.bind_fast(q, k, v, aux, plan.cfg) if guard is not None and not self.return_max_logit \
             else None  # without the guard a later call could differ in strides or requires_grad
         hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
-                             _deterministic_now(), guard, bound)
+                             guard, bound)
         self._fast[_fast_key(q, k, v, self.training, call)] = hit
         self._fast_last = (hit.guard, self.training, hit, call)
 
@@ -463,11 +463,13 @@ class DotProductAttention(torch.nn.Module):
         self.__dict__.pop("_cp_plans", None)
         self.__dict__.pop("_kv_plans", None)
 
-    def _check_generation(self) -> None:
-        """Plans made before clear_cache() (or an engine load failure, a cuDNN rejection, ...) are stale."""
-        if self._generation != _GENERATION[0]:
+    def _check_stamp(self) -> None:
+        """Plans made under another stamp (freshness: a cleared decision cache, another determinism flag or
+        environment) are stale: drop them all."""
+        stamp = current_stamp()
+        if self._stamp != stamp:
             self._forget_plans()
-            self._generation = _GENERATION[0]
+            self._stamp = stamp
 
     @torch.compiler.disable
     def _dispatch_opaque(self, q, k, v, args: CallArgs):
@@ -534,7 +536,7 @@ class DotProductAttention(torch.nn.Module):
         key = args.plan_key(q, k, v, self.training, _deterministic_now())
         if fp8 is not None:
             key += (fp8[0].recipe.kind, fp8[1])
-        self._check_generation()
+        self._check_stamp()
         entry = self._entries.get(key)
         if entry is None:
             fmt, mask_type, window = self._resolve(args)
@@ -544,8 +546,10 @@ class DotProductAttention(torch.nn.Module):
             seq = inputs.sequence_info(entry.fmt, entry.mask_type, q, k, args)
         else:
             seq = entry.seq
-        seq_key = (seq.max_q, seq.max_kv, seq.pad_between_seqs, seq.lengths_differ)
+        seq_key = seq.plan_key()
         plan = entry.plans.get(seq_key)
+        if plan is not None and entry.dynamic:
+            entry.plans[seq_key] = entry.plans.pop(seq_key)  # most recently used last: the bound drops the oldest
         if plan is None:
             spec = self._spec_now()
             params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
@@ -553,7 +557,7 @@ class DotProductAttention(torch.nn.Module):
             if fp8 is not None:
                 params = _fp8_params(params, fp8)
             if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
-                entry.plans.clear()
+                del entry.plans[next(iter(entry.plans))]
             plan = entry.plans[seq_key] = inputs.make_plan(spec, params, seq.lengths)
             if len(self._entries) >= 64:
                 self._forget_plans()
@@ -664,9 +668,8 @@ _deterministic_now = torch.are_deterministic_algorithms_enabled
 
 
 def _current(hit: inputs.FastHit) -> bool:
-    """Whether a cached plan still stands: no decision cleared since it was made, and torch's determinism flag as it
-    was then (else the call plans again)."""
-    return hit.plan.generation == _GENERATION[0] and _deterministic_now() is hit.deterministic
+    """Whether a cached plan still stands (freshness.current_stamp); else the call plans again."""
+    return hit.plan.stamp == current_stamp()
 
 
 def _fast_key(q, k, v, training: bool, call: CallArgs) -> tuple:
@@ -678,6 +681,8 @@ def _fast_key(q, k, v, training: bool, call: CallArgs) -> tuple:
 
 
 _FP8_REGIONS = _fp8_autocast.ACTIVE
+# __call__'s shortcut reads nn.Module's private hook registries: on only with the private switch on.
+_SHORTCUT = PRIVATE_TORCH
 
 
 def _fp8_params(params, fp8: tuple):

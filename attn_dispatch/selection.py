@@ -8,6 +8,8 @@ default, `order` or `measured`), which returns the pick and why. Decisions are c
 from __future__ import annotations
 
 import logging
+
+from . import freshness
 from .constraints import TABLES
 from .decision import Decision, NoBackendAvailableError, Reason, Verdict
 from .env import FAMILIES, POLICIES, EnvFlags, _validate_forced
@@ -23,10 +25,6 @@ UNKNOWN_PROVIDER = "selection.unknown_provider"
 
 
 _CACHE: dict[tuple, Decision] = {}
-# Bumped by everything that can make a decision made earlier wrong: clear_cache() (an environment change is
-# taken up there, as Transformer Engine reads the environment when it decides), refresh_detected(), an engine
-# that failed to load, a graph cuDNN refused at run time. Modules compare it with their plans' on every call.
-_GENERATION = [0]
 _CACHE_LIMIT = 4096
 _seen_logged: set[tuple] = set()
 _POLICIES: dict[str, Policy] = {}
@@ -62,17 +60,13 @@ def set_policy(name: str, policy: Policy) -> None:
     clear_cache()
 
 
-def generation() -> int:
-    """The current decision generation (see _GENERATION); a plan made under another one is stale."""
-    return _GENERATION[0]
-
-
 def clear_cache() -> None:
-    """Forget every decision, here and in every module's plans (their generation is stale); the environment and
-    torch's determinism flag are read again at the next decision."""
+    """Forget every decision, here and in every module's plans (freshness: their stamp is stale). Called by
+    refresh_detected(), an engine that failed to load, a graph cuDNN refused at run time; an environment change
+    needs no call (a plan's stamp holds the environment it was made under)."""
     _CACHE.clear()
     _seen_logged.clear()
-    _GENERATION[0] += 1
+    freshness.bump_generation()
 
 
 def refresh_detected() -> Platform:

@@ -223,19 +223,22 @@ def test_backend_forcing():
         DotProductAttention(4, 8, backend="warp_drive")
 
 
-def test_environment_is_read_when_deciding_and_clear_cache_reaches_module_plans(monkeypatch):
-    """Transformer Engine's semantics: the environment is read when a decision is made; clear_cache() makes every
-    module decide again (no process-wide watch of the environment)."""
-    import attn_dispatch
-
+def test_an_environment_change_reaches_the_next_call_and_explain_agrees(monkeypatch):
+    """A plan holds the environment it was made under: after NVTE_UNFUSED_ATTN=0 (the only engine on the CPU) the
+    next forward refuses, as explain() and a new module say, and unsetting it lets the module run again."""
     q, k, v = qkv()
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd")
     first = dpa(q, k, v)
+    dpa(q, k, v)  # the cached path
     monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
-    torch.testing.assert_close(dpa(q, k, v), first, rtol=0, atol=0)  # the plan made earlier stands
-    attn_dispatch.clear_cache()
+    assert dpa.explain(q, k, v).chosen is None
     with pytest.raises(NoBackendAvailableError, match="NVTE_UNFUSED_ATTN"):
         dpa(q, k, v)
+    with pytest.raises(NoBackendAvailableError, match="NVTE_UNFUSED_ATTN"):
+        DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd")(q, k, v)
+    monkeypatch.delenv("NVTE_UNFUSED_ATTN")
+    torch.testing.assert_close(dpa(q, k, v), first, rtol=0, atol=0)
+    assert dpa.explain(q, k, v).chosen == dpa.last_decision.chosen
 
 
 def test_plans_are_cached_per_signature():

@@ -17,6 +17,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..env import PRIVATE_TORCH
+
 
 @dataclass(frozen=True)
 class AttnConfig:
@@ -240,7 +242,7 @@ def _raw_apply():
 
 
 _unwrap = None
-_RAW_APPLY = _raw_apply()
+_RAW_APPLY = _raw_apply() if PRIVATE_TORCH else None
 
 
 class EngineUnavailableError(RuntimeError):

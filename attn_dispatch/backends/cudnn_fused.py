@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
+from ..env import PRIVATE_TORCH
 from ..params import TOP_LEFT_MASKS
 from ..tensor_cache import cached_on, capturing
 from . import _torch_native
@@ -57,7 +58,7 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if PRIVATE_TORCH else None
 
 
 def _stream(device: int) -> int:

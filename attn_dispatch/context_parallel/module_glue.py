@@ -60,7 +60,7 @@ def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
     if fp8 is not None:
         region, output_fp8 = fp8
         params = params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
-    module._check_generation()
+    module._check_stamp()
     plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
     plan = plans.get(params)
     if plan is None:

@@ -170,7 +170,7 @@ def explain(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def _plan(module: "DotProductAttention", params: AttentionParams):
-    module._check_generation()
+    module._check_stamp()
     plans = module.__dict__.setdefault("_kv_plans", {})
     plan = plans.get(params)
     if plan is None:

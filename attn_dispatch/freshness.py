@@ -1,0 +1,70 @@
+"""When a plan made earlier still stands: the one invalidation predicate every cached path asks.
+
+A plan (module.py's plan cache, the KV-cache and context-parallel plans, the SDPA function's bound calls) is
+stamped when it is made with `current_stamp()`: the decision generation (selection.clear_cache(), a refreshed
+platform, an engine that failed to load, a graph cuDNN refused), torch's determinism flag, and the raw values of the
+environment variables that change a decision. A plan stands while its stamp equals the current one, so setting
+`NVTE_UNFUSED_ATTN=0` after a first call re-plans the next call, as `explain()` would answer it.
+
+The raw environment read below is one of the private mechanisms env.PRIVATE_TORCH switches off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .env import DECISION_ENV_VARS, PRIVATE_TORCH
+
+_GENERATION = [0]  # bumped by selection.clear_cache(); read here on every call
+_deterministic_now = torch.are_deterministic_algorithms_enabled
+
+
+def _environ_reader():
+    """A function returning the raw values of DECISION_ENV_VARS. os.environ.get decodes every key and value
+    (~2 us for the set); os.environ's own store, keyed by the encoded names, answers in ~0.3 us. That store is a
+    CPython detail, so it is used only where it agrees with os.environ here (checked once), and not at all with
+    the private switch off."""
+    names = DECISION_ENV_VARS
+    environ = os.environ
+
+    def public() -> tuple:
+        return tuple(map(environ.get, names))
+
+    store = getattr(environ, "_data", None)
+    encode = getattr(environ, "encodekey", None)
+    if not PRIVATE_TORCH or not isinstance(store, dict) or encode is None:
+        return public
+    try:
+        keys = tuple(encode(name) for name in names)
+        decode = environ.decodevalue
+        if tuple(None if raw is None else decode(raw) for raw in map(store.get, keys)) != public():
+            return public
+        probe = "ATTN_DISPATCH_FRESHNESS_PROBE"
+        probe_key = encode(probe)
+        environ[probe] = "1"
+        seen = store.get(probe_key)
+        del environ[probe]
+        if seen is None or store.get(probe_key) is not None:
+            return public
+    except Exception:  # noqa: BLE001 - an interpreter that keeps os.environ otherwise: use the public reads
+        return public
+    get = store.get
+    return lambda: tuple(map(get, keys))
+
+
+environ_now = _environ_reader()
+
+
+def current_stamp() -> tuple:
+    """What every plan is checked against: (decision generation, torch's determinism flag, the decision's
+    environment variables as set now)."""
+    return _GENERATION[0], _deterministic_now(), environ_now()
+
+
+def bump_generation() -> None:
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    return _GENERATION[0]
