@@ -11,8 +11,8 @@ FP8 attention runs inside `attn_dispatch.fp8_autocast` with a recipe whose `fp8_
 scaling state lives on the module (`fp8_state`) and checkpoints in its state_dict (`_extra_state`).
 
 forward's keywords travel as one value (attn_dispatch.call_args.CallArgs) to every path: selection's
-(_dispatch/_prepare), explain(), the KV cache and context parallelism; _check_args is where each call's
-arguments are checked before any of them acts.
+(_dispatch/_prepare), explain(), the KV cache and context parallelism; question.route is where each call's
+path is chosen (and what no path takes refused) before any of them acts.
 """
 from __future__ import annotations
 
@@ -25,15 +25,17 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
-from . import call_args, inputs
+from . import call_args, inputs, question, selection
 from .backends._cudnn_graph import CudnnGraphError
 from .backends.base import AttnAux, takes_cached_path
 from .backends.unfused import draw_dropout_seed
 from .call_args import QKV_ONLY, CallArgs
+from .context_parallel import module_glue
 from .decision import Decision
 from .fp8 import autocast as _fp8_autocast
 from .env import FAMILIES, PRIVATE_TORCH, EnvFlags
 from .freshness import current_stamp
+from .kv_cache import attend
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
@@ -328,39 +330,17 @@ class DotProductAttention(torch.nn.Module):
         return self._forward_args(query_layer, key_layer, value_layer, args)
 
     def _forward_args(self, q, k, v, args: CallArgs):
-        """forward past the fast path: check the arguments, then the path that serves them."""
-        self._check_args(args)
-        fp8 = self._fp8_context(args)
-        if fp8 is not None:
-            if args.inference_params is not None:
-                raise ValueError("FP8 attention with a KV cache (inference_params) is not supported by attn-dispatch "
-                                 "(Transformer Engine also runs no fused FP8 attention with a KV cache); run this "
-                                 "call outside fp8_autocast, or with a recipe whose fp8_dpa=False")
-            if self.cp_group is not None:
-                from .context_parallel import module_glue
-
-                return module_glue.forward(self, q, k, v, args, fp8)
-            return self._dispatch(q, k, v, args, fp8)
-        if args.inference_params is not None:
-            from .kv_cache import attend
-
+        """forward past the fast path: the path question.route picks (the same one explain() describes)."""
+        mode, fp8 = question.route(self, args)
+        if mode == question.KV_CACHE:
             return attend.forward(self, q, k, v, args)
-        if self.cp_group is not None:
-            from .context_parallel import module_glue
-
-            return module_glue.forward(self, q, k, v, args)
+        if mode == question.CONTEXT_PARALLEL:
+            return module_glue.forward(self, q, k, v, args, fp8)
         # Under torch.compile the dispatcher stays out of the graph: selection, caches and engines run eagerly, so a
         # compiled model neither traces the decision nor recompiles per call. Eagerly, the disabling wrapper (a few
         # microseconds) is skipped.
         dispatch = self._dispatch_opaque if torch.compiler.is_compiling() else self._dispatch
-        return dispatch(q, k, v, args)
-
-    def _check_args(self, args: CallArgs) -> None:
-        """The checks every call's arguments pass before any path (KV cache, context parallel, selection) acts on
-        them; forward and explain both run it. What depends on the tensors is checked when a signature is first
-        planned (_describe / _prepare)."""
-        if not isinstance(args.fp8_output, bool):
-            raise ValueError(f"fp8_output={args.fp8_output!r} must be True or False")
+        return dispatch(q, k, v, args, fp8)
 
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------
     def _fp8_context(self, args: CallArgs) -> tuple | None:
@@ -477,38 +457,28 @@ class DotProductAttention(torch.nn.Module):
 
     def explain(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 **kwargs: Any) -> Decision:
-        """The Decision forward would act on for these inputs (same keywords as forward), without running it.
-        Never raises for 'nothing qualifies': the Decision lists every backend's reasons."""
-        from . import selection
-
+        """The Decision forward would act on for these inputs (same keywords as forward), without running it:
+        the question forward's path asks (question.ask), answered by the same selection. Raises what forward
+        raises for bad input; never raises for 'nothing qualifies' (the Decision lists every backend's reasons)."""
         unexpected = {k: v for k, v in kwargs.items() if k not in call_args.KEYWORDS}
         if unexpected:
             raise ValueError(f"explain() got unexpected arguments {sorted(unexpected)}; it takes forward's keywords")
         kwargs.pop("fast_zero_fill", None)
         if kwargs.get("core_attention_bias_type") is None:
             kwargs["core_attention_bias_type"] = "no_bias"
-        args = CallArgs(**kwargs)
-        self._check_args(args)
-        fp8 = self._fp8_context(args)
-        if args.inference_params is not None and fp8 is None:
-            from .kv_cache import attend
-
-            return attend.explain(self, query_layer, key_layer, value_layer, args)
-        params, _ = self._describe(query_layer, key_layer, value_layer, args)
-        if fp8 is not None:
-            params = _fp8_params(params, fp8)
-        # as make_plan reads a plain call (under context parallelism these lengths are the rank's)
-        params, notes = inputs.plain_params(params) if self.cp_group is None else (params, ())
-        return selection.explain(params, force=self.backend).with_notes(*notes)
+        asked = question.ask(self, query_layer, key_layer, value_layer, CallArgs(**kwargs))
+        return selection.explain(asked.params, force=self.backend).with_notes(*asked.notes)
 
     # ------------------------------------------------------------------------------------------
-    def _describe(self, q, k, v, args: CallArgs):
-        """Validated (params, signature pieces) for a call; the slow path, also used by explain() and context
-        parallelism (with its per-rank lengths)."""
+    def _describe(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
+        """Validated (params, sequence facts) of a plain call: the slow path's description, which the plan cache
+        keys (_prepare) and explain() answers. fp8: (region, output in FP8) inside fp8_autocast."""
         fmt, mask_type, window = self._resolve(args)
         _guard_ranks(fmt, q, k, v)
         seq = inputs.sequence_info(fmt, mask_type, q, k, args)
         params = inputs.build_params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, args, self.training)
+        if fp8 is not None:
+            params = _fp8_params(params, fp8)
         return params, seq
 
     def _resolve(self, args: CallArgs) -> tuple[str, str, tuple[int, int]]:

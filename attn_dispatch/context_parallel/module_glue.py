@@ -36,18 +36,28 @@ def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Cal
     return out.reshape(*out.shape[:-2], -1)
 
 
-def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """A CP call as selection sees it: params of this rank's shard with the CP mode; the rank's sequence facts
+    (for thd, from the per-rank cu_seqlens); FP8's amax group where the call runs in FP8."""
+
+    params: Any
+    seq: Any
+    mask_type: str
+    amax_group: Any = None
+
+
+def describe(module, q, k, v, args: CallArgs, fp8: tuple | None = None) -> Described:
+    """Validate a CP call as the module would and describe it (forward plans from this, explain answers it)."""
     cp_size = cp_size_of(module.cp_group)
-    if fp8 is not None:
-        amax_group = _fp8_amax_group(fp8[0], module.cp_group, module.cp_comm_type)
+    amax_group = _fp8_amax_group(fp8[0], module.cp_group, module.cp_comm_type) if fp8 is not None else None
     fmt, mask_type, window = module._resolve(args)
     if args.checkpoint_core_attention:
         raise ValueError("checkpoint_core_attention=True is not supported under context parallelism; the ring "
                          "already recomputes nothing it does not need (pass False)")
-    thd = fmt == "thd"
     # The module's checks see this rank's tensors: for thd, the per-rank cu_seqlens (global / cp_size).
     local = args
-    if thd:
+    if fmt == "thd":
         local = args.replace(
             **{name: _local_cu(name, getattr(args, name), cp_size)
                for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")},
@@ -60,6 +70,12 @@ def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
     if fp8 is not None:
         region, output_fp8 = fp8
         params = params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
+    return Described(params, seq, mask_type, amax_group)
+
+
+def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
+    call = describe(module, q, k, v, args, fp8)
+    params, seq = call.params, call.seq
     module._check_stamp()
     plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
     plan = plans.get(params)
@@ -67,16 +83,17 @@ def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
         if len(plans) >= 64:
             plans.clear()
         plan = plans[params] = _plan(module._spec_now(), params, module.cp_group)
-    aux = inputs.make_aux(seq, mask_type, args.attention_mask, args.core_attention_bias, args.alibi_slopes,
+    aux = inputs.make_aux(seq, call.mask_type, args.attention_mask, args.core_attention_bias, args.alibi_slopes,
                           module.softmax_offset)
-    if thd:  # attention() takes the whole-sequence cu_seqlens
+    if params.qkv_format == "thd":  # attention() takes the whole-sequence cu_seqlens
+        cp_size = params.cp_size
         aux = dataclasses.replace(aux, cu_seqlens_q=args.cu_seqlens_q, cu_seqlens_kv=args.cu_seqlens_kv,
                                   cu_seqlens_q_padded=args.cu_seqlens_q_padded,
                                   cu_seqlens_kv_padded=args.cu_seqlens_kv_padded,
                                   max_seqlen_q=seq.max_q * cp_size, max_seqlen_kv=seq.max_kv * cp_size)
     if fp8 is not None:  # made only once the call is planned: a refused call leaves the module without a state
-        call = module._fp8_call(fp8, q.device)
-        aux.extra["fp8"] = dataclasses.replace(call, group=amax_group, exchange_group=module.cp_group)
+        fp8_call = module._fp8_call(fp8, q.device)
+        aux.extra["fp8"] = dataclasses.replace(fp8_call, group=call.amax_group, exchange_group=module.cp_group)
     return plan, aux
 
 

@@ -16,7 +16,6 @@ from ..params import AttentionParams, is_causal
 from .inference_params import InferenceParams, KVCacheError
 
 if TYPE_CHECKING:
-    from ..decision import Decision
     from ..module import DotProductAttention
 
 CAUSAL_UNDER_CACHE = "padding_causal_bottom_right"
@@ -140,33 +139,32 @@ def params_for(module: "DotProductAttention", ip: InferenceParams, q: torch.Tens
         inference_kv_cache=True, kv_cache_paged=ip.is_paged, kv_page_size=ip.page_size if ip.is_paged else None)
 
 
+def describe(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             args: CallArgs) -> AttentionParams:
+    """Validate a KV-cache step as forward does (nothing is written) and describe it as selection sees it."""
+    ip = args.inference_params
+    fmt, mask, window = _resolve(module, args)
+    _check_call(module, ip, q, k, v, fmt, args)
+    return params_for(module, ip, q, k, v, mask, window)
+
+
 def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             args: CallArgs) -> torch.Tensor:
     """The step's output, heads merged as forward returns it; args.inference_params is the cache."""
     ip = args.inference_params
-    fmt, mask, window = _resolve(module, args)
-    _check_call(module, ip, q, k, v, fmt, args)
+    params = describe(module, q, k, v, args)
+    fmt = module.qkv_format if args.qkv_format is None else args.qkv_format
     layer = module.layer_number
     ip.check_layer_free(layer)
     step = ip.current_step
     k_new, v_new = ip.gather_new(k, fmt), ip.gather_new(v, fmt)
     ip.check_new_kv(k_new, v_new)
     q_new = ip.gather_new(q, fmt)
-    plan = _plan(module, params_for(module, ip, q, k, v, mask, window))  # raises before the cache is written
+    plan = _plan(module, params)  # raises before the cache is written
     cache = ip.append(layer, k_new, v_new)
     module.__dict__["last_decision"] = plan.decision
     out = plan.engine.forward_kv_cache(q_new, cache, step.cu_q, step.max_q, plan.cfg)
     return ip.scatter_out(out.flatten(-2), fmt, q)
-
-
-def explain(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            args: CallArgs) -> "Decision":
-    from .. import selection
-
-    ip = args.inference_params
-    fmt, mask, window = _resolve(module, args)
-    _check_call(module, ip, q, k, v, fmt, args)
-    return selection.explain(params_for(module, ip, q, k, v, mask, window), force=module.backend)
 
 
 def _plan(module: "DotProductAttention", params: AttentionParams):
