@@ -74,6 +74,7 @@ class ModuleSpec:
     cp_comm_type: str
     backend: str | None  # forced provider ('family' or 'family:provider'), our extension
     softcap: float = 0.0  # logit soft-capping, our extension
+    policy: str | None = None  # the selection policy's name; None: ATTN_DISPATCH_POLICY's
 
 
 @dataclass
@@ -581,7 +582,7 @@ def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | N
     params, notes = plain_params(params)
     for _ in range(len(ENGINE_CLASSES) + 1):
         stamp = current_stamp()
-        decision = selection.select(params, force=spec.backend, lengths=lengths)
+        decision = selection.select(params, force=spec.backend, policy=spec.policy, lengths=lengths)
         try:
             engine = get_engine(decision.chosen)
         except EngineUnavailableError:

@@ -1,8 +1,9 @@
 """DotProductAttention: Transformer Engine 2.x's module interface, with the engine chosen per call by
 attn_dispatch.selection and the reasons kept in `last_decision` / `explain()`.
 
-Differences from Transformer Engine, on purpose: `backend=` forces an engine and `softcap=` caps the logits
-(Gemma 2's soft-capping), both our extensions; bad input raises ValueError (not AssertionError); a padding
+Differences from Transformer Engine, on purpose: `backend=` forces an engine, `policy=` picks this module's
+selection policy (else ATTN_DISPATCH_POLICY's) and `softcap=` caps the logits (Gemma 2's soft-capping), our
+extensions; bad input raises ValueError (not AssertionError); a padding
 attention_mask must put padding after the real tokens,
 and is not accepted together with cu_seqlens; a window (-1, 0) on a non-causal mask is a real window
 (Transformer Engine resets it to (-1, -1)); with thd and no max_seqlen the exact longest sequence is used
@@ -33,7 +34,7 @@ from .call_args import QKV_ONLY, CallArgs
 from .context_parallel import module_glue
 from .decision import Decision
 from .fp8 import autocast as _fp8_autocast
-from .env import FAMILIES, PRIVATE_TORCH, EnvFlags
+from .env import FAMILIES, POLICIES, PRIVATE_TORCH, EnvFlags
 from .freshness import current_stamp
 from .kv_cache import attend
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
@@ -61,7 +62,7 @@ class DotProductAttention(torch.nn.Module):
                  attention_type: str = "self", cp_group: Any = None, cp_global_ranks: list[int] | None = None,
                  cp_stream: Any = None, cp_comm_type: str = "p2p", softmax_scale: float | None = None,
                  softmax_type: str = "vanilla", return_max_logit: bool = False, *, backend: str | None = None,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, policy: str | None = None) -> None:
         super().__init__()
         heads = inputs._positive_int("num_attention_heads", num_attention_heads)
         dim_qk, dim_v = _kv_channels(kv_channels)
@@ -93,6 +94,7 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_type = softmax_type
         self.return_max_logit = return_max_logit
         self.backend = backend
+        self.policy = policy
         self.get_rng_state_tracker = get_rng_state_tracker
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         # Transformer Engine draws attention dropout inside the RNG tracker's fork(), except with sequence parallelism.
@@ -132,7 +134,7 @@ class DotProductAttention(torch.nn.Module):
             softmax_scale=self._softmax_scale, attention_dropout=self._attention_dropout,
             softmax_type=self.softmax_type, return_max_logit=self._return_max_logit,
             attention_type=self.attention_type, deterministic=False, cp_comm_type=self.cp_comm_type,
-            backend=self._backend, softcap=self._softcap)
+            backend=self._backend, softcap=self._softcap, policy=self._policy)
         self._forget_plans()
 
     def _spec_now(self) -> inputs.ModuleSpec:
@@ -208,6 +210,18 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"backend={value!r} names no backend; use one of {', '.join(FAMILIES)} "
                              "(optionally 'family:provider'), or None")
         self.__dict__["_backend"] = value
+        self._configure()
+
+    @property
+    def policy(self) -> str | None:
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: str | None) -> None:
+        if value is not None and value not in POLICIES:
+            raise ValueError(f"policy={value!r} is not a policy; use one of {', '.join(POLICIES)}, or None "
+                             "(ATTN_DISPATCH_POLICY's, 'auto' by default)")
+        self.__dict__["_policy"] = value
         self._configure()
 
     @property
@@ -467,7 +481,7 @@ class DotProductAttention(torch.nn.Module):
         if kwargs.get("core_attention_bias_type") is None:
             kwargs["core_attention_bias_type"] = "no_bias"
         asked = question.ask(self, query_layer, key_layer, value_layer, CallArgs(**kwargs))
-        return selection.explain(asked.params, force=self.backend).with_notes(*asked.notes)
+        return selection.explain(asked.params, force=self.backend, policy=self.policy).with_notes(*asked.notes)
 
     # ------------------------------------------------------------------------------------------
     def _describe(self, q, k, v, args: CallArgs, fp8: tuple | None = None):

@@ -335,13 +335,14 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
 
 def first_call_under(policy: str, cache: str, case: Case, device: torch.device, q, k, v, dout, kwargs, *,
                      clear: bool) -> tuple[DotProductAttention, object, float]:
-    """A module deciding under ATTN_DISPATCH_POLICY=policy with a tuning cache of its own, called once: it decides
+    """A module deciding under `policy` (its policy= setting) with a tuning cache of its own, called once: it decides
     (and tunes) on that call, with the very tensors it is then timed on; later calls take its plan. (module, its
     step, the first call's ms). clear: selection.clear_cache() first."""
-    with environment_set(ATTN_DISPATCH_POLICY=policy, ATTN_DISPATCH_CACHE_DIR=cache):
+    with environment_set(ATTN_DISPATCH_CACHE_DIR=cache):
         if clear:
             selection.clear_cache()
         module = module_for(case, None, device)
+        module.policy = policy
         step = step_fn(module, q, k, v, dout, kwargs, case.train)
         t0 = time.perf_counter()
         step()
