@@ -1,9 +1,9 @@
 """When a plan made earlier still stands: the one invalidation predicate every cached path asks.
 
 A plan (module.py's plan cache, the KV-cache and context-parallel plans, the SDPA function's bound calls) is
-stamped when it is made with `current_stamp()`: the decision generation (selection.clear_cache(), a refreshed
-platform, an engine that failed to load, a graph cuDNN refused), torch's determinism flag, and the raw values of the
-environment variables that change a decision. A plan stands while its stamp equals the current one, so setting
+stamped when it is made with `current_stamp()`: the runtime facts value (replaced by an engine that failed to load, a
+graph cuDNN refused, selection.clear_cache()), torch's determinism flag, and the raw values of the environment
+variables that change a decision. A plan stands while its stamp equals the current one, so setting
 `NVTE_UNFUSED_ATTN=0` after a first call re-plans the next call, as `explain()` would answer it.
 
 The raw environment read below is one of the private mechanisms env.PRIVATE_TORCH switches off.
@@ -14,9 +14,9 @@ import os
 
 import torch
 
+from . import runtime_facts
 from .env import DECISION_ENV_VARS, PRIVATE_TORCH
 
-_GENERATION = [0]  # bumped by selection.clear_cache(); read here on every call
 _deterministic_now = torch.are_deterministic_algorithms_enabled
 
 
@@ -57,14 +57,9 @@ environ_now = _environ_reader()
 
 
 def current_stamp() -> tuple:
-    """What every plan is checked against: (decision generation, torch's determinism flag, the decision's
+    """What every plan is checked against: (the runtime facts, torch's determinism flag, the decision's
     environment variables as set now)."""
-    return _GENERATION[0], _deterministic_now(), environ_now()
+    return _current_facts(), _deterministic_now(), environ_now()
 
 
-def bump_generation() -> None:
-    _GENERATION[0] += 1
-
-
-def generation() -> int:
-    return _GENERATION[0]
+_current_facts = runtime_facts.current

@@ -574,7 +574,7 @@ def plain_params(params: AttentionParams) -> tuple[AttentionParams, tuple[str, .
 
 def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | None = None) -> Plan:
     """Select and load the engine. One that fails to load (a flash-attn wheel built for another torch, say) is
-    recorded (backends.LOAD_FAILURES, which its table then reports as the reason), decisions are forgotten, and
+    recorded (runtime_facts, which its table then reports as the reason, and which makes decisions anew), and
     selection runs again without it; a forced one raises with that reason. lengths: a packed call's own, for a
     policy that times it (SeqInfo.lengths)."""
     from . import selection
@@ -585,8 +585,7 @@ def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | N
         decision = selection.select(params, force=spec.backend, policy=spec.policy, lengths=lengths)
         try:
             engine = get_engine(decision.chosen)
-        except EngineUnavailableError:
-            selection.clear_cache()
+        except EngineUnavailableError:  # recorded as a runtime fact: selecting again leaves it out
             continue
         selection.warn_unfused_fallback(decision)
         return Plan(params, decision.with_notes(*notes), engine, build_config(spec, params), stamp)

@@ -14,6 +14,9 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from . import runtime_facts
+from .runtime_facts import RuntimeFacts
+
 # Engine packages we know how to use: spec key -> (distribution name, import name).
 ENGINE_PACKAGES: dict[str, tuple[str, str]] = {
     # flash-attn 2.x is probed by its compiled extension: with only flash-attn-4 installed,
@@ -24,6 +27,8 @@ ENGINE_PACKAGES: dict[str, tuple[str, str]] = {
     "cudnn-frontend": ("nvidia-cudnn-frontend", "cudnn"),
 }
 
+
+_LIVE: list = [None, None]  # (the runtime facts, the live platform carrying them)
 
 @dataclass(frozen=True)
 class PackageStatus:
@@ -50,13 +55,16 @@ class Platform:
     packages: tuple[PackageStatus, ...] = ()
     torch_flash_sdpa: bool = False  # torch built with its vendored FlashAttention-2 kernels
     torch_cudnn_sdpa: bool = False  # torch built with its cuDNN SDPA path
+    # what this process learned while running (the live machine only; compared by identity)
+    facts: RuntimeFacts = runtime_facts.NONE
     name: str = field(default="custom", compare=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.device_type, self.compute_capability, self.device_name,
                                                 self.cuda_version, self.cudnn_version, self.torch_version,
-                                                self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa)))
+                                                self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa,
+                                                self.facts)))
         # Answers the tables ask for on every fresh decision, computed once.
         cc = self.compute_capability
         object.__setattr__(self, "_sm", cc[0] * 10 + cc[1] if cc else 0)
@@ -118,8 +126,14 @@ class Platform:
     # --- constructors -----------------------------------------------------------------------
     @staticmethod
     def detect() -> "Platform":
-        """The live machine, probed once per process (see `refresh_detected`)."""
-        return _detect_cached()
+        """The live machine, probed once per process (see `refresh_detected`), with what this process learned
+        about it while running (runtime_facts)."""
+        facts = runtime_facts.current()
+        known, platform = _LIVE
+        if known is not facts:
+            platform = replace(_detect_cached(), facts=facts)
+            _LIVE[:] = [facts, platform]
+        return platform
 
     @staticmethod
     def parse(spec: str) -> "Platform":
@@ -209,6 +223,7 @@ def _detect_cached() -> Platform:
 def refresh_detected() -> Platform:
     """Probe again (after installing a package in a running process, say)."""
     _detect_cached.cache_clear()
+    _LIVE[:] = [None, None]
     return Platform.detect()
 
 

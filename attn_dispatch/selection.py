@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from . import freshness
+from . import runtime_facts
 from .constraints import TABLES
 from .decision import Decision, NoBackendAvailableError, Reason, Verdict
 from .env import FAMILIES, POLICIES, EnvFlags, _validate_forced
@@ -61,12 +61,12 @@ def set_policy(name: str, policy: Policy) -> None:
 
 
 def clear_cache() -> None:
-    """Forget every decision, here and in every module's plans (freshness: their stamp is stale). Called by
-    refresh_detected(), an engine that failed to load, a graph cuDNN refused at run time; an environment change
-    needs no call (a plan's stamp holds the environment it was made under)."""
+    """Forget every decision, here and in every module's plans (a new runtime-facts value: their stamp is stale).
+    A new runtime fact (an engine that failed to load, a graph cuDNN refused) or an environment change needs no
+    call: the live platform carries the facts and a plan's stamp the environment it was made under."""
     _CACHE.clear()
     _seen_logged.clear()
-    freshness.bump_generation()
+    runtime_facts.renew()
 
 
 def refresh_detected() -> Platform:

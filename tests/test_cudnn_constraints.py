@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from attn_dispatch import runtime_facts
+
 from attn_dispatch import AttentionParams, EnvFlags, Platform, explain
 from attn_dispatch.constraints import TABLES
 from attn_dispatch.constraints import cudnn_fused as cf
@@ -319,11 +321,10 @@ def test_pinning_fp8_or_arbitrary():
 
 # --- run-time rejections reach explain() on the live platform only ---------------------------------------------
 def test_runtime_rejection_is_reported_on_live_platform_only(monkeypatch):
-    monkeypatch.setattr(cf, "REJECTIONS", {})
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
     p = params(attn_mask_type="causal")
-    live = plat("h100-cudnn9")
-    object.__setattr__(live, "name", "live")
-    cf.record_rejection(cf.rejection_signature(p, False, "bwd"), "cudnnGraphNotSupportedError: no engine")
+    runtime_facts.record_rejection(cf.rejection_signature(p, False, "bwd"), "cudnnGraphNotSupportedError: no engine")
+    live = dataclasses.replace(plat("h100-cudnn9"), facts=runtime_facts.current(), name="live")
     r = reason(FRONTEND, p, live, "cudnn_fused.cudnn_rejected")
     assert "bwd graph" in r.message and "no engine" in r.message
     assert "cudnn_fused.cudnn_rejected" not in codes(FRONTEND, p.replace(is_training=False), live)

@@ -10,6 +10,8 @@ GPU (tests/gpu/test_cudnn_gpu.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ctypes
 import enum
 import itertools
@@ -18,6 +20,8 @@ import types
 
 import pytest
 import torch
+
+from attn_dispatch import runtime_facts
 
 from attn_dispatch.backends import cudnn_fused as eng
 from attn_dispatch.backends.base import AttnAux, AttnConfig, PackedFacts
@@ -557,7 +561,7 @@ def test_graphs_are_cached_per_configuration(engine):
 def test_graph_errors_carry_cudnn_message_and_are_recorded(engine, monkeypatch):
     from attn_dispatch.constraints import cudnn_fused as table
 
-    monkeypatch.setattr(table, "REJECTIONS", {})
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 
     def refuse(self):
         raise RuntimeError("cudnnGraphNotSupportedError: [cudnn_frontend] No valid engine configs")
@@ -567,7 +571,7 @@ def test_graph_errors_carry_cudnn_message_and_are_recorded(engine, monkeypatch):
     with pytest.raises(eng.CudnnGraphError, match="No valid engine configs") as info:
         engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
     assert info.value.stage == "check_support" and info.value.phase == "fwd"
-    assert any("No valid engine configs" in m for m in table.REJECTIONS.values())
+    assert any("No valid engine configs" in m for m in runtime_facts.current().rejections.values())
     with pytest.raises(eng.CudnnGraphError):  # the failure is cached: no second build attempt
         engine(q, q, q, AttnAux(), AttnConfig(softmax_scale=0.3))
 
@@ -581,7 +585,7 @@ def test_a_cached_refusal_keeps_no_frames_or_tensors_alive(engine, monkeypatch):
 
     from attn_dispatch.constraints import cudnn_fused as table
 
-    monkeypatch.setattr(table, "REJECTIONS", {})
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 
     def refuse(self):
         raise RuntimeError("cudnnGraphNotSupportedError: [cudnn_frontend] No valid engine configs")
@@ -651,13 +655,13 @@ def test_ragged_graphs_and_the_ordered_path_give_the_same_results(engine):
 def test_forward_reports_a_backward_cuDNN_refuses(engine, monkeypatch):
     from attn_dispatch.constraints import cudnn_fused as table
 
-    monkeypatch.setattr(table, "REJECTIONS", {})
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
     q, k, v, cfg = _dense_call(d=264)
     ran = FakeGraph.executions
     with pytest.raises(eng.CudnnGraphError, match="less than or equal to 256") as info:
         engine(q, k, v, AttnAux(), cfg)
     assert info.value.phase == "bwd" and FakeGraph.executions == ran  # refused before any kernel ran
-    assert any(sig[-1] == "bwd" for sig in table.REJECTIONS)
+    assert any(sig[-1] == "bwd" for sig in runtime_facts.current().rejections)
     out, _, _ = engine(*(t.detach() for t in (q, k, v)), AttnAux(), cfg)  # inference needs no backward graph
     assert out.shape == (2, 12, 4, 264)
 
@@ -776,7 +780,7 @@ def test_a_refused_graph_excludes_the_call_in_the_live_table(engine, monkeypatch
     from attn_dispatch import AttentionParams
     from attn_dispatch.constraints import cudnn_fused as table
 
-    monkeypatch.setattr(table, "REJECTIONS", {})
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 
     def refuse(self):
         raise GraphNotSupported("no engine for this graph")
@@ -784,8 +788,7 @@ def test_a_refused_graph_excludes_the_call_in_the_live_table(engine, monkeypatch
     monkeypatch.setattr(FakeGraph, "validate", refuse)
     p = AttentionParams(**{**dict(dtype="bf16", batch_size=2, num_heads=4, head_dim_qk=64, max_seqlen_q=128), **kw})
     assert _attempt(engine, p) is not None
-    live = _h100()
-    object.__setattr__(live, "name", "live")
+    live = dataclasses.replace(_h100(), facts=runtime_facts.current(), name="live")
     reasons = {r.code: r.message for r in _frontend_table().evaluate(p, live, _no_env()).reasons}
     assert "no engine for this graph" in reasons.get("cudnn_fused.cudnn_rejected", ""), reasons
     assert "cudnn_fused.cudnn_rejected" not in {r.code for r in _frontend_table().evaluate(

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from attn_dispatch import runtime_facts
+
 import fp8_fake_cudnn as fake
 from attn_dispatch import AttentionParams, Platform, explain
 from attn_dispatch.backends import cudnn_fused as cd
@@ -396,7 +398,7 @@ def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, mo
     from attn_dispatch.backends._cudnn_graph import CudnnGraphError
     from attn_dispatch.constraints import cudnn_fused as table
 
-    monkeypatch.setattr(table, "REJECTIONS", {})
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
     monkeypatch.setattr(fake.Graph, "refuse", {"bwd"})
     state = FP8ScalingState(DelayedScaling(fp8_dpa=True))
     before = (state.scale.clone(), state.amax_history.clone())
@@ -404,7 +406,7 @@ def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, mo
     with pytest.raises(CudnnGraphError, match="stand-in refuses the FP8 bwd graph"):
         _call(engine, q, k, v, state)  # training: the backward graph is built before anything is quantized
     assert torch.equal(state.scale, before[0]) and torch.equal(state.amax_history, before[1])
-    assert any(sig[-1] == "fp8_bwd" for sig in table.REJECTIONS)
+    assert any(sig[-1] == "fp8_bwd" for sig in runtime_facts.current().rejections)
     with pytest.raises(CudnnGraphError, match="stand-in refuses the FP8 bwd graph"):
         _call(engine, q, k, v, state)  # from the failure cache, which keeps no frames (and so no tensors) alive
     assert engine._failures and all(f.__traceback__ is None for f in engine._failures.values())

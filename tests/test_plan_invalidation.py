@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attn_dispatch import runtime_facts
+
 import attn_dispatch
 from attn_dispatch import DotProductAttention, backends, constraints, selection
 from attn_dispatch.constraints.base import Table, fail
@@ -109,7 +111,7 @@ def test_an_engine_that_fails_to_load_is_skipped_with_its_reason(monkeypatch):
     monkeypatch.setattr(selection, "TABLES", tables)
     monkeypatch.setattr(constraints, "TABLES", tables)
     monkeypatch.setitem(backends.ENGINE_CLASSES, "unfused:broken", "attn_dispatch_no_such_module:Engine")
-    monkeypatch.delitem(backends.LOAD_FAILURES, "unfused:broken", raising=False)
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
     attn_dispatch.clear_cache()
     q, k, v = qkv()
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
@@ -120,7 +122,6 @@ def test_an_engine_that_fails_to_load_is_skipped_with_its_reason(monkeypatch):
     verdict = dpa.explain(q, k, v).verdict("unfused", "broken")
     assert not verdict.eligible and any("failed to load" in r.message and "attn_dispatch_no_such_module" in r.message
                                         for r in verdict.reasons)
-    monkeypatch.delitem(backends.LOAD_FAILURES, "unfused:broken", raising=False)
     attn_dispatch.clear_cache()
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 
+from ..runtime_facts import record_load_failure
 from .base import AttnAux, AttnConfig, BwdResult, Engine, EngineUnavailableError, FwdResult
 
 # provider id -> "module:class". The order within a family is the providers' preference order.
@@ -18,7 +19,6 @@ ENGINE_CLASSES: dict[str, str] = {
 }
 
 _INSTANCES: dict[str, Engine] = {}
-LOAD_FAILURES: dict[str, str] = {}  # provider id -> why loading failed in this process
 
 
 def get_engine(provider_id: str) -> Engine:
@@ -31,11 +31,11 @@ def get_engine(provider_id: str) -> Engine:
     try:
         engine = getattr(importlib.import_module(module_name), class_name)()
     except (ImportError, OSError, RuntimeError) as exc:
-        LOAD_FAILURES[provider_id] = f"{type(exc).__name__}: {exc}"
+        record_load_failure(provider_id, f"{type(exc).__name__}: {exc}")
         raise EngineUnavailableError(f"{provider_id} failed to load: {exc}") from exc
     _INSTANCES[provider_id] = engine
     return engine
 
 
 __all__ = ["AttnAux", "AttnConfig", "BwdResult", "Engine", "EngineUnavailableError", "FwdResult",
-           "ENGINE_CLASSES", "LOAD_FAILURES", "get_engine"]
+           "ENGINE_CLASSES", "get_engine"]

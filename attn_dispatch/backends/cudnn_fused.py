@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..constraints.cudnn_fused import diagonal_band, graph_bucket, record_rejection
+from ..constraints.cudnn_fused import diagonal_band, graph_bucket
+from ..runtime_facts import record_rejection
 from ..env import PRIVATE_TORCH
 from ..params import TOP_LEFT_MASKS
 from ..tensor_cache import cached_on, capturing

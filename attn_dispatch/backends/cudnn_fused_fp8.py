@@ -26,6 +26,7 @@ import torch
 
 from ..fp8 import quantize as fp8q
 from ..fp8.output import Float8Output
+from ..runtime_facts import record_rejection
 from ..fp8.state import BACKWARD, FORWARD, INDEX, FP8ScalingState
 from . import cudnn_fused as _cd
 from ._cudnn_graph import CudnnGraphError, build_graph, contiguous_strides
@@ -196,7 +197,6 @@ class CudnnFP8Engine(Engine):
                     while len(self._graphs) > GRAPH_CACHE_SIZE:
                         self._graphs.popitem(last=False)
                 return built
-        from ..constraints.cudnn_fused import record_rejection
 
         record_rejection(signature, failure.cudnn_message)  # the table excludes this signature from now on
         raise failure.fresh()

@@ -77,11 +77,7 @@ def package(table: Table, key: str, *, minimum: str | None, tested_max: str | No
 def loads(table: Table) -> Check:
     """The engine's package imported without error in this process (checked once it was first tried)."""
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-        if plat.name != "live":
-            return None
-        from ..backends import LOAD_FAILURES
-
-        error = LOAD_FAILURES.get(table.id)
+        error = plat.facts.load_failures.get(table.id)
         if error:
             return fail(f"{table.id} failed to load in this process: {error}",
                         "reinstall the package; `attn-dispatch platform` shows what was found")

@@ -792,13 +792,14 @@ def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
 
 def rejected_in_this_process(p: AttentionParams, plat: Platform, env: EnvFlags, phases: tuple[str, str],
                              what: str, fix: str) -> Failure | None:
-    """The failure for a call whose graph cuDNN refused earlier in this process (REJECTIONS, recorded by the
+    """The failure for a call whose graph cuDNN refused earlier in this process (the live platform's runtime facts, recorded by the
     engines), by phase: phases[0] (the forward) always, phases[1] (the backward) in training."""
-    if plat.name != "live" or not REJECTIONS:
+    rejections = plat.facts.rejections
+    if not rejections:
         return None
     det = deterministic_demanded(p, env)
     for phase in phases if p.is_training else phases[:1]:
-        message = REJECTIONS.get(rejection_signature(p, det, phase))
+        message = rejections.get(rejection_signature(p, det, phase))
         if message:
             return fail(f"cuDNN rejected this {what} ({phase} graph) in this process: {message}", fix)
     return None
@@ -932,7 +933,6 @@ def _torch_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | N
 # --------------------------------------------------------------------------------------------
 # Rejections observed at run time (the engine records cuDNN's message; the frontend table reports it)
 # --------------------------------------------------------------------------------------------
-REJECTIONS: dict[tuple, str] = {}
 
 
 def rejection_signature(p: AttentionParams, deterministic: bool, phase: str) -> tuple:
@@ -941,13 +941,6 @@ def rejection_signature(p: AttentionParams, deterministic: bool, phase: str) -> 
     return (p.dtype, p.qkv_format, p.num_heads, p.num_gqa_groups, p.head_dim_qk, p.head_dim_v, p.max_seqlen_q,
             p.max_seqlen_kv, effective_mask(p), tuple(p.window_size), bias, shape, p.dropout > 0, p.softmax_type,
             deterministic and phase == "bwd", phase)
-
-
-def record_rejection(signature: tuple, message: str) -> None:
-    REJECTIONS[signature] = message
-    from ..selection import clear_cache
-
-    clear_cache()  # cached decisions predate what cuDNN just said
 
 
 @FRONTEND_TABLE.note
