@@ -7,7 +7,7 @@ from .params import AttentionParams
 from .platform import Platform
 from .selection import clear_cache, explain, preference_order, select
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AttentionParams", "Decision", "DotProductAttention", "EnvFlags", "InferenceParams", "KVCacheError",

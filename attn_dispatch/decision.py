@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from .report import render_decision
 
 
 class Reason(BaseModel):
@@ -35,7 +36,6 @@ class Verdict(BaseModel):
 
 class Decision(BaseModel):
     """Immutable: a cached decision is shared by every call that hits it (model_copy(update=...) derives one)."""
-
     model_config = ConfigDict(frozen=True)
 
     chosen: str | None = None           # provider id 'family:provider', None when nothing qualifies
@@ -84,8 +84,6 @@ class Decision(BaseModel):
         return [r for v in self.verdicts if v.backend == backend for r in v.reasons]
 
     def summary(self, *, width: int = 100) -> str:
-        from .report import render_decision
-
         return render_decision(self, width=width)
 
     def __str__(self) -> str:
@@ -94,7 +92,6 @@ class Decision(BaseModel):
 
 class NoBackendAvailableError(RuntimeError):
     """Nothing qualifies (or the forced backend does not). Carries the Decision; the message has every reason."""
-
     def __init__(self, decision: Decision):
         self.decision = decision
         super().__init__(_error_message(decision))

@@ -20,8 +20,9 @@ from .backends.base import AttnAux, AttnConfig, Engine, PackedFacts
 from .decision import Decision
 from .env import PRIVATE_TORCH
 from .freshness import current_stamp
-from .params import (BIAS_TYPES, MASK_TYPES, TOP_LEFT_MASKS, AttentionParams, SeqLengths, has_padding,
-                     normalize_window)
+from . import selection
+from .params import (BIAS_TYPES, MASK_TYPES, AttentionParams, SeqLengths, has_padding,
+                     keyless_rows, normalize_window)
 from .tensor_cache import cached_on, same_values
 
 if TYPE_CHECKING:
@@ -577,8 +578,6 @@ def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | N
     recorded (runtime_facts, which its table then reports as the reason, and which makes decisions anew), and
     selection runs again without it; a forced one raises with that reason. lengths: a packed call's own, for a
     policy that times it (SeqInfo.lengths)."""
-    from . import selection
-
     params, notes = plain_params(params)
     for _ in range(len(ENGINE_CLASSES) + 1):
         stamp = current_stamp()
@@ -615,19 +614,6 @@ def packed_facts(seq: SeqInfo, mask_type: str, window: tuple[int, int]) -> Packe
             seq.end_q, seq.end_kv, keyless_rows(mask_type, window, seq.min_kv_minus_q, seq.queries_without_keys))
     return facts
 
-
-def keyless_rows(mask_type: str, window: tuple[int, int], min_kv_minus_q: int, queries_without_keys: bool) -> bool:
-    """Does some query row of some sequence see no key? Row i of a sequence with lq > 0 queries and lkv keys sees
-    key j in [0, lkv) iff i + off - left <= j <= i + off + right (-1 unbounded; off = 0 for the top-left masks,
-    lkv - lq otherwise: tests/reference.py). With lkv > 0 only the first row can fall off the right bound
-    (off + right < 0: bottom-right) and only the last off the left one (lq - 1 - left > lkv - 1: top-left); both
-    are decided by the smallest lkv - lq. window is normalised (causal masks have right = 0)."""
-    if queries_without_keys:
-        return True
-    left, right = window
-    if mask_type in TOP_LEFT_MASKS:
-        return left >= 0 and min_kv_minus_q + left < 0
-    return right >= 0 and min_kv_minus_q + right < 0
 
 
 __all__ = ["Entry", "FastHit", "ModuleSpec", "Plan", "SeqInfo", "arg_signature", "bias_shape_label", "build_config",

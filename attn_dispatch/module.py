@@ -38,6 +38,9 @@ from .env import FAMILIES, POLICIES, PRIVATE_TORCH, EnvFlags
 from .freshness import current_stamp
 from .kv_cache import attend
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
+from .backends.cudnn_fused_fp8 import FP8Call
+from .fp8 import FP8ScalingState
+from .fp8.recipe import DelayedScaling, Float8CurrentScaling
 
 _FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 _MISS = object()  # _fast_forward found no validated plan
@@ -54,7 +57,6 @@ _GLOBAL_BACKWARD_HOOKS = _nn_module._global_backward_hooks
 class DotProductAttention(torch.nn.Module):
     """Scaled dot-product attention over q, k, v with heads as a separate dim; returns heads flattened:
     [sq, b, h*dv] (sbhd), [b, sq, h*dv] (bshd), [t, h*dv] (thd); with return_max_logit, (out, max_logit)."""
-
     def __init__(self, num_attention_heads: int, kv_channels: int | tuple[int, int], num_gqa_groups: int | None = None,
                  attention_dropout: float = 0.0, qkv_format: str = "sbhd", attn_mask_type: str = "causal",
                  window_size: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_size: int = 1,
@@ -369,9 +371,6 @@ class DotProductAttention(torch.nn.Module):
 
     def _fp8_call(self, fp8: tuple, device: torch.device):
         """The engine's FP8 data for this call: the module's scaling state (made, or fitted to a new recipe)."""
-        from .backends.cudnn_fused_fp8 import FP8Call
-        from .fp8 import FP8ScalingState
-
         region, output_fp8 = fp8
         state = self.__dict__.get("_fp8_state")
         if state is None:
@@ -394,9 +393,6 @@ class DotProductAttention(torch.nn.Module):
         return None if state is None else state.state_dict()
 
     def set_extra_state(self, state: Any) -> None:
-        from .fp8 import FP8ScalingState
-        from .fp8.recipe import DelayedScaling, Float8CurrentScaling
-
         if state is None:
             self.__dict__.pop("_fp8_state", None)
             return

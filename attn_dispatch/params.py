@@ -284,3 +284,17 @@ class AttentionParams:
 
 # AttentionParams' constructor fields, listed once (dataclasses.fields() costs more than the copy that reads them)
 _INIT_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionParams) if f.init)
+
+
+def keyless_rows(mask_type: str, window: tuple[int, int], min_kv_minus_q: int, queries_without_keys: bool) -> bool:
+    """Does some query row of some sequence see no key? Row i of a sequence with lq > 0 queries and lkv keys sees
+    key j in [0, lkv) iff i + off - left <= j <= i + off + right (-1 unbounded; off = 0 for the top-left masks,
+    lkv - lq otherwise: tests/reference.py). With lkv > 0 only the first row can fall off the right bound
+    (off + right < 0: bottom-right) and only the last off the left one (lq - 1 - left > lkv - 1: top-left); both
+    are decided by the smallest lkv - lq. window is normalised (causal masks have right = 0)."""
+    if queries_without_keys:
+        return True
+    left, right = window
+    if mask_type in TOP_LEFT_MASKS:
+        return left >= 0 and min_kv_minus_q + left < 0
+    return right >= 0 and min_kv_minus_q + right < 0

@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .params import AttentionParams
+from .backends import get_engine
+from .synthetic import cast_call, make_call
+from .env import EnvFlags
+from .platform import Platform
+from .constraints import TABLES
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 2e-3, "float64": 1e-6}  # fp32: engines may use TF32
 STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
@@ -127,8 +132,6 @@ def run_one(provider: str, params: AttentionParams, device: str, seed: int) -> t
     """Run provider and the float64 reference on the same random call; relative errors and 'works'."""
     import torch
 
-    from .backends import get_engine
-    from .synthetic import cast_call, make_call
 
     engine, reference = get_engine(provider), get_engine("unfused:pytorch")
     call = make_call(params, device=device, seed=seed)
@@ -159,10 +162,6 @@ def run_one(provider: str, params: AttentionParams, device: str, seed: int) -> t
 
 
 def _worker(jobs, results, device: str, seed: int) -> None:
-    from .env import EnvFlags
-    from .platform import Platform
-    from .constraints import TABLES
-
     platform, env = Platform.detect(), EnvFlags.from_environ()
     while True:
         job = jobs.get()
@@ -205,10 +204,6 @@ def _next_result(results, worker, timeout: float):
 def probe(providers: list[str], configs: list[AttentionParams], *, device: str, seed: int = 0,
           per_call_timeout: float = 180.0) -> Iterator[ProbeResult]:
     """Yield one result per (provider, configuration), restarting the worker after a fatal error."""
-    from .constraints import TABLES
-    from .env import EnvFlags
-    from .platform import Platform
-
     ctx = mp.get_context("spawn")
     pending = [(i, p, c.to_dict()) for p in providers for i, c in enumerate(configs)]
     while pending:

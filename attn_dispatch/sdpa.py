@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .decision import Decision
 from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
+from .module import DotProductAttention
 
 _MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap, mask type) -> DotProductAttention
 
@@ -162,8 +163,6 @@ def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, sof
     key = (h, hkv, d, dv, scale, dropout, softcap, mask_type)
     module = _MODULES.get(key)
     if module is None:
-        from .module import DotProductAttention  # here, not per call: an import statement costs ~1 us
-
         if len(_MODULES) >= 64:
             _MODULES.clear()
         module = _MODULES[key] = DotProductAttention(h, (d, dv), num_gqa_groups=hkv, attention_dropout=dropout,

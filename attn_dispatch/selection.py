@@ -17,6 +17,9 @@ from .params import AttentionParams, SeqLengths
 from .platform import Platform
 from .policy.base import Policy
 from .policy.order import apply_order_rules, preference_order
+from .policy import AutoPolicy, CheckedPolicy, OrderPolicy, default_policy
+from .platform import refresh_detected as probe_again
+from .constraints.context_parallel import block_params
 
 logger = logging.getLogger("attn_dispatch")
 
@@ -34,8 +37,6 @@ def policy_named(name: str) -> Policy:
     """The process's policy object for a name in env.POLICIES (built on first use)."""
     policy = _POLICIES.get(name)
     if policy is None:
-        from .policy import AutoPolicy, CheckedPolicy, OrderPolicy, default_policy
-
         makers = {"order": OrderPolicy, "measured": default_policy,
                   "auto": lambda: AutoPolicy(measured=default_policy()),
                   "checked": lambda: CheckedPolicy(policy_named("auto"), default_policy())}
@@ -53,8 +54,6 @@ def set_policy(name: str, policy: Policy) -> None:
         raise ValueError(f"name={name!r} is not a policy; use one of {', '.join(POLICIES)}")
     _POLICIES[name] = policy
     if name == "measured":
-        from .policy import AutoPolicy, CheckedPolicy
-
         _POLICIES["auto"] = AutoPolicy(measured=policy)
         _POLICIES["checked"] = CheckedPolicy(_POLICIES["auto"], policy)
     clear_cache()
@@ -71,8 +70,6 @@ def clear_cache() -> None:
 
 def refresh_detected() -> Platform:
     """Probe the machine again (after installing an engine in a running process, say) and forget decisions."""
-    from .platform import refresh_detected as probe_again
-
     platform = probe_again()
     clear_cache()
     return platform
@@ -154,8 +151,6 @@ def _with_cp_blocks(table, verdict: Verdict, params: AttentionParams, platform: 
     """Context parallelism: the engine must also run every per-block call the CP code makes (declared by
     constraints.context_parallel.block_params); its own table answers each. At run time each block's engine is
     chosen by select() on these same block params."""
-    from .constraints.context_parallel import block_params
-
     for block in block_params(params):
         reasons = list(table.failures(block, platform, env))
         if reasons:

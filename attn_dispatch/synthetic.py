@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends.base import AttnAux, AttnConfig, PackedFacts
-from .params import AttentionParams, SeqLengths
+from .params import AttentionParams, SeqLengths, keyless_rows
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float64": torch.float64}
@@ -114,8 +114,6 @@ def make_call(params: AttentionParams, *, device: str | torch.device = "cpu", se
 
 
 def _packed_facts(lens_q: list[int], lens_kv: list[int], params: AttentionParams) -> PackedFacts:
-    from .inputs import keyless_rows
-
     with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
     keyless = keyless_rows(params.attn_mask_type, tuple(params.window_size),
                            min((n_kv - n_q for n_q, n_kv in with_queries), default=0),

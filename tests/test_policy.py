@@ -368,7 +368,6 @@ def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch
     """Its probe at long lengths cost minutes per bucket and it never came within 4.1x of a fused engine on the
     H100/H200: the bucket records why it was left untimed, times the fused engines, and does not retime for it.
     Where nothing else is eligible (and on the CPU) it is timed as before."""
-    from attn_dispatch import backends
     from attn_dispatch.policy import measured
     from attn_dispatch.policy.timing import Timing
 
@@ -379,7 +378,7 @@ def test_on_a_gpu_the_unfused_engine_is_not_timed_beside_a_fused_one(monkeypatch
         return {pid: Timing(1.0 + i, 1.0 + i, 3) for i, pid in enumerate(sorted(engines))}, {}
     monkeypatch.setattr(measured, "time_engines", fake_time_engines)
     monkeypatch.setattr(measured, "why_not_tunable", lambda params, platform: None)
-    monkeypatch.setattr(backends, "get_engine", lambda pid: object())
+    monkeypatch.setattr(measured, "get_engine", lambda pid: object())
     gpu_call = cpu_params(device_type="cuda", dtype="bfloat16", max_seqlen_q=28672)
     both = ["cudnn_fused:torch", "flash_attn_2:torch", "unfused:pytorch"]
     policy = MeasuredPolicy(settings=FAST, directory=str(tmp_path))

@@ -41,6 +41,9 @@ from ..tensor_cache import cached_on, capturing
 from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView, _thd_positions
+from ..constraints.cudnn_fused import rejection_signature
+from ..params import AttentionParams
+from ..synthetic import make_call
 
 __all__ = ["CudnnFrontendEngine", "CudnnGraphError", "SdpaKey", "TorchCudnnEngine", "alibi_bias",
            "alibi_default_slopes", "bhsd"]
@@ -78,7 +81,6 @@ def _require_cuda(q: torch.Tensor) -> None:
 
 class _DeviceState:
     """One cuDNN handle per device, its current stream, and a grow-only workspace per stream."""
-
     def __init__(self, cudnn: Any, device: int):
         with _on_device(device):
             self.handle = cudnn.create_handle()
@@ -558,9 +560,6 @@ class CudnnFrontendEngine(Engine):
 
     def _signature(self, call: _Call, cfg: AttnConfig, dtype: torch.dtype, phase: str, bias) -> tuple:
         """The table's rejection signature of this call (constraints.cudnn_fused.rejection_signature)."""
-        from ..constraints.cudnn_fused import rejection_signature
-        from ..params import AttentionParams
-
         shape = slopes = None
         if bias is not None and cfg.bias_type == "post_scale_bias":
             shape = ("1" if bias.shape[0] == 1 else "b") + ("1" if bias.shape[1] == 1 else "h") + "ss"
@@ -821,8 +820,6 @@ class CudnnFrontendEngine(Engine):
     def probe(self, params: Any, device: int | None = None) -> str | None:
         """Build the forward (and, for training, backward) graph of an AttentionParams on this GPU without running
         it: None when cuDNN accepts, else cuDNN's message (also recorded for the table's `cudnn_rejected`)."""
-        from ..synthetic import make_call
-
         call = make_call(params, device="cuda" if device is None else f"cuda:{device}", requires_grad=False)
         try:
             with torch.no_grad():

@@ -31,6 +31,8 @@ from ..fp8.state import BACKWARD, FORWARD, INDEX, FP8ScalingState
 from . import cudnn_fused as _cd
 from ._cudnn_graph import CudnnGraphError, build_graph, contiguous_strides
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+from ..constraints.cudnn_fused import rejection_signature
+from ..params import AttentionParams
 
 E4M3 = torch.float8_e4m3fn
 GRAPH_CACHE_SIZE = 256
@@ -305,9 +307,6 @@ class CudnnFP8Engine(Engine):
 
     def _signature(self, call: Any, cfg: AttnConfig, dtype: torch.dtype, phase: str, fp8: FP8Call) -> tuple:
         """The table's rejection signature (constraints.cudnn_fused.rejection_signature) of this call."""
-        from ..constraints.cudnn_fused import rejection_signature
-        from ..params import AttentionParams
-
         p = AttentionParams(dtype=dtype, qkv_format=call.fmt, batch_size=call.b, num_heads=call.h,
                             num_gqa_groups=call.hkv, head_dim_qk=call.dqk, head_dim_v=call.dv,
                             max_seqlen_q=call.max_q, max_seqlen_kv=call.max_kv, attn_mask_type=cfg.attn_mask_type,

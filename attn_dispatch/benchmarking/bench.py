@@ -22,6 +22,8 @@ from .grid import shape_label
 from ..policy.measured import MeasuredPolicy
 from .progress import progress
 from ..policy.timing import MODES, TimerSettings, attention_flops, check_mode, time_engines
+from ..backends import get_engine
+from ..policy import AutoPolicy, CheckedPolicy
 
 POLICIES = ("auto", "order", "measured", "checked")
 DEFAULT_POLICIES = ("auto", "order", "measured")
@@ -82,7 +84,6 @@ def run_bench(shapes: list[AttentionParams], platform: Platform, config: BenchCo
 
 def bench_row(params: AttentionParams, platform: Platform, env: EnvFlags, config: BenchConfig,
               measured: MeasuredPolicy | None, checked=None) -> dict[str, Any]:
-    from ..backends import get_engine
 
     mode = "fwd_bwd" if params.is_training else "fwd"
     row: dict[str, Any] = {"label": shape_label(params), "mode": mode, "shape": params.to_dict(),
@@ -137,8 +138,6 @@ def _pick(params: AttentionParams, platform: Platform, env: EnvFlags, policy,
 
 def _checked_policy(measured: MeasuredPolicy | None):
     """The checked policy timing into a cache of its own for the run (with the measured policy's timer settings)."""
-    from ..policy import AutoPolicy, CheckedPolicy
-
     settings = {} if measured is None else {"settings": measured.settings, "prune_ratio": measured.prune_ratio}
     own = MeasuredPolicy(directory=tempfile.mkdtemp(prefix="attn-dispatch-bench-checked-"), **settings)
     return CheckedPolicy(AutoPolicy(measured=own), own)

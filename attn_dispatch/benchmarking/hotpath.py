@@ -17,6 +17,10 @@ import time
 from typing import Any, Callable
 
 import torch
+from ..params import AttentionParams
+from ..synthetic import make_call
+from ..module import DotProductAttention
+from ..backends import AttnAux, AttnConfig, get_engine
 
 SMALL_SHAPE = dict(batch=1, seqlen=128, heads=16, head_dim=64)
 
@@ -24,9 +28,6 @@ SMALL_SHAPE = dict(batch=1, seqlen=128, heads=16, head_dim=64)
 def make_inputs(device: torch.device, dtype: torch.dtype, *, batch: int, seqlen: int, heads: int, head_dim: int,
                 requires_grad: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random bshd q, k, v of the small shape (attn_dispatch.synthetic draws them)."""
-    from ..params import AttentionParams
-    from ..synthetic import make_call
-
     params = AttentionParams(dtype="fp32", batch_size=batch, num_heads=heads, head_dim_qk=head_dim,
                              max_seqlen_q=seqlen, qkv_format="bshd", device_type=device.type)
     call = make_call(params, device=device, seed=seed, requires_grad=requires_grad, dtype=dtype)
@@ -35,7 +36,6 @@ def make_inputs(device: torch.device, dtype: torch.dtype, *, batch: int, seqlen:
 
 def make_module(heads: int, head_dim: int, device: torch.device, *, backend: str | None = None,
                 mask: str = "no_mask") -> torch.nn.Module:
-    from ..module import DotProductAttention
 
     return DotProductAttention(heads, head_dim, qkv_format="bshd", attn_mask_type=mask, backend=backend).to(device)
 
@@ -44,8 +44,6 @@ def direct_engine_calls(module: torch.nn.Module, q: torch.Tensor, k: torch.Tenso
                         v: torch.Tensor) -> tuple[str, Callable[[], Any], Callable[[], Any]]:
     """The engine the module chose for these inputs, called directly: through its autograd wrapper (what the
     module calls) and through its bare functional forward."""
-    from ..backends import AttnAux, AttnConfig, get_engine
-
     decision = module.explain(q, k, v)
     engine = get_engine(decision.chosen)
     cfg = AttnConfig(qkv_format="bshd", attn_mask_type="no_mask", window_size=(-1, -1),

@@ -13,6 +13,9 @@ from typing import Iterator
 
 import torch
 
+from ..kv_cache import InferenceParams
+from ..module import DotProductAttention
+
 # step index -> event: joins carry prompt lengths; chunk gives running sequences several tokens at once.
 SCHEDULE = {0: {"join": {"a": 7, "b": 3}}, 4: {"join": {"c": 6}}, 9: {"leave": ["a"]},
             12: {"chunk": {"b": 4}}, 15: {"join": {"d": 9}, "reorder": True}, 22: {"leave": ["c"]},
@@ -81,16 +84,14 @@ def run_generation(fmt: str, paged: bool, window_left: int, *, dtype=torch.float
                    max_batch: int = 6) -> dict:
     """Runs the schedule; returns the worst absolute error against the reference, the zero-padding check and
     the last decision."""
-    import attn_dispatch as ad
-
     torch.manual_seed(1234)
     window = (window_left, 0) if window_left >= 0 else None
-    modules = [ad.DotProductAttention(heads, head_dim, num_gqa_groups=kv_heads, qkv_format=fmt,
+    modules = [DotProductAttention(heads, head_dim, num_gqa_groups=kv_heads, qkv_format=fmt,
                                       attn_mask_type="padding_causal", window_size=window, layer_number=i + 1,
                                       backend=backend).eval() for i in range(layers)]
     if paged and total_pages is None:
         total_pages = 160 * scale // page_size
-    ip = ad.InferenceParams(max_batch, max_len, kv_heads, head_dim, dtype, is_paged=paged,
+    ip = InferenceParams(max_batch, max_len, kv_heads, head_dim, dtype, is_paged=paged,
                             page_size=page_size if paged else None, total_num_pages=total_pages if paged else None,
                             qkv_format=fmt, device=device)
     history: dict = {}

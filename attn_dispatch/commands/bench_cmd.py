@@ -16,6 +16,11 @@ from pathlib import Path
 from ..platform import Platform
 from ..benchmarking.bench import EVAL_SETTINGS
 from .common import add_call_arguments, params_from
+from ..benchmarking.grid import GRIDS, load_shapes
+from ..benchmarking.bench import BenchConfig, render_table, report, run_bench
+from ..policy.measured import MeasuredPolicy
+from ..policy.timing import TimerSettings
+from ..benchmarking.plot import plot_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +67,6 @@ def _comma_list(flag: str, text: str | None) -> tuple[str, ...] | None:
 
 
 def shapes_for(args: argparse.Namespace, platform: Platform) -> list:
-    from ..benchmarking.grid import GRIDS, load_shapes
-
     if args.shapes:
         if args.grid or _explicit_call_flags(args):
             raise ValueError("--shapes cannot be combined with --grid or call flags (--seqlen, ...)")
@@ -77,10 +80,6 @@ def shapes_for(args: argparse.Namespace, platform: Platform) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..benchmarking.bench import BenchConfig, render_table, report, run_bench
-    from ..policy.measured import MeasuredPolicy
-    from ..policy.timing import TimerSettings
-
     platform = Platform.detect()
     config = BenchConfig(
         modes=_comma_list("--modes", args.modes), policies=_comma_list("--policies", args.policies),
@@ -96,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=1))
     plot_note = ""
     if (args.plot or "").lower() != "none":
-        from ..benchmarking.plot import plot_bench
-
         plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
         try:
             plot_note = f", plot: {plot_bench(result, plot_path)}"

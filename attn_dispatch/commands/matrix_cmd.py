@@ -7,6 +7,7 @@ import argparse
 
 from ..constraints import TABLES
 from ..constraints.base import Table
+from ..constraints.context_parallel import SOURCE, SUPPORT, WINDOW_SOURCE
 
 TOPIC_ORDER = ("environment", "platform", "package", "dtype", "format", "head_dim", "gqa", "seqlen", "mask",
                "window", "bias", "dropout", "softmax", "determinism", "context_parallel", "inference")
@@ -45,8 +46,6 @@ def render_markdown() -> str:
 
 def _context_parallel_lines() -> list[str]:
     """attn-dispatch's context parallelism per comm type (the data every table's cp_support check reads)."""
-    from ..constraints.context_parallel import SOURCE, SUPPORT, WINDOW_SOURCE
-
     lines = ["", "## Context parallelism (every engine, through `<family>.cp_support` and the per-block calls)", "",
              "| comm type | formats | masks | sliding window | heads | cross-attention | notes |",
              "|---|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ from ..constraints import TABLES
 from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import Platform
+from ..probe import boundary_configs, probe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +45,6 @@ def _progress(total: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..probe import boundary_configs, probe
-
     platform = Platform.detect()
     providers = args.providers.split(",") if args.providers else installed_providers(platform)
     unknown = [p for p in providers if p not in TABLES]

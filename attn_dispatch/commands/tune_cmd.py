@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from ..benchmarking.grid import load_shapes, shape_label
+from ..platform import Platform
+from ..policy.measured import MeasuredPolicy
+from ..selection import explain
+from ..benchmarking.grid import shape_from_dict
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,11 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..benchmarking.grid import load_shapes, shape_label
-    from ..platform import Platform
-    from ..policy.measured import MeasuredPolicy
-    from ..selection import explain
-
     policy = MeasuredPolicy(directory=args.cache_dir)
     platform = Platform.detect()
     if args.show:
@@ -66,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show(policy, platform, as_json: bool) -> int:
-    from ..benchmarking.grid import shape_from_dict, shape_label
-
     cache = policy.cache_for(platform)
     entries = cache.entries()
     if as_json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 
 from .base import Check, Failure, Table, fail
+from .common import context_parallel, no_softcap
 
 # family -> module defining the tables; each module lists its tables in TABLES (provider preference order).
 _FAMILY_MODULES = ("flash_attn_4", "flash_attn_3", "cudnn_fused", "flash_attn_2", "unfused")
@@ -20,8 +21,6 @@ def _load() -> dict[str, Table]:
             continue  # family not declared yet
         for table in getattr(module, "TABLES", None) or [getattr(module, family.upper())]:
             tables[table.id] = table
-    from .common import context_parallel, no_softcap
-
     for table in tables.values():  # every engine runs under our context parallelism through the same rules
         if not any(c.code == f"{table.family}.cp_support" for c in table.checks):
             table.add(context_parallel(table))

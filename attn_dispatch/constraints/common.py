@@ -7,6 +7,7 @@ from ..env import EnvFlags
 from ..params import AttentionParams
 from ..platform import ENGINE_PACKAGES, Platform
 from .base import Check, Failure, Table, fail
+from .context_parallel import params_failures
 
 _ENV_NAME = {"flash": "NVTE_FLASH_ATTN", "cudnn_fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
 TE_SELECTION = "Transformer Engine, pytorch/attention/dot_product_attention/utils.py get_attention_backend"
@@ -230,8 +231,6 @@ def context_parallel(table: Table) -> Check:
     """Under cp_size > 1: attn-dispatch's context parallelism supports the call's features under its comm type.
     Added to every table by the registry. Whether the engine can run the per-block calls is selection's part
     (it evaluates this same table on constraints.context_parallel.block_params and composes)."""
-    from .context_parallel import params_failures
-
     def fn(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
         if p.cp_size <= 1:
             return None

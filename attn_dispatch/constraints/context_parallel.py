@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cp_bands import chunk_bands, gathered_band
+
 SOURCE = "attn_dispatch.context_parallel (our implementation; constraints/context_parallel.py)"
 TE_CP = ("Transformer Engine (commit d0067d0) pytorch/attention/dot_product_attention/context_parallel.py "
          "attn_forward_func_with_cp: 'Context parallelism does not support sliding window attention with "
@@ -191,8 +193,6 @@ def block_params(p) -> list:
 
     Convention: under CP, p.max_seqlen_q / max_seqlen_kv are the LOCAL lengths (tokens on this rank) and p is
     for one rank of p.cp_size; a2a+p2p splits heads over p.a2a_size ranks."""
-    from ..context_parallel.bands import chunk_bands, gathered_band  # pure Python, no torch
-
     plain = dict(cp_size=1, cp_comm_type="p2p", cp_a2a_size=None, softmax_type="vanilla", return_max_logit=False,
                  dropout=0.0, bias_type="no_bias", bias_shape=None, alibi_slopes_shape=None)
     sq, skv, size, thd = p.max_seqlen_q, p.max_seqlen_kv, p.cp_size, p.qkv_format == "thd"

@@ -16,6 +16,7 @@ from . import common
 from .base import Check, Failure, Table, fail
 from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD
 from .cudnn_fused import _cudnn_text, cudnn_int, deterministic_demanded, rejected_in_this_process, version_text
+from .context_parallel import fp8_failures
 
 TE_FP8 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (FP8 clause)"
 TE_FP8_PY = common.TE_SELECTION + " (FP8 filters)"
@@ -178,8 +179,6 @@ def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
 
 
 def _context_parallel(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    from .context_parallel import fp8_failures
-
     problems = fp8_failures(p)
     if problems:
         return fail("; ".join(message for _, message, _ in problems), next((f for _, _, f in problems if f), None))

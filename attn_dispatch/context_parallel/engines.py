@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .. import selection
 from ..backends import get_engine
 from ..backends.base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 from ..params import AttentionParams
@@ -48,8 +49,6 @@ class SelectedPerBlock(Engine):
                None if aux.cu_seqlens_q is None else aux.cu_seqlens_q.numel(), cfg)
         engine = self._engines.get(key)
         if engine is None:
-            from .. import selection
-
             params = self.block_params(q, k, v, aux, cfg, dtype)
             decision = selection.select(params, self.platform, self.env, force=self.force)
             engine = self._engines[key] = get_engine(decision.chosen)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..backends.base import AttnAux, AttnConfig, Engine
 from ._comm import GroupInfo
 from ._layout import LSE_SEQ_DIM, SEQ_DIM
-from .bands import Band, gathered_band
+from ..constraints.cp_bands import Band, gathered_band
 from .merge import BlockState, acc_dtype, add_sink, merge_, sink_grad
 from .p2p import Pair
 from .sharding import chunks_of_rank

@@ -15,7 +15,7 @@ import torch
 from ..backends.base import AttnAux, AttnConfig, Engine
 from ._comm import TAG_DK, TAG_K, GroupInfo, Ring
 from ._layout import LSE_SEQ_DIM, SEQ_DIM
-from .bands import Band, chunk_bands, steps_needed
+from ..constraints.cp_bands import Band, chunk_bands, steps_needed
 from .merge import BlockState, acc_dtype, add_sink, merge_, sink_grad
 from .p2p import Pair
 

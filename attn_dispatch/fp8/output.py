@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from .quantize import dequantize
 
 
 class Float8Output(NamedTuple):
     """FP8 data and the scale that undoes its quantization: real value = data * scale_inv. `scale_inv` is a
     float32 [1] tensor on the data's device (what torch._scaled_mm and Transformer Engine's Float8Tensor carry)."""
-
     data: torch.Tensor
     scale_inv: torch.Tensor
 
@@ -18,8 +18,6 @@ class Float8Output(NamedTuple):
         return self.data.shape
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        from .quantize import dequantize
-
         return dequantize(self.data, self.scale_inv, dtype)
 
     def flatten(self, start_dim: int = 0, end_dim: int = -1) -> "Float8Output":

@@ -21,6 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ..sdpa import scaled_dot_product_attention
+from ..sdpa import varlen_attention
+from ..tensor_cache import cached_on
 
 NAME = "attn_dispatch"
 
@@ -29,8 +32,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature: [b, h, s, d] in, ([b, s, h, d_v], None) out."""
-    from ..sdpa import scaled_dot_product_attention
-
     softcap = float(kwargs.get("softcap") or 0.0)  # Gemma 2's attn_logit_softcapping: the unfused engine takes it
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: attn_dispatch's engines return no attention weights; use "
@@ -41,7 +42,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q_len = query.shape[2]
     cu = _packed_offsets(query, key, attention_mask, kwargs)
     if cu is not None:  # a flattening collator's row: each sequence attends only to itself, as thd
-        from ..sdpa import varlen_attention
 
         window = kwargs.get("sliding_window")  # the last `window` keys, the query's own included (transformers')
         out = varlen_attention(query, key, value, cu, dropout if module.training else 0.0, scaling,
@@ -76,7 +76,6 @@ def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
     if attention_mask is not None or not isinstance(position_ids, torch.Tensor) or \
             position_ids.shape != (1, query.shape[2]) or not _READ_POSITIONS[0]:
         return None  # a mask transformers built says more than the positions: follow it, as its SDPA path does
-    from ..tensor_cache import cached_on
 
     def compute():
         starts = torch.nonzero(position_ids[0] == 0).flatten()

@@ -29,6 +29,7 @@ except ImportError:  # Windows: atomic replace still holds; concurrent writers m
     fcntl = None  # type: ignore[assignment]
 
 from ..platform import Platform
+from .._version import __version__
 
 FORMAT = 1
 logger = logging.getLogger("attn_dispatch.policy")
@@ -49,8 +50,6 @@ def cache_dir() -> Path:
 
 def platform_key(platform: Platform) -> dict[str, Any]:
     """What the timings depend on besides the shape: the machine, its libraries, the engines' versions."""
-    from .. import __version__
-
     return {
         "format": FORMAT,
         "attn_dispatch": __version__,

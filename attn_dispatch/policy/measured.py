@@ -38,6 +38,7 @@ from .base import Choice
 from .buckets import BucketScheme
 from .cache import TuningCache, cache_dir
 from .timing import TimerSettings, mode_of, time_engines
+from ..backends import get_engine
 
 logger = logging.getLogger("attn_dispatch.policy")
 
@@ -106,7 +107,6 @@ def why_not_tunable(params: AttentionParams, platform: Platform) -> str | None:
 
 class MeasuredPolicy:
     """The `measured` policy: choose() times the eligible providers once per shape bucket (see the module doc)."""
-
     name = "measured"
 
     def __init__(self, *, scheme: BucketScheme = BucketScheme(), settings: TimerSettings = TUNING_SETTINGS,
@@ -204,8 +204,6 @@ class MeasuredPolicy:
         """Time providers at `shape` (a call's own, eligible for each of them; on its sequence lengths where given)
         into the bucket's entry: a fresh one where the entry's times were taken at another shape or on other
         lengths, so that an entry never mixes them."""
-        from ..backends import get_engine
-
         started = time.perf_counter()
         mode = mode_of(shape)
         lengths = _timed_lengths(shape, lengths)

@@ -31,13 +31,14 @@ rounds use blocks) is still beyond the cutoff.
 from __future__ import annotations
 
 import math
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..params import TOP_LEFT_MASKS, AttentionParams, SeqLengths
+from ..synthetic import make_call
+from ..backends.base import takes_cached_path
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +57,6 @@ class TimerSettings:
     warm_ms of untimed interleaved rounds (the clock settles), then timed rounds: at least `reps` samples per
     function, more (up to max_reps) until the fastest has run for target_ms. block_ms: 0 for one call per
     sample, else the length of a sample's block of back-to-back calls (see the module docstring)."""
-
     warmup: int = 3
     reps: int = 10
     max_reps: int = 100
@@ -191,7 +191,6 @@ def build_inputs(params: AttentionParams, *, seed: int = 0, with_dout: bool = Fa
     call's own per-sequence (query, key) lengths."""
     import torch
 
-    from ..synthetic import make_call
 
     call = make_call(params, device=device_for(params), seed=seed, requires_grad=False, full_lengths=True,
                      lengths=lengths)
@@ -212,7 +211,6 @@ def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[]
     took 0.83 ms (issue 12)."""
     import torch
 
-    from ..backends.base import takes_cached_path
 
     check_mode(mode)
     aux, cfg = call.aux, call.cfg
