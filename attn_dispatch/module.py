@@ -37,6 +37,7 @@ from .fp8 import autocast as _fp8_autocast
 from .env import FAMILIES, POLICIES, PRIVATE_TORCH, EnvFlags
 from .freshness import current_stamp
 from .kv_cache import attend
+from .plans import MAX_SIGNATURES, PlanCache, PlanKey
 from .params import CP_COMM_TYPES, QKV_FORMATS, SOFTMAX_TYPES, _choice, has_padding
 from .backends.cudnn_fused_fp8 import FP8Call
 from .fp8 import FP8ScalingState
@@ -112,15 +113,8 @@ class DotProductAttention(torch.nn.Module):
             self.register_buffer("softmax_offset", torch.zeros(self._heads_local), persistent=False)
         else:
             self.softmax_offset = None
-        self._entries: dict[tuple, inputs.Entry] = {}  # raw call signature -> its plans
-        # Calls whose arguments hold no per-call data: (shapes, dtypes, devices, training, requires_grad, the
-        # CallArgs) -> validated plan; the last one used, as (its tensor guard, training, FastHit, CallArgs): a call
-        # matching it skips building the key.
-        self._fast: dict[tuple, inputs.FastHit] = {}
-        self._fast_last: tuple = (None, None, None, None)
-        self._bhsd_last: tuple = (None, None)  # the SDPA function's last (training, FastHit with a bhsd call)
+        self._plans = PlanCache()  # every plan and shortcut of this module (plans.py)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
-        self._stamp = current_stamp()
         self.last_decision: Decision | None = None
         self.__dict__["_planned"] = True
         self._configure()
@@ -251,7 +245,8 @@ class DotProductAttention(torch.nn.Module):
         engine) cannot spare; every other call, and any module with hooks, goes through them unchanged."""
         if _is_compiling():  # dynamo stops here: the whole call runs eagerly (one graph break)
             return _MODULE_CALL_EAGER(self, query_layer, key_layer, value_layer, *args, **kwargs)
-        if self._fast and _SHORTCUT and isinstance(query_layer, torch.Tensor) and not (
+        plans = self._plans
+        if plans.fast and _SHORTCUT and isinstance(query_layer, torch.Tensor) and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS or _GLOBAL_BACKWARD_PRE_HOOKS
                 or _GLOBAL_BACKWARD_HOOKS or self._compiled_call_impl is not None or torch._C._get_tracing_state()):
@@ -259,8 +254,8 @@ class DotProductAttention(torch.nn.Module):
             if call is not None:
                 # The commonest call of all, inline (a frame less: ~1 us on the H100's host, where a small forward
                 # costs ~30 us): the last signature again, with the engine's op bound to it.
-                # (_fast_forward's checks and _current's, written out: no function call before the op's)
-                guard, training, hit, last_call = self._fast_last
+                # (PlanCache.hit's checks and its stands(), written out: no function call before the op's)
+                guard, training, hit, last_call = plans.last
                 if hit is not None and hit.call is not None and training is self.training \
                         and (call is last_call or call == last_call) and self.cp_group is None \
                         and not _FP8_REGIONS[0] and hit.plan.stamp == current_stamp() \
@@ -282,20 +277,8 @@ class DotProductAttention(torch.nn.Module):
         cached graph."""
         if self.cp_group is not None or _FP8_REGIONS[0]:  # an FP8 region open somewhere: plan under it
             return _MISS
-        guard, training, hit, last_call = self._fast_last
-        if guard is None or training is not self.training or (call is not last_call and call != last_call) \
-                or not guard(query_layer, key_layer, value_layer):
-            try:
-                key = _fast_key(query_layer, key_layer, value_layer, self.training, call)
-            except AttributeError:  # not tensors: the full path says what is wrong
-                return _MISS
-            hit = self._fast.get(key)
-            if hit is None:
-                return _MISS
-            self._fast_last = (hit.guard, self.training, hit, call)
-            if hit.call is not None and not hit.guard(query_layer, key_layer, value_layer):
-                hit = dataclasses.replace(hit, call=None)  # other strides: the bound call does not apply
-        if not _current(hit):
+        hit = self._plans.hit(query_layer, key_layer, value_layer, self.training, call)
+        if hit is None:
             return _MISS
         plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
@@ -333,7 +316,7 @@ class DotProductAttention(torch.nn.Module):
                 and not checkpoint_core_attention and core_attention_bias_type == "no_bias" \
                 and core_attention_bias is None and alibi_slopes is None and inference_params is None \
                 and pad_between_seqs is None and not fp8_output:
-            if self._fast and not _is_compiling():
+            if self._plans.fast and not _is_compiling():
                 result = self._fast_forward(query_layer, key_layer, value_layer)
                 if result is not _MISS:
                     return result
@@ -426,40 +409,11 @@ class DotProductAttention(torch.nn.Module):
             self.__dict__["last_decision"] = plan.decision
             out, max_logit = self._run(plan, aux, q, k, v, checkpoint_core_attention)
         if self.cp_group is None and fp8 is None and (args is QKV_ONLY or call_args.is_cacheable(args)):
-            self._remember_fast(plan, aux, q, k, v, args)
+            self._plans.remember(plan, aux, q, k, v, self.training, args, bind=not self.return_max_logit)
         return (out, max_logit) if self.return_max_logit else out
 
-    def _remember_fast(self, plan: inputs.Plan, aux: AttnAux, q, k, v, call: CallArgs = QKV_ONLY) -> None:
-        """Lets later calls of this signature with arguments `call` (cacheable ones) skip _prepare: only for plans
-        whose aux holds nothing per call (no dropout seed, no cu_seqlens, mask, bias or slopes), so one aux
-        serves them all."""
-        if not takes_cached_path(aux, plan.cfg):
-            return
-        if len(self._fast) >= 64:
-            self._fast.clear()
-        guard = inputs.tensor_guard(q, k, v)
-        bound = plan.engine.bind_fast(q, k, v, aux, plan.cfg) if guard is not None and not self.return_max_logit \
-            else None  # without the guard a later call could differ in strides or requires_grad
-        hit = inputs.FastHit(plan, aux if aux.softmax_offset is None else None, aux.max_seqlen_q, aux.max_seqlen_kv,
-                             guard, bound)
-        self._fast[_fast_key(q, k, v, self.training, call)] = hit
-        self._fast_last = (hit.guard, self.training, hit, call)
-
     def _forget_plans(self) -> None:
-        self._entries.clear()
-        self._fast.clear()
-        self._fast_last = (None, None, None, None)
-        self._bhsd_last = (None, None)
-        self.__dict__.pop("_cp_plans", None)
-        self.__dict__.pop("_kv_plans", None)
-
-    def _check_stamp(self) -> None:
-        """Plans made under another stamp (freshness: a cleared decision cache, another determinism flag or
-        environment) are stale: drop them all."""
-        stamp = current_stamp()
-        if self._stamp != stamp:
-            self._forget_plans()
-            self._stamp = stamp
+        self._plans.forget()
 
     @torch.compiler.disable
     def _dispatch_opaque(self, q, k, v, args: CallArgs):
@@ -513,11 +467,11 @@ class DotProductAttention(torch.nn.Module):
         fp8: (region, output in FP8) of an FP8 call (see _fp8_context)."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             _guard_ranks(self._resolve(args)[0], q, k, v)  # raises ValueError
-        key = args.plan_key(q, k, v, self.training, _deterministic_now())
-        if fp8 is not None:
-            key += (fp8[0].recipe.kind, fp8[1])
-        self._check_stamp()
-        entry = self._entries.get(key)
+        key = PlanKey(args.plan_key(q, k, v, self.training, _deterministic_now()),
+                      None if fp8 is None else (fp8[0].recipe.kind, fp8[1]))
+        plans = self._plans
+        plans.drop_if_stale()
+        entry = plans.entries.get(key)
         if entry is None:
             fmt, mask_type, window = self._resolve(args)
             _guard_ranks(fmt, q, k, v)
@@ -531,19 +485,11 @@ class DotProductAttention(torch.nn.Module):
         if plan is not None and entry.dynamic:
             entry.plans[seq_key] = entry.plans.pop(seq_key)  # most recently used last: the bound drops the oldest
         if plan is None:
-            spec = self._spec_now()
-            params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
-                                         self.training)
-            if fp8 is not None:
-                params = _fp8_params(params, fp8)
-            if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
-                del entry.plans[next(iter(entry.plans))]
-            plan = entry.plans[seq_key] = inputs.make_plan(spec, params, seq.lengths)
-            if len(self._entries) >= 64:
-                self._forget_plans()
-            if not entry.dynamic:
-                entry.seq = seq
-            self._entries[key] = entry
+            with plans.lock:  # another thread may have made it meanwhile
+                entry = plans.entries.get(key, entry)
+                plan = entry.plans.get(seq_key)
+                if plan is None:
+                    plan = self._make_plan(plans, key, entry, seq, q, k, v, args, fp8)
         alibi_slopes = args.alibi_slopes
         if args.core_attention_bias_type == "alibi":
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
@@ -552,6 +498,24 @@ class DotProductAttention(torch.nn.Module):
         if fp8 is not None:
             aux.extra["fp8"] = self._fp8_call(fp8, q.device)
         return plan, aux
+
+    def _make_plan(self, plans: PlanCache, key: PlanKey, entry: inputs.Entry, seq, q, k, v, args: CallArgs,
+                   fp8: tuple | None) -> inputs.Plan:
+        """The slow path's plan for a call (the same description explain() answers), stored under key."""
+        spec = self._spec_now()
+        params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
+                                     self.training)
+        if fp8 is not None:
+            params = _fp8_params(params, fp8)
+        if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
+            del entry.plans[next(iter(entry.plans))]
+        plan = entry.plans[seq.plan_key()] = inputs.make_plan(spec, params, seq.lengths)
+        if len(plans.entries) >= MAX_SIGNATURES:
+            plans.forget()
+        if not entry.dynamic:
+            entry.seq = seq
+        plans.entries[key] = entry
+        return plan
 
     def _alibi_slopes(self, slopes: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         if slopes is not None:
@@ -565,32 +529,14 @@ class DotProductAttention(torch.nn.Module):
         """The SDPA function's cached path for q, k, v-only calls: [b, h, s, d] tensors in, [b, h, sq, d_v] out, the
         torch provider's op bound to them (no bshd views either way); None unless this signature's plan was used
         twice through _attend_unmerged (with bhsd=) and its engine binds such a call."""
-        training, hit = self._bhsd_last
-        if hit is None or training is not self.training or self.cp_group is not None or _FP8_REGIONS[0] \
-                or _is_compiling():
+        if self.cp_group is not None or _FP8_REGIONS[0] or _is_compiling():
             return None
-        guard, call = hit.bhsd
-        if not _current(hit) or not guard(q, k, v):
+        call, plan = self._plans.bhsd_call(q, k, v, self.training)
+        if call is None:
             return None
-        plan = hit.plan
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision
         return call(q, k, v)
-
-    def _remember_bhsd(self, q4, k4, v4) -> None:
-        """After a cached q, k, v-only call of _attend_unmerged: bind its plan to the SDPA function's [b, h, s, d]
-        tensors q4, k4, v4 (once per plan), for _attend_bhsd."""
-        hit = self._fast_last[2]
-        if hit is None:
-            return
-        if hit.bhsd is None:
-            guard = inputs.tensor_guard(q4, k4, v4)
-            call = None
-            if guard is not None and hit.aux is not None and not self.return_max_logit:
-                call = hit.plan.engine.bind_fast(q4, k4, v4, hit.aux, hit.plan.cfg, layout="bhsd")
-            hit.bhsd = (guard, call) if call is not None else False
-        if hit.bhsd:
-            self._bhsd_last = (self.training, hit)
 
     def _attend_unmerged(self, q, k, v, attention_mask=None, attn_mask_type=None,
                          core_attention_bias_type: str = "no_bias", core_attention_bias=None, cu_seqlens_q=None,
@@ -602,11 +548,11 @@ class DotProductAttention(torch.nn.Module):
         only_qkv = attention_mask is None and attn_mask_type is None and core_attention_bias_type == "no_bias" \
             and core_attention_bias is None and cu_seqlens_q is None and cu_seqlens_kv is None and window_size is None
         if only_qkv:
-            if self._fast and not _is_compiling():
+            if self._plans.fast and not _is_compiling():
                 out = self._fast_forward(q, k, v, merged=False)
                 if out is not _MISS:
                     if bhsd is not None:
-                        self._remember_bhsd(*bhsd)
+                        self._plans.remember_bhsd(*bhsd, self.training, bind=not self.return_max_logit)
                     return out
             args = QKV_ONLY
         else:
@@ -627,7 +573,7 @@ class DotProductAttention(torch.nn.Module):
                     self._forget_plans()
                     continue
             if only_qkv and self.cp_group is None:
-                self._remember_fast(plan, aux, q, k, v)
+                self._plans.remember(plan, aux, q, k, v, self.training, QKV_ONLY, bind=not self.return_max_logit)
             return out
 
     def _run(self, plan: inputs.Plan, aux, q, k, v, checkpoint_core_attention: bool):
@@ -645,19 +591,6 @@ class DotProductAttention(torch.nn.Module):
 
 
 _deterministic_now = torch.are_deterministic_algorithms_enabled
-
-
-def _current(hit: inputs.FastHit) -> bool:
-    """Whether a cached plan still stands (freshness.current_stamp); else the call plans again."""
-    return hit.plan.stamp == current_stamp()
-
-
-def _fast_key(q, k, v, training: bool, call: CallArgs) -> tuple:
-    """What a cacheable call's plan depends on; looked up when the last plan's tensor guard misses.
-    requires_grad is part of it: a module called under no_grad and then in training keeps one plan (and one bound
-    call, whose lse depends on it) for each."""
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, training,
-            q.requires_grad, k.requires_grad, v.requires_grad, call)
 
 
 _FP8_REGIONS = _fp8_autocast.ACTIVE

@@ -180,7 +180,7 @@ def decode_case(batch: int, ctx: int, rounds: int) -> dict:
     layer_of = {name: i + 1 for i, name in enumerate(names)}
     for name in [n for n in names if n in fns and n != "module:default"]:
         module = modules[name][1]
-        plan = next(iter(module._kv_plans.values()))
+        plan = next(iter(module._plans.kv_cache.values()))
         view = contiguous.append(layer_of[name], kv, kv)  # rewrites the step's token: the same view as the call
         cu_q = contiguous.current_step.cu_q
         fns[f"kernel:{name.split(':', 1)[1]}"] = (lambda plan=plan, view=view, cu_q=cu_q:

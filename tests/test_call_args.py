@@ -46,12 +46,12 @@ def test_defaults_spelled_out_are_the_qkv_only_call(mask_type):
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type=mask_type)
     out = dpa(q, k, v, attn_mask_type=mask_type)
     torch.testing.assert_close(out, ref)
-    assert len(dpa._fast) == 1
+    assert len(dpa._plans.fast) == 1
     out = dpa(q, k, v, **DEFAULTS)
     torch.testing.assert_close(out, ref)
-    assert len(dpa._fast) == 2
+    assert len(dpa._plans.fast) == 2
     dq, dk, dv = torch.autograd.grad(dpa(q, k, v), (q, k, v), ref.detach())
-    assert len(dpa._fast) == 2  # q, k, v alone: the plan the spelled-out defaults made
+    assert len(dpa._plans.fast) == 2  # q, k, v alone: the plan the spelled-out defaults made
     rq, rk, rv = torch.autograd.grad(ref, (q, k, v), ref.detach())
     for got, expected in ((dq, rq), (dk, rk), (dv, rv)):
         torch.testing.assert_close(got, expected)

@@ -255,7 +255,7 @@ def test_plans_are_cached_per_signature():
 
 
 def n_plans(dpa):
-    return sum(len(entry.plans) for entry in dpa._entries.values())
+    return sum(len(entry.plans) for entry in dpa._plans.entries.values())
 
 
 def test_thd_plans_follow_the_derived_max_seqlen():
@@ -265,7 +265,7 @@ def test_thd_plans_follow_the_derived_max_seqlen():
     dpa(q, k, v, cu_seqlens_q=cu([4, 6]), cu_seqlens_kv=cu([4, 6]))
     assert dpa.last_decision.params["max_seqlen_q"] == 6
     dpa(q, k, v, cu_seqlens_q=cu([9, 1]), cu_seqlens_kv=cu([9, 1]))
-    assert dpa.last_decision.params["max_seqlen_q"] == 9 and n_plans(dpa) == 2 and len(dpa._entries) == 1
+    assert dpa.last_decision.params["max_seqlen_q"] == 9 and n_plans(dpa) == 2 and len(dpa._plans.entries) == 1
 
 
 def test_deterministic_flag_from_environment(monkeypatch):
@@ -522,7 +522,7 @@ def test_torch_compile_runs_the_module_eagerly_without_recompiling():
                 torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
         assert first >= 1 and len(graphs) == first  # nothing compiled after the first call
         assert len(counters["graph_break"]) == 1 and "disable" in next(iter(counters["graph_break"]))
-        assert block.attn.last_decision is not None and block.attn._fast  # the eager island used the cached path
+        assert block.attn.last_decision is not None and block.attn._plans.fast  # the eager island used the cached path
     finally:
         torch._dynamo.reset()
 
@@ -541,7 +541,7 @@ def test_cached_path_with_and_without_the_tensor_guard(monkeypatch, with_guard):
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
     ref = flat(reference_attention(q, k, v, qkv_format="bshd", attn_mask_type="causal")[0]).detach()
     dpa(q, k, v)
-    assert (dpa._fast_last[0] is not None) is with_guard
+    assert (dpa._plans.last[0] is not None) is with_guard
     assert rel_err(dpa(q, k, v), ref) <= TOL
     strided = [t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # same shape
     assert rel_err(dpa(*strided), ref) <= TOL

@@ -75,7 +75,7 @@ def test_bound_call_matches_the_reference_with_gradients(native, fmt, mask):
     q, k, v = (torch.randn(*shape, n, d).requires_grad_() for n in (h, hkv, hkv))
     module = DotProductAttention(h, d, qkv_format=fmt, attn_mask_type=mask, backend="unfused")
     module(q, k, v)  # plans; the next calls take the cached path
-    hit = module._fast_last[2]
+    hit = module._plans.last[2]
     assert hit.call is not None and module.last_decision.chosen == "unfused:pytorch"
     before = len(native.calls)
     _check(module, q, k, v, fmt, mask)
@@ -99,7 +99,7 @@ def test_no_grad_then_training_keeps_a_bound_call_each_with_the_right_lse_flag(n
         module(q, k, v)
     if native.kind == "cudnn":
         assert native.calls[-1][2] is False  # inference asks for no lse
-    assert len(module._fast) == 2
+    assert len(module._plans.fast) == 2
 
 
 def test_same_shapes_other_strides_do_not_use_a_call_bound_to_contiguous_tensors(native):
@@ -179,7 +179,7 @@ def test_fa2_takes_the_bshd_op_once_the_self_check_passed(fa2_bshd, fmt, mask):
     q, k, v = (torch.randn(*shape, n, d).requires_grad_() for n in (h, hkv, hkv))
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=mask, backend="unfused")
     _check(module, q, k, v, fmt, mask)  # its first call plans (flash_call), the next ones take the bound call
-    assert module._fast_last[2].call is not None  # the bound call the repeats take
+    assert module._plans.last[2].call is not None  # the bound call the repeats take
     used, other = (calls, recorder.calls) if fmt == "bshd" else (recorder.calls, calls)
     assert len(used) == 2 and not other  # the planning call (flash_call) and a bound repeat
 

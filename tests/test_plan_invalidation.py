@@ -141,8 +141,8 @@ def test_packed_batch_plans_stay_bounded():
             torch.testing.assert_close(out[:first].double(), ref, rtol=1e-4, atol=1e-4)
         else:
             dpa(q, q, q, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-        plans = sum(len(e.plans) for e in dpa._entries.values())
-        assert plans <= MAX_DYNAMIC_PLANS * len(dpa._entries) and len(dpa._entries) <= 64
+        plans = sum(len(e.plans) for e in dpa._plans.entries.values())
+        assert plans <= MAX_DYNAMIC_PLANS * len(dpa._plans.entries) and len(dpa._plans.entries) <= 64
 
 
 def test_torch_fx_traces_a_model_holding_the_module_as_a_leaf():

@@ -76,13 +76,9 @@ def describe(module, q, k, v, args: CallArgs, fp8: tuple | None = None) -> Descr
 def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
     call = describe(module, q, k, v, args, fp8)
     params, seq = call.params, call.seq
-    module._check_stamp()
-    plans = module.__dict__.setdefault("_cp_plans", {})  # AttentionParams -> Plan (selection is cached too)
-    plan = plans.get(params)
-    if plan is None:
-        if len(plans) >= 64:
-            plans.clear()
-        plan = plans[params] = _plan(module._spec_now(), params, module.cp_group)
+    plans = module._plans
+    plan = plans.by_params(plans.context_parallel, params,
+                           lambda: _plan(module._spec_now(), params, module.cp_group))
     aux = inputs.make_aux(seq, call.mask_type, args.attention_mask, args.core_attention_bias, args.alibi_slopes,
                           module.softmax_offset)
     if params.qkv_format == "thd":  # attention() takes the whole-sequence cu_seqlens

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 CAUSAL_UNDER_CACHE = "padding_causal_bottom_right"
 NON_CAUSAL_UNDER_CACHE = "padding"
-MAX_PLANS = 32
 
 # forward keywords the cache path cannot honour: the value each must keep
 _UNSUPPORTED = {"attention_mask": None, "cu_seqlens_q_padded": None, "cu_seqlens_kv_padded": None,
@@ -168,11 +167,5 @@ def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def _plan(module: "DotProductAttention", params: AttentionParams):
-    module._check_stamp()
-    plans = module.__dict__.setdefault("_kv_plans", {})
-    plan = plans.get(params)
-    if plan is None:
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plan = plans[params] = make_plan(module._spec_now(), params)
-    return plan
+    plans = module._plans
+    return plans.by_params(plans.kv_cache, params, lambda: make_plan(module._spec_now(), params))

@@ -1,0 +1,50 @@
+"""A module's plan cache: one module called from several threads with different shapes stays correct, and a plan
+is made once per key however many threads miss together."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from attn_dispatch import DotProductAttention, selection
+
+
+def _reference(q, k, v):
+    k, v = k.repeat_interleave(q.shape[2] // k.shape[2], 2), v.repeat_interleave(q.shape[2] // v.shape[2], 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).flatten(-2)
+
+
+def test_one_module_called_from_several_threads_stays_correct(monkeypatch):
+    module = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    decided = []
+    real_select = selection.select
+
+    def counting_select(params, *args, **kwargs):
+        decided.append(params.max_seqlen_q)
+        return real_select(params, *args, **kwargs)
+
+    monkeypatch.setattr(selection, "select", counting_select)
+    errors = []
+    barrier = threading.Barrier(6)
+
+    def worker(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        s = 3 + seed % 3  # three shapes over six threads
+        try:
+            barrier.wait()
+            for _ in range(20):
+                q = torch.randn(2, s, 4, 8, generator=g, dtype=torch.float64)
+                k, v = (torch.randn(2, s, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+                torch.testing.assert_close(module(q, k, v), _reference(q, k, v))
+        except Exception as exc:  # noqa: BLE001 - reported below with the thread's seed
+            errors.append((seed, exc))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(set(decided)) == [3, 4, 5] and len(decided) == 3, decided  # one plan per shape
