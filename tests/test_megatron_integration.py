@@ -22,11 +22,10 @@ import torch.distributed as dist
 with warnings.catch_warnings():  # megatron-core warns at import that Apex / Transformer Engine are absent
     warnings.simplefilter("ignore")
     pytest.importorskip("megatron.core")
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, process_groups_config
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core import process_groups_config
     from megatron.core.transformer.dot_product_attention import DotProductAttention as MegatronDotProductAttention
     from megatron.core.transformer.enums import AttnBackend, AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -294,7 +293,8 @@ def _refused_call(packed=None, **call):
 REFUSALS = {
     "unknown-argument": (_refused_core(qkv_layout="bshd"), r"cannot map: \['qkv_layout'\]"),
     "num-splits": (_refused_core(num_splits=2), r"num_splits=2.*pass None"),
-    "batch-invariant": (_refused_core(dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash)), r"batch_invariant_mode=True"),
+    "batch-invariant": (_refused_core(dict(batch_invariant_mode=True, attention_backend=AttnBackend.flash)),
+                        r"batch_invariant_mode=True"),
     "local-backend": (_refused_core(dict(attention_backend=AttnBackend.local)), r"attention_backend=AttnBackend.local"),
     "fp8-attention": (_refused_core(dict(fp8="hybrid", fp8_dot_product_attention=True)),
                       r"fp8_dot_product_attention.*attn_dispatch.fp8_autocast"),
@@ -601,3 +601,73 @@ def test_context_parallel_gpt_trains_like_the_whole_sequence(comm, tmp_path_fact
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert (got["cp_comm_type"], got["cp_ranks"], got["cp_size"]) == (comm, [0, 1], 2)
         _assert_same_losses(got["losses"], results["whole"])
+
+
+# --- on the GPU: Megatron's RNG tracker, its activation recomputation, CUDA graph capture ---------------------
+def _seed_megatron(seed: int) -> None:
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_draws_from_megatrons_rng_tracker():
+    """Dropout runs inside the tracker's fork (as Megatron's own core attention does): the default CUDA generator
+    is left as it was, and the tracker's seed alone decides the mask."""
+    from megatron.core import tensor_parallel
+
+    _seed_megatron(123)
+    module = _core(_config(attention_dropout=0.3)).cuda()
+    assert module.get_rng_state_tracker is tensor_parallel.get_cuda_rng_tracker
+    q, k, v = [x.detach().cuda().to(torch.bfloat16) for x in _qkv(s=128, d=64)]
+    outs = []
+    for seed in (123, 123, 124):
+        _seed_megatron(seed)
+        before = torch.cuda.get_rng_state()
+        outs.append(module(q, k, v, None))
+        assert torch.equal(torch.cuda.get_rng_state(), before)
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def _cuda_gpt(config, seq=256):
+    _seed_megatron(5)
+    return GPTModel(config, with_attn_dispatch(get_gpt_layer_local_spec()), vocab_size=VOCAB,
+                    max_sequence_length=seq, position_embedding_type="learned_absolute").cuda()
+
+
+@pytest.mark.gpu
+def test_gpu_selective_recompute_gives_the_same_gradients():
+    """Megatron's selective recomputation ("core_attn") re-runs the core attention in backward under its
+    checkpoint's restored RNG states: with dropout on, loss and gradients equal the stored run's."""
+    settings = dict(attention_dropout=0.2, use_cpu_initialization=False, num_layers=2)
+    stored = _cuda_gpt(_config(**settings))
+    recomputed = _cuda_gpt(_config(recompute_granularity="selective", recompute_modules=["core_attn"], **settings))
+    _same_weights(recomputed, stored)
+    tokens, positions, labels = (x.cuda() for x in _batch(0, s=256))
+    grads = []
+    for model in (stored, recomputed):
+        _seed_megatron(9)
+        loss = model(tokens, positions, None, labels=labels).mean()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_core_attention_replays_in_a_cuda_graph():
+    """Forward and backward captured by torch.cuda.make_graphed_callables (what Megatron's Transformer Engine graph
+    path does per layer) replay with the eager result, on new data in the same tensors."""
+    module = _core(_config(num_attention_heads=8, num_query_groups=8, hidden_size=512)).cuda()
+    sample = [x.detach().cuda().to(torch.bfloat16).requires_grad_() for x in _qkv(s=256, h=8, hkv=8, d=64)]
+    graphed = torch.cuda.make_graphed_callables(lambda q, k, v: module(q, k, v, None), tuple(sample))
+    fresh = [x.detach().cuda().to(torch.bfloat16).requires_grad_() for x in _qkv(s=256, h=8, hkv=8, d=64, seed=3)]
+    out = graphed(*fresh)
+    out.float().square().sum().backward()
+    got = [out.detach()] + [x.grad for x in fresh]
+    eager_inputs = [x.detach().clone().requires_grad_() for x in fresh]
+    eager = module(*eager_inputs, None)
+    eager.float().square().sum().backward()
+    for a, b in zip(got, [eager.detach()] + [x.grad for x in eager_inputs]):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2)  # backward kernels may accumulate in any order
