@@ -277,6 +277,17 @@ def test_a2a_p2p_takes_megatrons_hierarchical_groups():
     assert module.cp_comm_type == "a2a+p2p"
 
 
+def test_learnable_sinks_enter_megatrons_distributed_checkpoint():
+    """The learnable offsets are a ShardedTensor split along heads (tensor parallelism), one per layer; a vanilla
+    softmax leaves the core attention nothing to save, as Megatron's own core attention does."""
+    learnable = _gpt(_config(softmax_type="learnable"), dispatched=True).sharded_state_dict()
+    keys = sorted(k for k in learnable if "core_attention" in k)
+    assert keys == [f"decoder.layers.{i}.self_attention.core_attention.softmax_offset" for i in (0, 1)]
+    assert tuple(learnable[keys[0]].global_shape) == (2, 4)  # (layers, heads)
+    vanilla = _gpt(_config(), dispatched=True).sharded_state_dict()
+    assert not [k for k in vanilla if "core_attention" in k]
+
+
 # --- what cannot be mapped is refused ----------------------------------------------------------------------
 def _refused_core(config=None, **kwargs):
     return lambda: _core(_config(**(config or {})), **kwargs)
