@@ -1,0 +1,77 @@
+"""The shipped profile's picks stay what they were: every call of every committed grid, on a described H100 and
+H200 with the full stack and with stock torch, gets the engine recorded in tests/data (made at commit 9f4e03f
+with the same function as below; regenerate only for a deliberate change of the profile or the tables, and say
+why in the commit)."""
+from __future__ import annotations
+
+import gzip
+import json
+import pathlib
+
+import pytest
+
+from attn_dispatch import selection
+from attn_dispatch.benchmarking.cases import CASE_GRIDS
+from attn_dispatch.params import AttentionParams, normalize_window
+from attn_dispatch.platform import Platform
+
+RECORDED = pathlib.Path(__file__).parent / "data" / "shipped_picks_9f4e03f.json.gz"
+
+
+def params_of(case) -> AttentionParams:
+    return AttentionParams(dtype="bf16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
+                           num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
+                           max_seqlen_kv=case.skv, attn_mask_type=case.mask,
+                           window_size=normalize_window(case.window, case.mask), is_training=case.train,
+                           device_type="cuda").without_idle_window()
+
+
+def platforms() -> dict[str, Platform]:
+    described = {}
+    for name in ("h100-cudnn9", "h200-cudnn9"):
+        full = Platform.profile(name)
+        described[name] = full
+        described[name + "-stock"] = full.with_packages(cudnn_frontend=None, flash_attn_4=None)
+    return described
+
+
+def picks(grid: str) -> list[list[str]]:
+    rows = []
+    described = platforms()
+    for case in CASE_GRIDS[grid]():
+        try:
+            params = params_of(case)
+        except ValueError:
+            rows.append([case.label, "invalid"])
+            continue
+        rows.append([case.label] + [selection.explain(params, plat).chosen for plat in described.values()])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    with gzip.open(RECORDED, "rt") as f:
+        return json.load(f)
+
+
+@pytest.fixture(autouse=True)
+def no_local_tuning(tmp_path, monkeypatch):
+    for name in ("ATTN_DISPATCH_POLICY", "ATTN_DISPATCH_BACKEND", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
+                 "NVTE_UNFUSED_ATTN", "NVTE_FUSED_ATTN_BACKEND", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ATTN_DISPATCH_CACHE_DIR", str(tmp_path))
+    selection.clear_cache()
+    yield
+    selection.clear_cache()
+
+
+def test_the_recording_covers_every_grid(recorded):
+    assert recorded["platforms"] == list(platforms())
+    assert set(recorded["grids"]) == set(CASE_GRIDS) - {"smoke"}
+
+
+@pytest.mark.parametrize("grid", sorted(set(CASE_GRIDS) - {"smoke"}))
+def test_the_shipped_profile_picks_what_it_picked(recorded, grid):
+    now = picks(grid)
+    changed = [(then, row) for then, row in zip(recorded["grids"][grid], now) if then != row]
+    assert len(now) == len(recorded["grids"][grid]) and not changed, changed[:5]
