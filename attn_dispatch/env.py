@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-FAMILIES = ("flash_attn_4", "flash_attn_3", "cudnn_fused", "flash_attn_2", "unfused")
+FAMILIES = ("flash_attn_4", "flash_attn_3", "cudnn_fused", "flash_attn_2", "flex_attention", "mem_efficient",
+            "unfused")
 
 # NVTE_FUSED_ATTN_BACKEND values, as Transformer Engine's NVTE_Fused_Attn_Backend enum numbers them.
 FUSED_SUB_BACKENDS = {"0": "F16_max512_seqlen", "1": "F16_arbitrary_seqlen", "2": "FP8"}

@@ -131,6 +131,10 @@ class AttentionParams:
     kv_page_size: int | None = None   # tokens per page (paged) or per row (contiguous: max_sequence_length)
     device_type: str = "cuda"
     softcap: float = 0.0  # logit soft-capping (Gemma 2): scores -> softcap * tanh(scores / softcap); 0 is off
+    # a user's own FlexAttention modifiers: mask_mod (b, h, q_idx, kv_idx) -> bool, ANDed with the call's mask, and
+    # score_mod (score, b, h, q_idx, kv_idx) -> score, after the call's bias/ALiBi/softcap
+    mask_mod: bool = False
+    score_mod: bool = False
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -269,6 +273,7 @@ class AttentionParams:
             extras.append(f"softmax={self.softmax_type}")
         if self.softcap:
             extras.append(f"softcap={self.softcap:g}")
+        extras += [name for name in ("mask_mod", "score_mod") if getattr(self, name)]
         if self.cp_size > 1:
             extras.append(f"cp={self.cp_size}x{self.cp_comm_type}"
                           + (f"(a2a={self.a2a_size})" if self.cp_comm_type == "a2a+p2p" else ""))

@@ -55,6 +55,9 @@ class Platform:
     packages: tuple[PackageStatus, ...] = ()
     torch_flash_sdpa: bool = False  # torch built with its vendored FlashAttention-2 kernels
     torch_cudnn_sdpa: bool = False  # torch built with its cuDNN SDPA path
+    # triton importable: torch.compile's GPU code generator, which builds FlexAttention's kernels. torch's CUDA wheels
+    # depend on it, so a described platform has it unless its spec says 'no-triton'
+    triton: bool = True
     # what this process learned while running (the live machine only; compared by identity)
     facts: RuntimeFacts = runtime_facts.NONE
     name: str = field(default="custom", compare=False)
@@ -64,7 +67,7 @@ class Platform:
         object.__setattr__(self, "_hash", hash((self.device_type, self.compute_capability, self.device_name,
                                                 self.cuda_version, self.cudnn_version, self.torch_version,
                                                 self.packages, self.torch_flash_sdpa, self.torch_cudnn_sdpa,
-                                                self.facts)))
+                                                self.triton, self.facts)))
         # Answers the tables ask for on every fresh decision, computed once.
         cc = self.compute_capability
         object.__setattr__(self, "_sm", cc[0] * 10 + cc[1] if cc else 0)
@@ -118,7 +121,7 @@ class Platform:
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "cuda_version": self.cuda_version, "cudnn_version": self.cudnn_version,
             "torch_version": self.torch_version, "torch_flash_sdpa": self.torch_flash_sdpa,
-            "torch_cudnn_sdpa": self.torch_cudnn_sdpa,
+            "torch_cudnn_sdpa": self.torch_cudnn_sdpa, "triton": self.triton,
             "packages": {p.name: (p.version if p.installed else None) for p in self.packages},
             "package_errors": {p.name: p.error for p in self.packages if not p.installed},
         }
@@ -201,8 +204,9 @@ def _detect_cached() -> Platform:
 
     packages = tuple(_probe_package(key) for key in sorted(ENGINE_PACKAGES))
     torch_version = torch.__version__
+    triton = importlib.util.find_spec("triton") is not None
     if not torch.cuda.is_available():
-        return Platform(device_type="cpu", torch_version=torch_version, packages=packages, name="live")
+        return Platform(device_type="cpu", torch_version=torch_version, packages=packages, triton=triton, name="live")
     major, minor = torch.cuda.get_device_capability()
     cudnn_number = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     flash = bool(getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)())
@@ -216,6 +220,7 @@ def _detect_cached() -> Platform:
         packages=packages,
         torch_flash_sdpa=flash,
         torch_cudnn_sdpa=cudnn_number is not None and cudnn_number >= 90000,
+        triton=triton,
         name="live",
     )
 
@@ -289,9 +294,12 @@ def parse_platform(spec: str) -> Platform:
                 packages[key[3:]] = PackageStatus(key[3:], None, "not installed")
             elif key == "no-cudnn":
                 changes.update(cudnn_version=None, torch_cudnn_sdpa=False)
+            elif key == "no-triton":
+                changes["triton"] = False
             else:
                 raise ValueError(f"platform token {token!r} is not understood; expected a profile "
-                                 f"({', '.join(PROFILES)}), 'cpu', 'smXY', 'no-<package>' or key=value")
+                                 f"({', '.join(PROFILES)}), 'cpu', 'smXY', 'no-<package>', 'no-cudnn', "
+                                 "'no-triton' or key=value")
             continue
         if key in ENGINE_PACKAGES:
             _require_version(token, value)

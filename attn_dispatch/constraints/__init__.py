@@ -5,9 +5,11 @@ import importlib
 
 from .base import Check, Failure, Table, fail
 from .common import context_parallel, no_softcap
+from .flex_attention import refuse_user_mods
 
 # family -> module defining the tables; each module lists its tables in TABLES (provider preference order).
-_FAMILY_MODULES = ("flash_attn_4", "flash_attn_3", "cudnn_fused", "flash_attn_2", "unfused")
+_FAMILY_MODULES = ("flash_attn_4", "flash_attn_3", "cudnn_fused", "flash_attn_2", "flex_attention", "mem_efficient",
+                   "unfused")
 
 
 def _load() -> dict[str, Table]:
@@ -26,6 +28,8 @@ def _load() -> dict[str, Table]:
             table.add(context_parallel(table))
         if not any(c.code == f"{table.family}.softcap" for c in table.checks):
             table.add(no_softcap(table))
+        if not any(c.code == f"{table.family}.user_mods" for c in table.checks):
+            table.add(refuse_user_mods(table))
     return tables
 
 

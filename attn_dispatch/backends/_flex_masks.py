@@ -1,0 +1,393 @@
+"""What FlexAttention is given for a call: its mask as a mask_mod and a BlockMask, its bias/ALiBi/softcap as a
+score_mod.
+
+Indices are those of the [B, H, SQ, SKV] call flex sees: bshd/sbhd as they are; thd as one sequence of t packed
+tokens (B = 1), where a frame maps each token to its sequence and its position in it. Transformer Engine's alignment:
+query position i of a sequence with lq queries and lkv keys sits on key i + off, off = 0 for the top-left masks and
+lkv - lq otherwise; a window (left, right) keeps key j iff -right <= i + off - j <= left (-1: unbounded).
+
+Everything derived from a tensor's contents (a frame from cu_seqlens, a BlockMask from a mask) is computed once per
+tensor and version (tensor_cache.cached_on); structures that depend on sizes only are kept in a small LRU.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..params import TOP_LEFT_MASKS
+from ..tensor_cache import cached_on
+from .base import AttnAux, AttnConfig
+
+BLOCK = 128
+MASK_MOD, SCORE_MOD = "mask_mod", "score_mod"  # the AttnAux.extra keys of a user's own modifiers
+_LRU_LIMIT = 64
+
+
+# --------------------------------------------------------------------------------------------
+# Frames: where each query/key of the flex call sits in its sequence
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Frame:
+    kind: str                                # 'dense' | 'padded' | 'packed'
+    off: int = 0                             # dense: the diagonal offset
+    lens_q: torch.Tensor | None = None       # padded: [B] real query rows / keys per batch element
+    lens_kv: torch.Tensor | None = None
+    off_b: torch.Tensor | None = None        # padded: [B] offsets; packed: [n + 2] per sequence (2 outsiders)
+    seq_q: torch.Tensor | None = None        # packed: [t_q] sequence of each token (n: none), [t_kv] (n + 1: none)
+    seq_kv: torch.Tensor | None = None
+    pos_q: torch.Tensor | None = None        # packed: position of each token in its sequence
+    pos_kv: torch.Tensor | None = None
+    seq_in: torch.Tensor | None = None       # packed: seq_q clamped to a real sequence (for per-sequence tensors)
+    sources: tuple = ()                      # the cu_seqlens tensors the frame derives from
+
+    def rel(self, b, q, kv):
+        """i + off - j: how far key kv is behind the query's diagonal."""
+        if self.kind == "dense":
+            return q + self.off - kv
+        if self.kind == "padded":
+            return q + self.off_b[b] - kv
+        return self.pos_q[q] + self.off_b[self.seq_q[q]] - self.pos_kv[kv]
+
+    def locate(self, b, q, kv):
+        """(sequence, query position, key position): where a per-sequence [b, h, sq, skv] tensor is read."""
+        if self.kind == "packed":
+            return self.seq_in[q], self.pos_q[q], self.pos_kv[kv]
+        return b, q, kv
+
+    def same_sequence(self, b, q, kv):
+        if self.kind == "padded":
+            return (q < self.lens_q[b]) & (kv < self.lens_kv[b])
+        return self.seq_q[q] == self.seq_kv[kv]
+
+
+def frame_for(aux: AttnAux, cfg: AttnConfig, sq: int, skv: int) -> Frame:
+    top_left = cfg.attn_mask_type in TOP_LEFT_MASKS
+    if cfg.qkv_format == "thd":
+        if aux.cu_seqlens_q is None or aux.cu_seqlens_kv is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32 [batch + 1])")
+        sources = tuple(t for t in (aux.cu_seqlens_q, aux.cu_seqlens_kv, aux.cu_seqlens_q_padded,
+                                    aux.cu_seqlens_kv_padded) if t is not None)
+        return cached_on(sources, ("flex_packed_frame", sq, skv, top_left, aux.cu_seqlens_q_padded is not None,
+                                   aux.cu_seqlens_kv_padded is not None),
+                         lambda: _packed_frame(aux, sq, skv, top_left, sources))
+    if cfg.attn_mask_type.startswith("padding") and aux.cu_seqlens_q is not None:
+        sources = (aux.cu_seqlens_q, aux.cu_seqlens_kv)
+        return cached_on(sources, ("flex_padded_frame", top_left), lambda: _padded_frame(sources, top_left))
+    return Frame("dense", off=0 if top_left else skv - sq)
+
+
+def _padded_frame(sources: tuple, top_left: bool) -> Frame:
+    cq, ckv = (c.long() for c in sources)
+    lens_q, lens_kv = cq[1:] - cq[:-1], ckv[1:] - ckv[:-1]
+    off = torch.zeros_like(lens_q) if top_left else lens_kv - lens_q
+    return Frame("padded", lens_q=lens_q, lens_kv=lens_kv, off_b=off, sources=sources)
+
+
+def _token_positions(cu: torch.Tensor, cu_padded: torch.Tensor | None, total: int, outside: int):
+    """(sequence, position) of each of `total` tokens; tokens in no sequence get sequence `outside`."""
+    cu = cu.long()
+    starts = (cu_padded.long() if cu_padded is not None else cu)[:-1]
+    lens = cu[1:] - cu[:-1]
+    token = torch.arange(total, device=cu.device)
+    seq = (torch.searchsorted(starts, token, right=True) - 1).clamp(min=0)
+    pos = token - starts[seq]
+    inside = (token >= starts[0]) & (pos < lens[seq])
+    return torch.where(inside, seq, torch.full_like(seq, outside)), torch.where(inside, pos, torch.zeros_like(pos))
+
+
+def _packed_frame(aux: AttnAux, tq: int, tkv: int, top_left: bool, sources: tuple) -> Frame:
+    n = aux.cu_seqlens_q.shape[0] - 1
+    seq_q, pos_q = _token_positions(aux.cu_seqlens_q, aux.cu_seqlens_q_padded, tq, n)
+    seq_kv, pos_kv = _token_positions(aux.cu_seqlens_kv, aux.cu_seqlens_kv_padded, tkv, n + 1)
+    cq, ckv = aux.cu_seqlens_q.long(), aux.cu_seqlens_kv.long()
+    off = torch.zeros(n + 2, dtype=torch.long, device=cq.device)
+    if not top_left:
+        off[:n] = (ckv[1:] - ckv[:-1]) - (cq[1:] - cq[:-1])
+    return Frame("packed", off_b=off, seq_q=seq_q, seq_kv=seq_kv, pos_q=pos_q, pos_kv=pos_kv,
+                 seq_in=seq_q.clamp(max=n - 1), sources=sources)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors read inside the modifiers: a [1|B, 1|H, 1|SQ, 1|SKV] view and who indexes which dim
+# --------------------------------------------------------------------------------------------
+def as_4d(name: str, x: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tensor:
+    """x as a 4-D view that broadcasts to [b, h, sq, skv] (stride-0 dims of an expanded tensor made size 1), or a
+    ValueError naming the argument, its shape and what is allowed."""
+    expected = f"[1 or {b}, 1 or {h}, 1 or {sq}, 1 or {skv}] (or fewer leading dims)"
+    if not isinstance(x, torch.Tensor) or x.dim() > 4:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} has shape {shape}; it must broadcast to {expected}")
+    x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    if any(n not in (1, full) for n, full in zip(x4.shape, (b, h, sq, skv))):
+        raise ValueError(f"{name} has shape {list(x.shape)}; it must broadcast to {expected}")
+    index = tuple(slice(0, 1) if n > 1 and s == 0 else slice(None) for n, s in zip(x4.shape, x4.stride()))
+    return x4[index]
+
+
+def reader(x4: torch.Tensor) -> Callable:
+    """(b, h, q, kv) -> x4's element, indexing 0 on its broadcast dims (so a bias gradient keeps x4's shape)."""
+    pick = tuple(n > 1 for n in x4.shape)
+
+    def read(b, h, q, kv):
+        return x4[b if pick[0] else 0, h if pick[1] else 0, q if pick[2] else 0, kv if pick[3] else 0]
+    return read
+
+
+# --------------------------------------------------------------------------------------------
+# User modifiers
+# --------------------------------------------------------------------------------------------
+def user_mod(aux: AttnAux, key: str, device: torch.device) -> Callable | None:
+    """aux.extra[key], checked once per function object: a mask_mod (b, h, q_idx, kv_idx) -> bool, or a score_mod
+    (score, b, h, q_idx, kv_idx) -> score."""
+    fn = aux.extra.get(key)
+    if fn is None:
+        return None
+    cached = _CHECKED.get(id(fn))
+    if cached is None or cached[0] is not fn:
+        _check_user_mod(key, fn, device)
+        if len(_CHECKED) >= _LRU_LIMIT:
+            _CHECKED.clear()
+        _CHECKED[id(fn)] = (fn,)
+    return fn
+
+
+_CHECKED: dict[int, tuple] = {}
+
+
+def _check_user_mod(key: str, fn: Any, device: torch.device) -> None:
+    arity, names = (4, "(b, h, q_idx, kv_idx)") if key == MASK_MOD else (5, "(score, b, h, q_idx, kv_idx)")
+    what = f"aux.extra[{key!r}]"
+    if not callable(fn):
+        raise ValueError(f"{what} is a {type(fn).__name__}; it must be a function of {names}")
+    try:
+        inspect.signature(fn).bind(*range(arity))
+    except TypeError:
+        raise ValueError(f"{what} ({getattr(fn, '__name__', fn)!r}, signature {inspect.signature(fn)}) is not a "
+                         f"function of {names}: FlexAttention calls it with {arity} positional arguments") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the probe call below decides
+    idx = torch.zeros((), dtype=torch.int32, device=device)
+    args = (idx,) * 4 if key == MASK_MOD else (torch.zeros((), device=device),) + (idx,) * 4
+    try:
+        result = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the user's function: say which argument failed and how
+        raise ValueError(f"{what} failed on index tensors {names} = 0: {type(exc).__name__}: {exc}") from exc
+    if key == MASK_MOD and not (isinstance(result, torch.Tensor) and result.dtype == torch.bool):
+        raise ValueError(f"{what} must return a bool tensor (True: the pair takes part); it returned "
+                         f"{type(result).__name__}" + (f" of dtype {result.dtype}" if isinstance(result, torch.Tensor)
+                                                       else ""))
+    if key == SCORE_MOD and not (isinstance(result, torch.Tensor) and result.is_floating_point()):
+        raise ValueError(f"{what} must return the modified score (a float tensor); it returned "
+                         f"{type(result).__name__}")
+
+
+def closure_tensors(fn: Callable) -> tuple[torch.Tensor, ...]:
+    """The tensors a modifier reads through its closure (their versions key the BlockMask built from it)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    found = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------------------------
+# The score_mod
+# --------------------------------------------------------------------------------------------
+def score_mod_for(frame: Frame, aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int,
+                  user: Callable | None) -> Callable | None:
+    """Transformer Engine's order (the unfused engine's): scaled scores (+ pre-scale bias, scaled), softcap,
+    post-scale bias, ALiBi; then the user's score_mod. flex has applied the scale."""
+    bias = slopes = None
+    if frame.kind == "packed":  # per-sequence tensors: [1|n, 1|h, max_seqlen_q, max_seqlen_kv]
+        b, sq, skv = frame.off_b.shape[0] - 2, aux.max_seqlen_q, aux.max_seqlen_kv
+    if cfg.bias_type in ("pre_scale_bias", "post_scale_bias"):
+        if aux.bias is None:
+            raise ValueError(f"bias_type={cfg.bias_type!r} but aux.bias is None")
+        bias = reader(as_4d("core_attention_bias", aux.bias, b, h, sq, skv))
+    if cfg.bias_type == "alibi":
+        s = aux.alibi_slopes
+        if s is None or tuple(s.shape) not in ((h,), (b, h)):
+            raise ValueError(f"bias_type='alibi' needs aux.alibi_slopes, float32 [{h}] or [{b}, {h}]; got "
+                             f"{None if s is None else list(s.shape)}")
+        slopes = (lambda b_, h_: s[h_]) if s.dim() == 1 else (lambda b_, h_: s[b_, h_])
+    pre, scale, cap = cfg.bias_type == "pre_scale_bias", cfg.softmax_scale, cfg.softcap
+    if bias is None and slopes is None and not cap and user is None:
+        return None
+
+    def score_mod(score, b_, h_, q, kv):
+        seq, i, j = frame.locate(b_, q, kv)
+        if bias is not None and pre:
+            score = score + bias(seq, h_, i, j) * scale
+        if cap:
+            score = torch.tanh(score / cap) * cap
+        if bias is not None and not pre:
+            score = score + bias(seq, h_, i, j)
+        if slopes is not None:
+            score = score - slopes(seq, h_) * frame.rel(b_, q, kv).abs()
+        if user is not None:
+            score = user(score, b_, h_, q, kv)
+        return score
+    return score_mod
+
+
+# --------------------------------------------------------------------------------------------
+# The mask_mod and its BlockMask
+# --------------------------------------------------------------------------------------------
+def mask_mod_for(frame: Frame, cfg: AttnConfig, mask4: torch.Tensor | None, user: Callable | None) -> Callable | None:
+    """None when every pair takes part (no_mask, no window, no mask tensor, no user mask_mod)."""
+    left, right = cfg.window_size
+    in_sequence = frame.kind != "dense"
+    masked = reader(mask4) if mask4 is not None else None
+    if not (in_sequence or left >= 0 or right >= 0 or masked is not None or user is not None):
+        return None
+
+    def mask_mod(b, h, q, kv):
+        keep = frame.same_sequence(b, q, kv) if in_sequence else None
+        if left >= 0 or right >= 0:
+            rel = frame.rel(b, q, kv)
+            near = (rel <= left) if left >= 0 else None
+            if right >= 0:
+                near = (rel >= -right) if near is None else near & (rel >= -right)
+            keep = near if keep is None else keep & near
+        if masked is not None:
+            allowed = ~masked(b, h, q, kv)
+            keep = allowed if keep is None else keep & allowed
+        if user is not None:
+            chosen = user(b, h, q, kv)
+            keep = chosen if keep is None else keep & chosen
+        return keep
+    return mask_mod
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A BlockMask and what it skips: blocks ([B', H', nq, nk]) that hold no pair, hold only pairs, or some."""
+
+    block_mask: Any
+    total: int
+    full: int
+    partial: int
+
+    def describe(self) -> str:
+        empty = self.total - self.full - self.partial
+        if empty == 0:
+            return (f"the mask leaves every {BLOCK}x{BLOCK} block of the scores at least partly attended "
+                    f"({self.full} full, {self.partial} partial of {self.total}): there is no sparsity for "
+                    "FlexAttention to skip")
+        share = 100 * empty / self.total
+        return (f"FlexAttention skips {empty} of {self.total} {BLOCK}x{BLOCK} blocks ({share:.1f}%); "
+                f"{self.full} are fully attended, {self.partial} partly")
+
+
+def block_info(flex, frame: Frame, cfg: AttnConfig, mask: torch.Tensor | None, mask4: torch.Tensor | None,
+               user: Callable | None, mask_mod: Callable, b: int, h: int, sq: int, skv: int,
+               device: torch.device) -> BlockInfo:
+    """The call's block structure, built once: per mask tensor and version, per cu_seqlens tensors, per user
+    mask_mod (and the tensors its closure holds), or per sizes. Its BlockMask carries flex's no-op mask_mod: a
+    cached value must not hold a call's tensors (a mask that changes every step would stay alive), so each call
+    sets its own (plan in flex_attention.py). mask: the call's mask tensor itself (the cache key), mask4 its 4-D
+    view."""
+    window = tuple(cfg.window_size)
+    if mask4 is not None and user is None and frame.kind == "dense" and window == (-1, -1):
+        return cached_on((mask,), ("flex_dense_blocks", tuple(mask4.shape), mask4.stride(), sq, skv),
+                         lambda: _from_dense(flex, mask4, sq, skv))
+    per_b = frame.kind == "padded" or (mask4 is not None and mask4.shape[0] > 1)
+    per_h = mask4 is not None and mask4.shape[1] > 1
+    shape = (b if per_b or user is not None else 1, h if per_h or user is not None else 1, sq, skv)
+    key = ("flex_blocks", cfg.attn_mask_type in TOP_LEFT_MASKS, frame.kind, frame.off, window, shape, device)
+
+    def build() -> BlockInfo:
+        return _from_mask_mod(flex, mask_mod, shape, device, compile_=user is not None and device.type == "cuda")
+    if user is not None:
+        return _user_cached(user, key, frame.sources + ((mask,) if mask is not None else ()), build)
+    if frame.sources or mask is not None:
+        return cached_on(frame.sources + ((mask,) if mask is not None else ()), key, build)
+    hit = _SIZED.get(key)
+    if hit is None:
+        hit = _SIZED[key] = build()
+        while len(_SIZED) > _LRU_LIMIT:
+            _SIZED.popitem(last=False)
+    else:
+        _SIZED.move_to_end(key)
+    return hit
+
+
+_SIZED: OrderedDict = OrderedDict()
+_USER: dict[int, tuple] = {}
+
+
+def _user_cached(fn: Callable, key: tuple, tensors: tuple, build: Callable[[], BlockInfo]) -> BlockInfo:
+    """Keyed by the function object (held weakly through its id and a check), the tensors it and the call read,
+    and their versions: a closure whose tensor was written in place builds again."""
+    read = tensors + closure_tensors(fn)
+    state = (key, tuple(id(t) for t in read), tuple(getattr(t, "_version", 0) for t in read))
+    hit = _USER.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == state:
+        return hit[2]
+    info = build()
+    try:
+        ref = weakref.ref(fn)
+    except TypeError:  # an object that takes no weak reference: not cached
+        return info
+    if len(_USER) >= _LRU_LIMIT:
+        _USER.clear()
+    _USER[id(fn)] = (ref, state, info)
+    return info
+
+
+def _from_mask_mod(flex, mask_mod: Callable, shape: tuple, device: torch.device, compile_: bool) -> BlockInfo:
+    bm = flex.create_block_mask(mask_mod, *shape, device=device, BLOCK_SIZE=BLOCK, _compile=compile_)
+    bm.mask_mod = flex.noop_mask  # cached: hold none of this call's tensors (each call sets its own mask_mod)
+    full = bm.full_kv_num_blocks
+    counts = torch.stack([bm.kv_num_blocks.sum(), full.sum() if full is not None else bm.kv_num_blocks.new_zeros(())])
+    partial, full_n = (int(x) for x in counts.tolist())
+    total = shape[0] * shape[1] * -(-shape[2] // BLOCK) * -(-shape[3] // BLOCK)
+    return BlockInfo(bm, total, full_n, partial)
+
+
+def _from_dense(flex, mask4: torch.Tensor, sq: int, skv: int) -> BlockInfo:
+    """Block maps straight from a bool mask (True: masked out), never materialising a full copy of a broadcast one:
+    a block is full when no pair in it is masked, empty when all are."""
+    nq, nk = -(-sq // BLOCK), -(-skv // BLOCK)
+    any_masked = _block_reduce(mask4, torch.any, True, nq, nk)
+    all_masked = _block_reduce(mask4, torch.all, True, nq, nk)
+    full = ~any_masked
+    partial = any_masked & ~all_masked
+    num, idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    bm = flex.BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv))
+    counts = torch.stack([partial.sum(), full.sum()]).tolist()
+    return BlockInfo(bm, partial.numel(), int(counts[1]), int(counts[0]))
+
+
+def _block_reduce(mask4: torch.Tensor, reduce, pad_value: bool, nq: int, nk: int) -> torch.Tensor:
+    """reduce (any/all) of each BLOCK x BLOCK tile of [B', H', 1|sq, 1|skv] -> [B', H', nq, nk]."""
+    m = mask4
+    rows, cols = m.shape[2], m.shape[3]
+    pad_r = (-rows) % BLOCK if rows > 1 else 0
+    pad_c = (-cols) % BLOCK if cols > 1 else 0
+    if pad_r or pad_c:  # the tail of a partial tile counts as masked (flex masks past the sequence itself)
+        padded = m.new_full((m.shape[0], m.shape[1], rows + pad_r, cols + pad_c), pad_value)
+        padded[:, :, :rows, :cols] = m
+        m = padded
+    br, bc = (BLOCK if rows > 1 else 1), (BLOCK if cols > 1 else 1)
+    tiles = m.reshape(m.shape[0], m.shape[1], m.shape[2] // br, br, m.shape[3] // bc, bc)
+    out = reduce(reduce(tiles, dim=5), dim=3)
+    return out.expand(out.shape[0], out.shape[1], nq, nk)
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's (kv_num_blocks, kv_indices): per query block, how many kv blocks, and which (those first)."""
+    num = blocks.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()

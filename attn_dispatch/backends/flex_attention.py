@@ -1,0 +1,143 @@
+"""The FlexAttention engine (flex_attention:torch): torch.nn.attention.flex_attention with a BlockMask and a score_mod
+built from the call (see _flex_masks), torch.compile'd once per process on CUDA, eager on the CPU (inference only:
+torch has no CPU backward for it).
+
+Gradients flow through FlexAttention's own autograd (to q, k, v and a bias tensor the score_mod reads), so this
+engine is called as a differentiable function (__call__); it has no functional backward, which is why context
+parallelism, whose per-block backward passes a merged out/lse, does not use it (its table says so).
+
+A user's own modifiers arrive in AttnAux.extra: "mask_mod" (b, h, q_idx, kv_idx) -> bool, ANDed with the call's
+mask, and "score_mod" (score, b, h, q_idx, kv_idx) -> score, applied after the call's bias/ALiBi/softcap. Indices
+are those of the [B, H, S, S] call flex sees: for thd, B = 1 and q_idx/kv_idx are token indices of the packed tensor.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from . import _flex_masks as masks
+from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+
+MASK_MOD, SCORE_MOD = masks.MASK_MOD, masks.SCORE_MOD
+
+
+def _to_bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "bshd":
+        return x.transpose(1, 2)
+    if fmt == "sbhd":
+        return x.permute(1, 2, 0, 3)
+    return x.transpose(0, 1).unsqueeze(0)  # thd: one sequence of packed tokens
+
+
+def _from_bhsd(out4: torch.Tensor, lse: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if fmt == "bshd":
+        return out4.transpose(1, 2), lse
+    if fmt == "sbhd":
+        return out4.permute(2, 0, 1, 3), lse
+    return out4[0].transpose(0, 1), lse[0]
+
+
+class FlexAttentionEngine(Engine):
+    family = "flex_attention"
+    provider = "torch"
+
+    def __init__(self) -> None:
+        try:
+            from torch.nn.attention import flex_attention as flex
+        except ImportError as exc:
+            raise ImportError(f"torch {torch.__version__} has no torch.nn.attention.flex_attention (torch >= 2.5)") \
+                from exc
+        self.flex = flex
+        self._aux_request = getattr(flex, "AuxRequest", None)  # torch >= 2.9; before: return_lse=True
+        self._compiled = None
+
+    def _kernel(self, device: torch.device):
+        if device.type != "cuda":
+            return self.flex.flex_attention
+        if self._compiled is None:
+            self._compiled = torch.compile(self.flex.flex_attention)
+        return self._compiled
+
+    def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        fmt = cfg.qkv_format
+        q4, k4, v4 = (_to_bhsd(x, fmt) for x in (q, k, v))
+        b, h, sq, _ = q4.shape
+        skv = k4.shape[2]
+        call = plan(self.flex, aux, cfg, b, h, sq, skv, q.device)
+        kernel = self._kernel(q.device)
+        kwargs = dict(score_mod=call.score_mod, block_mask=call.block_mask, scale=cfg.softmax_scale,
+                      enable_gqa=h != k4.shape[1])
+        if self._aux_request is not None:
+            kwargs["return_aux"] = self._aux_request(lse=True)
+        else:
+            kwargs["return_lse"] = True
+        if q.device.type == "cuda":
+            out4, lse = kernel(q4, k4, v4, **kwargs)
+        else:
+            with warnings.catch_warnings():  # eager on the CPU is the intended path, not a missed compile
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                out4, lse = kernel(q4, k4, v4, **kwargs)
+        if self._aux_request is not None:
+            lse = lse.lse
+        return _from_bhsd(out4, lse, fmt)
+
+    def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        with torch.no_grad():
+            out, lse = self._run(q, k, v, aux, cfg)
+        return FwdResult(out, lse)
+
+    def backward(self, dout, q, k, v, out, lse, state, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        raise NotImplementedError("flex_attention:torch computes gradients through FlexAttention's autograd "
+                                  "(call the engine); it has no backward that takes a given out/lse")
+
+    def __call__(self, q, k, v, aux: AttnAux, cfg: AttnConfig, *, flatten_heads: bool = False):
+        if cfg.dropout_p > 0:
+            raise ValueError(f"dropout_p={cfg.dropout_p}: FlexAttention has no dropout")
+        if cfg.softmax_type != "vanilla" or cfg.return_max_logit:
+            raise ValueError("flex_attention:torch supports softmax_type='vanilla' without return_max_logit")
+        out, lse = self._run(q, k, v, aux, cfg)
+        return (out.flatten(-2) if flatten_heads else out), lse.detach(), None
+
+
+class _Call:
+    __slots__ = ("block_mask", "score_mod", "blocks")
+
+    def __init__(self, block_mask, score_mod, blocks):
+        self.block_mask, self.score_mod, self.blocks = block_mask, score_mod, blocks
+
+
+def plan(flex, aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, device: torch.device) -> _Call:
+    """The call's BlockMask (cached per structure) and score_mod (a closure over this call's tensors)."""
+    frame = masks.frame_for(aux, cfg, sq, skv)
+    mask4 = None
+    if cfg.attn_mask_type == "arbitrary":
+        if aux.attention_mask is None:
+            raise ValueError("attn_mask_type='arbitrary' needs aux.attention_mask (bool, True = masked out)")
+        if aux.attention_mask.dtype != torch.bool:
+            raise ValueError(f"attention_mask has dtype {aux.attention_mask.dtype}; it must be torch.bool "
+                             "(True = masked out)")
+        mask4 = masks.as_4d("attention_mask", aux.attention_mask, b, h, sq, skv)
+    user_mask = masks.user_mod(aux, MASK_MOD, device)
+    user_score = masks.user_mod(aux, SCORE_MOD, device)
+    score_mod = masks.score_mod_for(frame, aux, cfg, b, h, sq, skv, user_score)
+    mask_mod = masks.mask_mod_for(frame, cfg, mask4, user_mask)
+    if mask_mod is None:
+        return _Call(None, score_mod, None)
+    info = masks.block_info(flex, frame, cfg, aux.attention_mask if mask4 is not None else None, mask4, user_mask,
+                            mask_mod, b, h, sq, skv, device)
+    block_mask = copy.copy(info.block_mask)  # the cached blocks, with this call's mask_mod
+    block_mask.mask_mod = mask_mod
+    return _Call(block_mask, score_mod, info)
+
+
+def describe_mask(mask: torch.Tensor, batch: int, heads: int, sq: int, skv: int) -> str:
+    """How FlexAttention sees a bool mask (True = masked out, Transformer Engine's convention): the share of
+    128x128 blocks it skips, or that a fully dense mask gives it no sparsity to skip. Cached with the BlockMask."""
+    from torch.nn.attention import flex_attention as flex
+
+    cfg = AttnConfig(attn_mask_type="arbitrary")
+    aux = AttnAux(attention_mask=mask)
+    call = plan(flex, aux, cfg, batch, heads, sq, skv, mask.device)
+    return call.blocks.describe()

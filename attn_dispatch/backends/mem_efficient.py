@@ -1,0 +1,288 @@
+"""torch's memory-efficient SDPA kernels (mem_efficient:torch): aten::_scaled_dot_product_efficient_attention, the op
+F.scaled_dot_product_attention itself calls for a masked call, with its C++ autograd (the same kernels, backward and
+host path as SDPA's own call).
+
+Everything that is not the op's own is_causal (top-left) becomes one additive bias [B', H', sq, skv] (B', H' 1 where
+it broadcasts), as SDPA's convert_boolean_attn_mask does for a bool mask: an 'arbitrary' mask (0 / -inf), padding
+masks from cu_seqlens (with their per-sequence diagonal), a bottom-right diagonal where sq != skv, ALiBi. That part is
+built once per tensor and version (and dropped with the tensor); a call's own bias tensor is added per call, so its
+gradient flows through autograd. Rows that see no key get a zero bias row for the kernel, then output 0 and lse -inf
+(the engine convention; the kernel alone would divide by zero there).
+
+GQA: the op takes as many key/value heads as query heads; keys and values are repeated per group (the copy SDPA's
+math path makes too). Under a deterministic backward the engine's own Function runs the backward op with torch's
+deterministic flag set (one key split).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+
+from ..params import TOP_LEFT_MASKS
+from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+
+ALIGN = 16  # bias row stride (elements) the kernels read in aligned vectors; SDPA pads rows the same way
+NEG_INF = float("-inf")
+
+
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    """The backward reads determinism from torch's global flag (attention_backward.cu); set it for one call."""
+    if not enabled or (torch.are_deterministic_algorithms_enabled()
+                       and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    return x.transpose(1, 2) if fmt == "bshd" else x.permute(1, 2, 0, 3)
+
+
+def _from_bhsd(x4: torch.Tensor, fmt: str) -> torch.Tensor:
+    return x4.transpose(1, 2) if fmt == "bshd" else x4.permute(2, 0, 1, 3)
+
+
+class _Static(NamedTuple):
+    """The call's fixed additive bias (aligned rows, None: nothing to add), whether it carries the diagonal, and its
+    keyless rows ([B', H', sq] bool, None: every row sees a key)."""
+
+    bias: torch.Tensor | None
+    is_causal: bool
+    keyless: torch.Tensor | None
+
+
+def _aligned(bias: torch.Tensor) -> torch.Tensor:
+    """bias with rows starting on ALIGN-element boundaries (a padded copy sliced back, as SDPA's pad_bias)."""
+    if bias.stride(-1) == 1 and all(s % ALIGN == 0 for s in bias.stride()[:-1]):
+        return bias
+    skv = bias.shape[-1]
+    return torch.nn.functional.pad(bias, (0, (-skv) % ALIGN or ALIGN))[..., :skv]
+
+
+def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = masked out) -> 0 / -inf."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, NEG_INF)
+
+
+def _diagonal_bias(rel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Causal about a diagonal: key j is kept iff rel = i + off - j >= 0."""
+    return _mask_bias(rel < 0, dtype)
+
+
+def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dtype: torch.dtype,
+            device: torch.device) -> _Static:
+    mask_type = cfg.attn_mask_type
+    causal = "causal" in mask_type
+    padded = mask_type.startswith("padding") and aux.cu_seqlens_q is not None
+    top_left = mask_type in TOP_LEFT_MASKS
+    native_causal = causal and not padded and (top_left or sq == skv)
+    tensors: list[torch.Tensor] = []
+    if mask_type == "arbitrary":
+        if aux.attention_mask is None or aux.attention_mask.dtype != torch.bool:
+            raise ValueError("attn_mask_type='arbitrary' needs aux.attention_mask, a bool tensor (True = masked out)")
+        tensors.append(aux.attention_mask)
+    if padded:
+        tensors += [aux.cu_seqlens_q, aux.cu_seqlens_kv]
+    if cfg.bias_type == "alibi":
+        if aux.alibi_slopes is None:
+            raise ValueError("bias_type='alibi' needs aux.alibi_slopes (float32 [h] or [b, h])")
+        tensors.append(aux.alibi_slopes)
+    if not tensors and not (causal and not native_causal):
+        return _Static(None, native_causal, None)
+    key = ("mem_efficient_bias", mask_type, cfg.bias_type, b, h, sq, skv, dtype, device)
+
+    def build() -> _Static:
+        parts = []
+        if mask_type == "arbitrary":
+            parts.append(_mask_bias(_as_4d(aux.attention_mask, b, h, sq, skv), dtype))
+        rows = torch.arange(sq, device=device).view(1, 1, sq, 1)
+        cols = torch.arange(skv, device=device).view(1, 1, 1, skv)
+        if padded:
+            cq, ckv = aux.cu_seqlens_q.long(), aux.cu_seqlens_kv.long()
+            lens_q, lens_kv = (cq[1:] - cq[:-1]).view(b, 1, 1, 1), (ckv[1:] - ckv[:-1]).view(b, 1, 1, 1)
+            off = 0 if top_left else lens_kv - lens_q
+            outside = (rows >= lens_q) | (cols >= lens_kv)
+            if causal:
+                outside = outside | (rows + off - cols < 0)
+            parts.append(_mask_bias(outside, dtype))
+        else:
+            off = 0 if top_left else skv - sq
+            if causal and not native_causal:
+                parts.append(_diagonal_bias(rows + off - cols, dtype))
+        if cfg.bias_type == "alibi":
+            s = aux.alibi_slopes.to(device=device, dtype=torch.float32)
+            slopes = s.view(1, h, 1, 1) if s.dim() == 1 else s.view(b, h, 1, 1)
+            parts.append((-slopes * (rows + off - cols).abs()).to(dtype))
+        bias = parts[0]
+        for part in parts[1:]:
+            bias = bias + part
+        keyless = (bias == NEG_INF).all(-1)
+        if bool(keyless.any()):  # once per structure: rows the kernel must not see as all -inf
+            bias = bias.masked_fill(keyless.unsqueeze(-1), 0.0)
+        else:
+            keyless = None
+        return _Static(_aligned(bias.contiguous()), native_causal, keyless)
+    return _CACHE.get(tuple(tensors), key, build)
+
+
+class _BiasCache:
+    """Built biases, keyed by the tensors they derive from (identity and version) and the call's sizes. Unlike
+    tensor_cache, an entry goes when one of its tensors dies: a mask that changes every step must not keep every
+    step's [b|1, h|1, sq, skv] bias alive. Size-only entries (a bottom-right diagonal) are kept LRU."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self.entries: OrderedDict = OrderedDict()
+
+    def get(self, tensors: tuple, context: tuple, build: Callable[[], _Static]) -> _Static:
+        try:
+            versions = tuple(t._version for t in tensors)
+        except RuntimeError:  # inference tensors carry no version: nothing can be cached safely
+            return build()
+        key = tuple(map(id, tensors)) + context
+        hit = self.entries.get(key)
+        if hit is not None and hit[1] == versions and all(r() is t for r, t in zip(hit[0], tensors)):
+            self.entries.move_to_end(key)
+            return hit[2]
+        value = build()
+        refs = tuple(weakref.ref(t, lambda _, key=key: self.entries.pop(key, None)) for t in tensors)
+        self.entries[key] = (refs, versions, value)
+        while len(self.entries) > self.limit:
+            self.entries.popitem(last=False)
+        return value
+
+
+_CACHE = _BiasCache()
+
+
+def _as_4d(x: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tensor:
+    """A [1|b, 1|h, sq, skv] view of a mask/bias that broadcasts to the call (fewer leading dims allowed), or a
+    ValueError naming its shape and what is allowed."""
+    expected = f"[1 or {b}, 1 or {h}, 1 or {sq}, 1 or {skv}]"
+    if x.dim() > 4:
+        raise ValueError(f"attention_mask has shape {list(x.shape)}; it must broadcast to {expected}")
+    x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    if any(n not in (1, full) for n, full in zip(x4.shape, (b, h, sq, skv))):
+        raise ValueError(f"attention_mask has shape {list(x.shape)}; it must broadcast to {expected}")
+    return x4.expand(x4.shape[0], x4.shape[1], sq, skv)
+
+
+def _call_bias(static: _Static, aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias the op reads: the static part plus this call's bias tensor (autograd-tracked), expanded to the op's
+    [b, h, sq, skv]."""
+    bias = static.bias
+    if cfg.bias_type in ("pre_scale_bias", "post_scale_bias"):
+        if aux.bias is None:
+            raise ValueError(f"bias_type={cfg.bias_type!r} but aux.bias is None")
+        own = aux.bias.to(dtype)
+        if cfg.bias_type == "pre_scale_bias":
+            own = own * cfg.softmax_scale
+        bias = _aligned(own if bias is None else own + bias)
+    return None if bias is None else bias.expand(b, h, sq, skv)
+
+
+class _State(NamedTuple):
+    fmt: str
+    q4: torch.Tensor
+    k4: torch.Tensor      # keys/values as the op saw them (GQA: repeated)
+    v4: torch.Tensor
+    bias: torch.Tensor | None
+    out4: torch.Tensor
+    lse4: torch.Tensor    # the op's lse, rows padded to 32
+    seed: torch.Tensor
+    offset: torch.Tensor
+    is_causal: bool
+    keyless: torch.Tensor | None
+
+
+class MemEfficientEngine(Engine):
+    family = "mem_efficient"
+    provider = "torch"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch has no CUDA device: its memory-efficient attention kernels cannot run")
+        aten = torch.ops.aten
+        if not (hasattr(aten, "_scaled_dot_product_efficient_attention")
+                and hasattr(aten, "_scaled_dot_product_efficient_attention_backward")):
+            raise ImportError(f"torch {torch.__version__} has no aten::_scaled_dot_product_efficient_attention")
+        self._op = aten._scaled_dot_product_efficient_attention.default
+        self._bwd = aten._scaled_dot_product_efficient_attention_backward.default
+
+    def _attend(self, q, k, v, aux: AttnAux, cfg: AttnConfig, keep_state: bool):
+        fmt = cfg.qkv_format
+        if fmt not in ("bshd", "sbhd"):
+            raise ValueError(f"qkv_format={fmt!r}: mem_efficient:torch takes bshd or sbhd")
+        if tuple(cfg.window_size) not in ((-1, -1), (-1, 0)):
+            raise ValueError(f"window_size={cfg.window_size}: mem_efficient:torch has no sliding window")
+        if cfg.dropout_p > 0 and aux.dropout_generator is not None:
+            raise ValueError("aux.dropout_generator: torch's memory-efficient op draws from the default CUDA "
+                             "generator only")
+        q4, k4, v4 = (_bhsd(x, fmt) for x in (q, k, v))
+        b, h, sq, _ = q4.shape
+        skv = k4.shape[2]
+        if k4.shape[1] != h:  # the op takes one key/value head per query head
+            k4, v4 = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k4, v4))
+        static = _static(aux, cfg, b, h, sq, skv, q.dtype, q.device)
+        bias = _call_bias(static, aux, cfg, b, h, sq, skv, q.dtype)
+        out4, lse4, seed, offset = self._op(q4, k4, v4, bias, True, float(cfg.dropout_p), static.is_causal,
+                                            scale=cfg.softmax_scale)
+        lse = lse4[:, :, :sq]
+        if static.keyless is not None:
+            rows = static.keyless.expand(b, h, sq)
+            out4 = out4.masked_fill(rows.unsqueeze(-1), 0.0)
+            lse = lse.masked_fill(rows, NEG_INF)
+        state = _State(fmt, q4, k4, v4, bias, out4, lse4, seed, offset, static.is_causal, static.keyless) \
+            if keep_state else None
+        return _from_bhsd(out4, fmt), lse, state
+
+    def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        with torch.no_grad():
+            out, lse, state = self._attend(q, k, v, aux, cfg, keep_state=True)
+        return FwdResult(out, lse, state)
+
+    def backward(self, dout, q, k, v, out, lse, state: _State, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        do4 = _bhsd(dout, state.fmt)
+        if state.keyless is not None:
+            do4 = do4.masked_fill(state.keyless.expand(do4.shape[:3]).unsqueeze(-1), 0.0)
+        if do4.stride() != state.out4.stride():  # dO in the output's layout, as torch's own autograd passes it
+            do4 = torch.empty_like(state.out4).copy_(do4)
+        want_bias = aux.bias is not None and aux.bias.requires_grad and state.bias is not None
+        with _deterministic(cfg.deterministic):
+            dq4, dk4, dv4, dbias = self._bwd(do4, state.q4, state.k4, state.v4, state.bias, state.out4, state.lse4,
+                                             state.seed, state.offset, float(cfg.dropout_p),
+                                             [True, True, True, want_bias], state.is_causal, scale=cfg.softmax_scale)
+        hk = k.shape[-2]
+        if dk4.shape[1] != hk:  # sum the repeated heads back into their key/value head
+            dk4, dv4 = (x.unflatten(1, (hk, -1)).sum(2) for x in (dk4, dv4))
+        grads = [_from_bhsd(x, state.fmt) for x in (dq4, dk4, dv4)]
+        return BwdResult(*grads, _bias_grad(dbias, aux, cfg) if want_bias else None)
+
+    def __call__(self, q, k, v, aux: AttnAux, cfg: AttnConfig, *, flatten_heads: bool = False):
+        training = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, aux.bias))
+        if cfg.deterministic and training:  # the backward must run under the deterministic flag: our Function
+            return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+        out, lse, _ = self._attend(q, k, v, aux, cfg, keep_state=False)  # the op's own C++ autograd
+        return (out.flatten(-2) if flatten_heads else out), lse.detach(), None
+
+
+def _bias_grad(dbias: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> torch.Tensor:
+    """The op's [b, h, sq, skv] bias gradient, summed over the dims aux.bias broadcasts, in its dtype."""
+    shape = aux.bias.shape
+    dims = tuple(d for d in range(4) if shape[d] == 1 and dbias.shape[d] != 1)
+    grad = dbias.sum(dim=dims, keepdim=True) if dims else dbias
+    if cfg.bias_type == "pre_scale_bias":
+        grad = grad * cfg.softmax_scale
+    return grad.to(aux.bias.dtype).reshape(shape)
