@@ -6,12 +6,16 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: see benchmarks/README.md)")
+    from attn_dispatch.env import PRIVATE_TORCH
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: see benchmarks/README.md)")
+    no_private = pytest.mark.skip(reason="asserts a private-torch shortcut, which ATTN_DISPATCH_PRIVATE_TORCH=0 "
+                                         "turns off (tests/test_plans.py checks that it does)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "private_torch" in item.keywords and not PRIVATE_TORCH:
+            item.add_marker(no_private)
 
 
 @pytest.fixture(autouse=True)

@@ -69,6 +69,7 @@ def _count_planning(monkeypatch, dpa) -> list:
     return planned
 
 
+@pytest.mark.private_torch
 def test_keyword_settings_take_the_cached_path_with_their_own_plan(monkeypatch):
     """Megatron passes attn_mask_type (and friends) on every call: a repeat of such a call skips planning, and a
     call with another value of a setting runs that setting, not the cached plan of the last one."""

@@ -66,6 +66,7 @@ def _check(module, q, k, v, fmt, mask):
             torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.private_torch
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 def test_bound_call_matches_the_reference_with_gradients(native, fmt, mask):
@@ -167,6 +168,7 @@ def fa2_bshd(monkeypatch):
     return calls, recorder
 
 
+@pytest.mark.private_torch
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
 def test_fa2_takes_the_bshd_op_once_the_self_check_passed(fa2_bshd, fmt, mask):
@@ -227,6 +229,7 @@ def test_fa2_bshd_self_check_passes_only_an_op_equal_to_flash(monkeypatch):
     assert _torch_native.fa2_bshd_ok(cpu) is False  # never on a CPU device: the op is CUDA's
 
 
+@pytest.mark.private_torch
 def test_sdpa_function_repeats_run_the_op_on_its_bhsd_tensors(native, monkeypatch):
     """The SDPA-signature function's third call of a signature (its plan used twice) runs the torch provider's op
     on the [b, h, s, d] tensors as they are, skipping the module's bshd path; switching grad mode, shapes or memory

@@ -48,3 +48,25 @@ def test_one_module_called_from_several_threads_stays_correct(monkeypatch):
         t.join(timeout=120)
     assert not errors, errors
     assert sorted(set(decided)) == [3, 4, 5] and len(decided) == 3, decided  # one plan per shape
+
+
+def test_the_private_switch_turns_every_private_shortcut_off():
+    """ATTN_DISPATCH_PRIVATE_TORCH=0 (read at import): no C++ tensor guard, no raw autograd apply, no raw CUDA
+    stream, no nn.Module.__call__ shortcut, no flash-attn-4 launch replay, the public environment read."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os; from attn_dispatch import inputs, module, freshness, env; "
+             "from attn_dispatch.backends import base, cudnn_fused, _fa4_replay; "
+             "print(inputs._TensorGuards is None, base._RAW_APPLY is None, cudnn_fused._RAW_STREAM is None, "
+             "module._SHORTCUT is False, freshness.environ_now.__name__ == 'public', "
+             "_fa4_replay.replay_enabled() is False)")
+    for value, expected in (("0", "True True True True True True"), ("1", None)):
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "ATTN_DISPATCH_PRIVATE_TORCH": value})
+        assert result.returncode == 0, result.stderr[-2000:]
+        if expected:
+            assert result.stdout.split("\n")[0] == expected, result.stdout
+        else:  # on: the CPU has no raw stream and no replay, but the guard, raw apply and shortcut are in use
+            assert result.stdout.startswith("False False"), result.stdout

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..env import PRIVATE_TORCH
+
 logger = logging.getLogger("attn_dispatch.backends")
 
 ENV_SWITCH = "ATTN_DISPATCH_FA4_REPLAY"
@@ -49,7 +51,8 @@ _UNSEEN = object()
 
 
 def replay_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """On unless ATTN_DISPATCH_FA4_REPLAY=0, or every private shortcut is off (ATTN_DISPATCH_PRIVATE_TORCH=0)."""
+    return PRIVATE_TORCH and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 @dataclass(frozen=True)
