@@ -120,7 +120,7 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
             if causal and not native_causal:
                 parts.append(_diagonal_bias(rows + off - cols, dtype))
         if cfg.bias_type == "alibi":
-            s = aux.alibi_slopes.to(device=device, dtype=torch.float32)
+            s = aux.alibi_slopes.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
             slopes = s.view(1, h, 1, 1) if s.dim() == 1 else s.view(b, h, 1, 1)
             parts.append((-slopes * (rows + off - cols).abs()).to(dtype))
         bias = parts[0]
@@ -211,9 +211,7 @@ class MemEfficientEngine(Engine):
     provider = "torch"
 
     def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch has no CUDA device: its memory-efficient attention kernels cannot run")
-        aten = torch.ops.aten
+        aten = torch.ops.aten  # CUDA kernels only: the table keeps CPU calls away
         if not (hasattr(aten, "_scaled_dot_product_efficient_attention")
                 and hasattr(aten, "_scaled_dot_product_efficient_attention_backward")):
             raise ImportError(f"torch {torch.__version__} has no aten::_scaled_dot_product_efficient_attention")
