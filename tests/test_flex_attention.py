@@ -56,13 +56,14 @@ def _run(engine, q, k, v, aux, cfg):
     return out, lse
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-@pytest.mark.parametrize("mask_type, window, sq, skv, h, hk", [
-    ("no_mask", None, 70, 70, 4, 4),
-    ("causal", None, 50, 90, 4, 2),
-    ("causal_bottom_right", None, 90, 50, 4, 1),     # sq > skv: the first rows see no key
-    ("causal_bottom_right", (16, 0), 70, 130, 2, 2),
-    ("no_mask", (9, 5), 70, 70, 2, 1),
+@pytest.mark.parametrize("fmt, mask_type, window, sq, skv, h, hk", [
+    ("bshd", "no_mask", None, 70, 70, 4, 4),
+    ("bshd", "causal", None, 50, 90, 4, 2),
+    ("sbhd", "causal", None, 50, 90, 4, 2),
+    ("bshd", "causal_bottom_right", None, 90, 50, 4, 1),     # sq > skv: the first rows see no key
+    ("sbhd", "causal_bottom_right", None, 90, 50, 4, 1),
+    ("bshd", "causal_bottom_right", (16, 0), 70, 130, 2, 2),
+    ("bshd", "no_mask", (9, 5), 70, 70, 2, 1),
 ])
 def test_structured_masks_and_gqa(engine, fmt, mask_type, window, sq, skv, h, hk):
     q, k, v = _qkv(_gen(fmt, mask_type, window, sq), fmt, 2, sq, skv, h, hk)
@@ -168,9 +169,8 @@ def test_bias_on_packed_sequences(engine):
                                         cu_seqlens_kv=cu, bias_type="post_scale_bias", bias=bias))
 
 
-@pytest.mark.parametrize("slopes_shape", ["h", "bh"])
-@pytest.mark.parametrize("mask_type, fmt", [("causal_bottom_right", "bshd"), ("padding_causal", "bshd"),
-                                             ("padding", "thd")])
+@pytest.mark.parametrize("slopes_shape, mask_type, fmt", [("h", "causal_bottom_right", "bshd"),
+                                                           ("bh", "padding_causal", "bshd"), ("bh", "padding", "thd")])
 def test_alibi_with_padding(engine, slopes_shape, mask_type, fmt):
     b, h = 3, 4
     cu_q = torch.tensor([0, 20, 31, 50], dtype=torch.int32)
