@@ -13,6 +13,7 @@ are those of the [B, H, S, S] call flex sees: for thd, B = 1 and q_idx/kv_idx ar
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import torch
@@ -39,6 +40,16 @@ def _from_bhsd(out4: torch.Tensor, lse: torch.Tensor, fmt: str) -> tuple[torch.T
     return out4[0].transpose(0, 1), lse[0]
 
 
+def _call_flex(flex_attention, q4, k4, v4, score_mod, block_mask, scale, enable_gqa, aux_request):
+    """(out, lse) of one flex call; what the engine compiles (a copy of this code per kind of call)."""
+    if aux_request is None:  # torch < 2.9: no AuxRequest
+        return flex_attention(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=enable_gqa, return_lse=True)
+    out, aux = flex_attention(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=enable_gqa, return_aux=aux_request)
+    return out, aux.lse
+
+
 class FlexAttentionEngine(Engine):
     family = "flex_attention"
     provider = "torch"
@@ -50,15 +61,23 @@ class FlexAttentionEngine(Engine):
             raise ImportError(f"torch {torch.__version__} has no torch.nn.attention.flex_attention (torch >= 2.5)") \
                 from exc
         self.flex = flex
-        self._aux_request = getattr(flex, "AuxRequest", None)  # torch >= 2.9; before: return_lse=True
-        self._compiled = None
+        request = getattr(flex, "AuxRequest", None)  # torch >= 2.9; before: return_lse=True
+        self._lse_request = request(lse=True) if request is not None else None
+        self._compiled: dict[tuple, object] = {}
 
-    def _kernel(self, device: torch.device):
+    def _kernel(self, device: torch.device, kind: tuple):
+        """Eager flex on the CPU; on CUDA, flex compiled once per process for each kind of call (mask and score
+        modifiers' structure). torch.compile keeps its graphs, and its recompile limit (8), per code object: one
+        code object for every kind would fall back to eager flex (every score materialised) after a few kinds and
+        shapes, so each kind gets its own copy of the call's code."""
         if device.type != "cuda":
-            return self.flex.flex_attention
-        if self._compiled is None:
-            self._compiled = torch.compile(self.flex.flex_attention)
-        return self._compiled
+            return _call_flex
+        compiled = self._compiled.get(kind)
+        if compiled is None:
+            index = len(self._compiled)
+            code = _call_flex.__code__.replace(co_name=f"flex_attention_kind_{index}")
+            compiled = self._compiled[kind] = torch.compile(types.FunctionType(code, _call_flex.__globals__))
+        return compiled
 
     def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor]:
         fmt = cfg.qkv_format
@@ -66,21 +85,18 @@ class FlexAttentionEngine(Engine):
         b, h, sq, _ = q4.shape
         skv = k4.shape[2]
         call = plan(self.flex, aux, cfg, b, h, sq, skv, q.device)
-        kernel = self._kernel(q.device)
-        kwargs = dict(score_mod=call.score_mod, block_mask=call.block_mask, scale=cfg.softmax_scale,
-                      enable_gqa=h != k4.shape[1])
-        if self._aux_request is not None:
-            kwargs["return_aux"] = self._aux_request(lse=True)
-        else:
-            kwargs["return_lse"] = True
+        kind = (cfg.qkv_format == "thd", cfg.attn_mask_type, tuple(cfg.window_size), cfg.bias_type,
+                bool(cfg.softcap), MASK_MOD in aux.extra, SCORE_MOD in aux.extra)
+        kernel = self._kernel(q.device, kind)
+        aux_request = self._lse_request
         if q.device.type == "cuda":
-            out4, lse = kernel(q4, k4, v4, **kwargs)
+            out4, lse = kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask,
+                               cfg.softmax_scale, h != k4.shape[1], aux_request)
         else:
             with warnings.catch_warnings():  # eager on the CPU is the intended path, not a missed compile
                 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                out4, lse = kernel(q4, k4, v4, **kwargs)
-        if self._aux_request is not None:
-            lse = lse.lse
+                out4, lse = kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask,
+                                   cfg.softmax_scale, h != k4.shape[1], aux_request)
         return _from_bhsd(out4, lse, fmt)
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
