@@ -376,7 +376,8 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--memory-s", type=int, default=32768, help="S of the peak-memory run (0: skip it)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a smoke run of the script (tiny sizes, inference: FlexAttention has no CPU backward)")
+                        help="cpu: a smoke run of the script (tiny sizes, inference: FlexAttention has no CPU "
+                             "backward)")
     parser.add_argument("--seed", type=int, default=39)
     args = parser.parse_args()
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
