@@ -132,7 +132,8 @@ def _parse(values: dict[str, str | None]) -> EnvFlags:
     sub_backend = values["NVTE_FUSED_ATTN_BACKEND"] or None
     if sub_backend is not None and sub_backend not in FUSED_SUB_BACKENDS:
         accepted = ", ".join(f"{k} ({v})" for k, v in FUSED_SUB_BACKENDS.items())
-        raise ValueError(f"environment variable NVTE_FUSED_ATTN_BACKEND={sub_backend!r} is not accepted; use {accepted}")
+        raise ValueError(f"environment variable NVTE_FUSED_ATTN_BACKEND={sub_backend!r} is not accepted; "
+                         f"use {accepted}")
     level_raw = values["NVTE_DEBUG_LEVEL"]
     if level_raw not in (None, "", "0", "1", "2"):
         raise ValueError(f"environment variable NVTE_DEBUG_LEVEL={level_raw!r} is not accepted; use 0, 1 or 2")

@@ -33,7 +33,9 @@ _SHOW = 8  # list elements shown in error messages
 
 
 def _show(values: list[int]) -> str:
-    return str(values) if len(values) <= _SHOW else f"[{', '.join(map(str, values[:_SHOW]))}, ...] ({len(values)} values)"
+    if len(values) <= _SHOW:
+        return str(values)
+    return f"[{', '.join(map(str, values[:_SHOW]))}, ...] ({len(values)} values)"
 
 
 def normalize_mask_type(value: Any, name: str = "attn_mask_type") -> str:
@@ -284,8 +286,8 @@ def _padding_mask_to_cu(name: str, mask: Any, batch: int, seqlen: int, device: t
         expected = torch.arange(seqlen, device=mask.device).view(1, seqlen) >= lens.view(batch, 1)
         if not bool(torch.equal(expected, mask.view(batch, seqlen))):
             rows = (expected != mask.view(batch, seqlen)).any(dim=1).nonzero().flatten().tolist()
-            raise ValueError(f"{name}: padding must come after the real tokens of each sequence (True only at the end); "
-                             f"sequences {_show(rows)} are not padded that way")
+            raise ValueError(f"{name}: padding must come after the real tokens of each sequence "
+                             f"(True only at the end); sequences {_show(rows)} are not padded that way")
         return torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
     return cached_on((mask,), ("padding", batch, seqlen), compute)
 

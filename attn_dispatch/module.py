@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import call_args, inputs, question, selection
 from .backends._cudnn_graph import CudnnGraphError
-from .backends.base import AttnAux, takes_cached_path
+from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .call_args import QKV_ONLY, CallArgs
 from .context_parallel import module_glue

@@ -151,7 +151,8 @@ def run_one(provider: str, params: AttentionParams, device: str, seed: int) -> t
         (ref_out * dout).sum().backward()
         for name, mine, theirs, rows in (("dq", call.q, ref.q, "q"), ("dk", call.k, ref.k, "kv"),
                                          ("dv", call.v, ref.v, "kv")):
-            errors[name] = _rel(_valid_rows(mine.grad, call, params, rows), _valid_rows(theirs.grad, call, params, rows))
+            errors[name] = _rel(_valid_rows(mine.grad, call, params, rows),
+                                _valid_rows(theirs.grad, call, params, rows))
         for name, mine, theirs in (("dbias", call.aux.bias, ref.aux.bias),
                                    ("dsink", call.aux.softmax_offset, ref.aux.softmax_offset)):
             if mine is not None and mine.requires_grad:

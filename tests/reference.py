@@ -18,8 +18,9 @@ Semantics follow Transformer Engine's DotProductAttention (utils.get_full_mask /
   kept probabilities are divided by (1 - dropout_p). lse never includes dropout.
 - A query row that attends to no key gives output 0 and lse -inf. Output rows of padding tokens are 0.
 
-Works on any device (the tensors' own). Returns (out, lse) in float64: out in the input format with head dim d_v; lse [b, h, sq] for bshd/sbhd
-and [h, t_q] for thd (-inf at padding tokens). Autograd flows to q, k, v, bias and softmax_offset.
+Works on any device (the tensors' own). Returns (out, lse) in float64: out in the input format with head dim d_v;
+lse [b, h, sq] for bshd/sbhd and [h, t_q] for thd (-inf at padding tokens). Autograd flows to q, k, v, bias and
+softmax_offset.
 """
 from __future__ import annotations
 
@@ -155,10 +156,10 @@ def _assemble(q, fmt, outs, lses, q_starts, h, dv):
         out = torch.zeros(t, h, dv, dtype=f64, device=dev)
         lse = torch.full((h, t), float("-inf"), dtype=f64, device=dev)
         pieces_out, pieces_lse, index = [], [], []
-        for start, o, l in zip(q_starts, outs, lses):
+        for start, o, seq_lse in zip(q_starts, outs, lses):
             index.extend(range(start, start + o.shape[0]))
             pieces_out.append(o)
-            pieces_lse.append(l)
+            pieces_lse.append(seq_lse)
         idx = torch.tensor(index, dtype=torch.long, device=dev)
         if len(index):
             out = out.index_put((idx,), torch.cat(pieces_out))
@@ -167,10 +168,11 @@ def _assemble(q, fmt, outs, lses, q_starts, h, dv):
     b = len(outs)
     sq = q_len(q, fmt)
     out_b, lse_b = [], []
-    for o, l in zip(outs, lses):
+    for o, seq_lse in zip(outs, lses):
         pad = sq - o.shape[0]
         out_b.append(torch.cat([o, torch.zeros(pad, h, dv, dtype=f64, device=dev)]) if pad else o)
-        lse_b.append(torch.cat([l, torch.full((h, pad), float("-inf"), dtype=f64, device=dev)], dim=1) if pad else l)
+        lse_b.append(torch.cat([seq_lse, torch.full((h, pad), float("-inf"), dtype=f64, device=dev)], dim=1)
+                     if pad else seq_lse)
     out = torch.stack(out_b)   # [b, sq, h, dv]
     lse = torch.stack(lse_b)   # [b, h, sq]
     assert out.shape[0] == b

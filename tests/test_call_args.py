@@ -101,7 +101,8 @@ def test_calls_with_per_call_data_or_unhashable_settings_plan_every_time(monkeyp
     path: every such call goes through forward's checks."""
     q, k, v = qkv(seed=17)
     dpa = DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
-    values = {"mask": torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.bool).expand(2, 1, 1, 6), "slopes": torch.rand(4, dtype=torch.float64)}
+    values = {"mask": torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.bool).expand(2, 1, 1, 6),
+              "slopes": torch.rand(4, dtype=torch.float64)}
     kwargs = {name: values.get(value, value) if isinstance(value, str) else value for name, value in extra.items()}
     if "attention_mask" in kwargs:
         kwargs["attn_mask_type"] = "padding_causal"

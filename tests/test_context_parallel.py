@@ -593,7 +593,7 @@ def test_window_blocks_declared_for_selection():
 def test_bands_match_a_brute_force_mask():
     from attn_dispatch.constraints.cp_bands import band
 
-    for n_q, n_k, delta, left, right in [(4, 4, d, l, r) for d in range(-9, 10) for l in (-1, 0, 2, 5)
+    for n_q, n_k, delta, left, right in [(4, 4, d, lft, r) for d in range(-9, 10) for lft in (-1, 0, 2, 5)
                                          for r in (-1, 0, 3)] + [(3, 7, 2, 4, -1), (6, 2, -5, 3, 1)]:
         want = {(i, j) for i in range(n_q) for j in range(n_k)
                 if (left < 0 or delta + j - i >= -left) and (right < 0 or delta + j - i <= right)}

@@ -411,7 +411,8 @@ def test_prepare_rejects_bad_inputs_with_the_argument_named():
 
 def test_torch_engine_validation_names_what_is_unsupported():
     q = torch.randn(2, 8, 4, 64)
-    for cfg, words in ((AttnConfig(qkv_format="thd"), "bshd or sbhd"), (AttnConfig(attn_mask_type="padding"), "no_mask"),
+    for cfg, words in ((AttnConfig(qkv_format="thd"), "bshd or sbhd"),
+                       (AttnConfig(attn_mask_type="padding"), "no_mask"),
                        (AttnConfig(attn_mask_type="causal", window_size=(8, 0)), "sliding window"),
                        (AttnConfig(softmax_type="learnable"), "sink"), (AttnConfig(bias_type="alibi"), "post-scale")):
         with pytest.raises(ValueError, match=words):

@@ -559,7 +559,6 @@ def test_graphs_are_cached_per_configuration(engine):
 
 
 def test_graph_errors_carry_cudnn_message_and_are_recorded(engine, monkeypatch):
-    from attn_dispatch.constraints import cudnn_fused as table
 
     monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 
@@ -583,7 +582,6 @@ def test_a_cached_refusal_keeps_no_frames_or_tensors_alive(engine, monkeypatch):
     import gc
     import weakref
 
-    from attn_dispatch.constraints import cudnn_fused as table
 
     monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 
@@ -653,7 +651,6 @@ def test_ragged_graphs_and_the_ordered_path_give_the_same_results(engine):
 
 
 def test_forward_reports_a_backward_cuDNN_refuses(engine, monkeypatch):
-    from attn_dispatch.constraints import cudnn_fused as table
 
     monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
     q, k, v, cfg = _dense_call(d=264)
@@ -778,7 +775,6 @@ def test_a_refused_graph_excludes_the_call_in_the_live_table(engine, monkeypatch
     """What DotProductAttention relies on to fall back: the signature the engine records for a refused graph is the
     one the table computes from the call's AttentionParams, so `cudnn_rejected` rejects exactly that call."""
     from attn_dispatch import AttentionParams
-    from attn_dispatch.constraints import cudnn_fused as table
 
     monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 

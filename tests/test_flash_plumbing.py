@@ -96,12 +96,12 @@ class StandInKernel(FlashEngineBase):
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0]),
                          float("nan"))
         for b, sq, sk in self._sequences(q, k, varlen):
-            o, l = self._one(q[sq].to(F64), k[sk].to(F64), v[sk].to(F64), call, self._slopes(call, b))
+            o, seq_lse = self._one(q[sq].to(F64), k[sk].to(F64), v[sk].to(F64), call, self._slopes(call, b))
             result[sq] = o.to(q.dtype)
             if varlen is None:
-                lse[b] = l.float()
+                lse[b] = seq_lse.float()
             else:
-                lse[:, sq] = l.float()
+                lse[:, sq] = seq_lse.float()
         if out is not None:
             out.copy_(result)
             result = out

@@ -396,7 +396,6 @@ def test_fp8_output_is_returned_as_data_and_scale(engine):
 
 def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, monkeypatch):
     from attn_dispatch.backends._cudnn_graph import CudnnGraphError
-    from attn_dispatch.constraints import cudnn_fused as table
 
     monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
     monkeypatch.setattr(fake.Graph, "refuse", {"bwd"})

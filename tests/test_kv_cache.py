@@ -194,7 +194,8 @@ def test_explain_kv_cache_on_hopper():
     fa2 = paged16.verdict("flash_attn_2", "torch")
     assert not fa2.eligible and "page_size=16 is not a multiple of 256" in str(fa2.reasons[0])
     assert paged16.verdict("cudnn_fused", "frontend").eligible  # cuDNN's page tables: any page size
-    assert "paged KV cache is not supported by cudnn_fused:torch" in str(paged16.verdict("cudnn_fused", "torch").reasons)
+    assert ("paged KV cache is not supported by cudnn_fused:torch"
+            in str(paged16.verdict("cudnn_fused", "torch").reasons))
     assert paged16.verdict("flash_attn_4", "cute").eligible  # any page size with head dims that are multiples of 16
     odd = selection.explain(_decode(True, 16, head_dim_v=72, head_dim_qk=72), platform=H100)
     assert "irregular head dim" in str(odd.verdict("flash_attn_4", "cute").reasons)

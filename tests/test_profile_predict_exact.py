@@ -94,7 +94,8 @@ class PlainProfile:
         for packed in (kind[2], None):
             timed = sorted((e["times"][provider], e["shape"]) for e in self.entries
                            if provider in e["times"] and e["kind"][0] == kind[0]
-                           and (packed is None or e["kind"][2] == packed) and (machine is None or e["machine"] == machine))
+                           and (packed is None or e["kind"][2] == packed)
+                           and (machine is None or e["machine"] == machine))
             least = [ms for ms, shape in timed[:m.floor_rank + 1] if shape != skip]
             if least:
                 return least[min(m.floor_rank, len(timed) // 10, len(least) - 1)]
@@ -208,7 +209,8 @@ def random_profile(rng: random.Random) -> dict:
     for i in range(300):
         kind = rng.choice(kinds)
         log2 = {"d_qk": rng.choice([6, 7, 8]) + rng.random() / 3, "d_v": rng.uniform(6, 8), "sq": rng.uniform(7, 15),
-                "skv": rng.uniform(7, 15), "span": rng.uniform(7, 15), "bh": rng.uniform(4, 10), "gqa": rng.uniform(0, 3)}
+                "skv": rng.uniform(7, 15), "span": rng.uniform(7, 15), "bh": rng.uniform(4, 10),
+                "gqa": rng.uniform(0, 3)}
         times = {p: rng.uniform(0.02, 20) for p in ("x:a", "x:b", "y:c") if rng.random() < 0.8} or {"x:a": 1.0}
         entry = {"label": f"e{i}", "machine": rng.randrange(2), "kind": kind, "log2": log2,
                  "fmt": rng.choice(["bshd", "sbhd"]), "work": rng.uniform(1e8, 1e13), "times_ms": times}

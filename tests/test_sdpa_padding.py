@@ -61,9 +61,9 @@ def lengths(decision, side: str) -> list[int]:
 
 @settings(max_examples=60, deadline=None)
 @given(b=st.integers(1, 3), hkv=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), sq=st.integers(1, 9),
-       extra=st.sampled_from([0, 0, 1, 4]), kind=st.sampled_from(KINDS), side=st.sampled_from(["right", "left", "mixed"]),
-       broadcast=st.booleans(), per_head=st.booleans(), window=st.sampled_from([None, None, 0, 2]), data=st.data(),
-       seed=st.integers(0, 10_000))
+       extra=st.sampled_from([0, 0, 1, 4]), kind=st.sampled_from(KINDS),
+       side=st.sampled_from(["right", "left", "mixed"]), broadcast=st.booleans(), per_head=st.booleans(),
+       window=st.sampled_from([None, None, 0, 2]), data=st.data(), seed=st.integers(0, 10_000))
 def test_recognised_padding_equals_torch_sdpa_on_every_row(b, hkv, groups, sq, extra, kind, side, broadcast, per_head,
                                                             window, data, seed):
     skv = sq + extra if data.draw(st.booleans()) else max(1, sq - extra)
@@ -80,7 +80,8 @@ def test_recognised_padding_equals_torch_sdpa_on_every_row(b, hkv, groups, sq, e
         mask = mask.expand(-1, h, -1, -1).contiguous()
     q, k, v, dout = tensors(b, h, hkv, sq, skv, 8, seed)
     decision = explain_sdpa(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
-    some_row_sees_nothing_at_all = not mask.any(-1).all()  # recognition may leave such masks to 'arbitrary'; exact anyway
+    # recognition may leave such masks to 'arbitrary'; exact anyway
+    some_row_sees_nothing_at_all = not mask.any(-1).all()
     expressible = kind != "bottom_right" or side == "left" or sq >= skv
     if expressible and not some_row_sees_nothing_at_all:
         assert decision.params["attn_mask_type"] != "arbitrary", decision.notes

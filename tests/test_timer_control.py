@@ -77,7 +77,8 @@ def test_a_function_slow_on_every_call_is_cut_after_its_confirmation(clock):
     fns = {"slow": clock.function("slow", lambda i, b: 5.0), "fast": clock.function("fast", lambda i, b: 1.0)}
     settings = TimerSettings(warmup=2, reps=3, max_reps=3, target_ms=0.0, confirm=2)
     timings, _ = time_interleaved(fns, "cpu", settings, cutoff_ratio=2.0)
-    assert timings["slow"].cut_short and timings["slow"].reps == 3 and timings["slow"].samples_ms == pytest.approx([5.0] * 3)
+    assert timings["slow"].cut_short and timings["slow"].reps == 3
+    assert timings["slow"].samples_ms == pytest.approx([5.0] * 3)
     assert clock.log.count("slow") == 1 + 3 and clock.log.count("fast") == 1 + 3 + 3
     # a function cut by an absolute cutoff is confirmed the same way; never_cut names are timed in full
     clock.log.clear()
@@ -176,7 +177,7 @@ class LateCompileEngine(CountingEngine):
         return super().forward(q, k, v, aux, cfg)
 
 
-def test_measured_policy_confirms_before_pruning(two_engines, monkeypatch, tmp_path):
+def test_measured_policy_confirms_before_pruning(two_engines, monkeypatch, tmp_path):  # noqa: F811
     from attn_dispatch import backends
 
     late = LateCompileEngine()
@@ -190,7 +191,7 @@ def test_measured_policy_confirms_before_pruning(two_engines, monkeypatch, tmp_p
     assert result.entry["tuning_s"] > 0
 
 
-def test_measured_policy_with_block_timing_picks_the_faster_engine(two_engines, tmp_path):
+def test_measured_policy_with_block_timing_picks_the_faster_engine(two_engines, tmp_path):  # noqa: F811
     two_engines["unfused:slow"].delay_s = 0.02
     settings = TimerSettings(warmup=1, reps=3, max_reps=3, target_ms=0.0, confirm=1, block_ms=5.0)
     policy = MeasuredPolicy(settings=settings, directory=str(tmp_path), prune_ratio=1000.0)
@@ -244,7 +245,7 @@ def _bench_user_step():
     return module
 
 
-def test_bench_row_has_an_aa_twin_and_its_measured_column_runs_the_measured_pick(two_engines, tmp_path,
+def test_bench_row_has_an_aa_twin_and_its_measured_column_runs_the_measured_pick(two_engines, tmp_path,  # noqa: F811
                                                                                  monkeypatch):
     """On the CPU with two test engines ('slow' first in the order, so the default picks it; the measured policy
     picks 'fast'): the twin is the default's pick forced again, and the measured column times the measured pick.

@@ -1,5 +1,6 @@
-"""attn_implementation="attn_dispatch" against "sdpa" ("eager" for Gemma 2) on small random-initialised transformers models (float32, CPU):
-logits, loss and parameter gradients on padded and packed batches, greedy generation, and the refusals."""
+"""attn_implementation="attn_dispatch" against "sdpa" ("eager" for Gemma 2) on small random-initialised transformers
+models (float32, CPU): logits, loss and parameter gradients on padded and packed batches, greedy generation, and the
+refusals."""
 from __future__ import annotations
 
 import pytest

@@ -395,4 +395,5 @@ def test_gpu_memory_stays_blockwise():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     score_matrix = b * h * s * s * 4
-    assert extra < score_matrix / 8, f"peak extra {extra / 2**20:.0f} MiB vs score matrix {score_matrix / 2**20:.0f} MiB"
+    assert extra < score_matrix / 8, (f"peak extra {extra / 2**20:.0f} MiB "
+                                      f"vs score matrix {score_matrix / 2**20:.0f} MiB")

@@ -68,7 +68,8 @@ def fit_cases() -> list[Case]:
     shapes += [Case(b=1, s=1024, h=8, d=128), Case(b=1, s=8192, h=8, d=128),
                Case(b=64, s=256, h=16, d=64, mask="no_mask"), Case(b=128, s=128, h=16, d=64)]
     shapes += [Case(b=8, s=4096, h=16, d=128, window=(1024, 0)), Case(b=2, s=16384, h=16, d=128, window=(1024, 0)),
-               Case(b=2, s=16384, h=32, hkv=8, d=128, window=(4096, 0)), Case(b=4, s=8192, h=8, d=256, window=(4096, 0)),
+               Case(b=2, s=16384, h=32, hkv=8, d=128, window=(4096, 0)),
+               Case(b=4, s=8192, h=8, d=256, window=(4096, 0)),
                Case(b=8, s=4096, h=16, d=64, mask="no_mask", window=(256, 256))]
     shapes += [Case(b=32, s=1024, h=16, d=128, fmt="sbhd"), Case(b=8, s=4096, h=16, d=128, fmt="sbhd"),
                Case(b=2, s=16384, h=16, d=128, fmt="sbhd"), Case(b=16, s=2048, h=16, d=64, mask="no_mask", fmt="sbhd")]
@@ -126,8 +127,10 @@ def fit_extra_cases() -> list[Case]:
     the d64 training lengths where flash-attn-4 and cuDNN cross, small windows, d256 and MLA in between, and more
     host-bound calls. None is in eval_cases or eval_fresh_cases."""
     shapes = [
-        Case(b=32, s=1024, h=12, d=64, mask="padding", fmt="thd"), Case(b=8, s=4096, h=16, d=64, mask="padding", fmt="thd"),
-        Case(b=4, s=8192, h=16, d=64, mask="padding", fmt="thd"), Case(b=64, s=256, h=16, d=64, mask="padding", fmt="thd"),
+        Case(b=32, s=1024, h=12, d=64, mask="padding", fmt="thd"),
+        Case(b=8, s=4096, h=16, d=64, mask="padding", fmt="thd"),
+        Case(b=4, s=8192, h=16, d=64, mask="padding", fmt="thd"),
+        Case(b=64, s=256, h=16, d=64, mask="padding", fmt="thd"),
         Case(b=2, s=8192, h=32, hkv=8, d=128, mask="padding_causal", fmt="thd"),
         Case(b=4, s=4096, h=32, hkv=4, d=128, mask="padding_causal", fmt="thd"),
         Case(b=32, s=512, h=16, d=128, mask="padding_causal", fmt="thd"),

@@ -3,7 +3,8 @@
 Sequences of different lengths join (prompts), decode, take chunked-prefill steps, change batch order and leave;
 every layer keeps its own cache. The reference is float64 attention of each new query over the sequence's whole
 history (bottom-right causal, window applied). Inputs' padding positions hold random values, never zeros, so a
-kernel that read them would show. Used by tests/test_kv_cache.py (CPU), tests/gpu/test_kv_cache_gpu.py and benchmarks/bench_kv_decode.py.
+kernel that read them would show. Used by tests/test_kv_cache.py (CPU), tests/gpu/test_kv_cache_gpu.py and
+benchmarks/bench_kv_decode.py.
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def render_markdown() -> str:
         cells = ["<br>".join(_cell(c.requires) for c in t.checks if c.topic == topic) or "-" for t in tables]
         lines.append(f"| {topic} | " + " | ".join(cells) + " |")
     for t in tables:
-        lines += ["", f"## `{t.id}`", "", t.description, "", "| code | topic | requires | source |", "|---|---|---|---|"]
+        lines += ["", f"## `{t.id}`", "", t.description, "",
+                  "| code | topic | requires | source |", "|---|---|---|---|"]
         for c in t.checks:
             lines.append(f"| `{c.code}` | {c.topic} | {_cell(c.requires)} | {_cell(c.source)} |")
     return "\n".join(lines + _context_parallel_lines()) + "\n"

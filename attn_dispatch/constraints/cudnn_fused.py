@@ -314,7 +314,8 @@ def rule_mask_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
     aligned = sq % 64 == 0 and skv % 64 == 0
     if mask in ("no_mask", "causal"):
         if c < 8906 and mask != "causal":
-            return fail(f"cuDNN {_cudnn_text(plat)} (< 8.9.6) supports only the causal mask", "upgrade cuDNN to >= 8.9.6")
+            return fail(f"cuDNN {_cudnn_text(plat)} (< 8.9.6) supports only the causal mask",
+                        "upgrade cuDNN to >= 8.9.6")
         if c < 90700 and fmt == "thd":
             return fail(f"thd with {mask!r} needs cuDNN >= 9.7.0", "use a padding mask type with thd")
         return None
@@ -331,7 +332,8 @@ def rule_mask_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
                 f"causal_bottom_right needs max_seqlen_q <= max_seqlen_kv; got {sq} > {skv}",
                 "use the top-left causal mask, or swap the roles of q and kv")
         if c < 90300:
-            return fail(f"causal_bottom_right needs cuDNN >= 9.3.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.3")
+            return fail(f"causal_bottom_right needs cuDNN >= 9.3.0; found {_cudnn_text(plat)}",
+                        "upgrade cuDNN to >= 9.3")
         return _br_restrictions(mask, c, aligned, sq, skv, bias, dropout, plat)
     # padding_causal_bottom_right
     if c >= 90700:
@@ -401,7 +403,8 @@ def rule_bias_with_padding(p: AttentionParams, plat: Platform, env: EnvFlags) ->
     if effective_bias(p)[0] == "post_scale_bias" and effective_mask(p) in ("padding", "padding_causal"):
         what = "ALiBi (converted to a bias tensor)" if p.bias_type == "alibi" else "post_scale_bias"
         return fail(f"{what} together with attn_mask_type={effective_mask(p)!r} is excluded by Transformer Engine's "
-                    "selector for cuDNN fused attention", "drop the padding mask (use bshd without padding), or the bias")
+                    "selector for cuDNN fused attention",
+                    "drop the padding mask (use bshd without padding), or the bias")
     return None
 
 
@@ -481,7 +484,8 @@ def rule_softmax_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
     if p.softmax_type == "vanilla" or c is None:
         return None
     if c < 91301:
-        return fail(f"softmax_type={p.softmax_type!r} (a softmax sink) needs cuDNN >= 9.13.1; found {_cudnn_text(plat)}",
+        return fail(f"softmax_type={p.softmax_type!r} (a softmax sink) needs cuDNN >= 9.13.1; "
+                    f"found {_cudnn_text(plat)}",
                     "upgrade cuDNN to >= 9.13.1")
     if p.qkv_format == "thd":
         return fail(f"softmax_type={p.softmax_type!r} with thd is disabled by Transformer Engine for fused attention",
@@ -792,8 +796,8 @@ def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
 
 def rejected_in_this_process(p: AttentionParams, plat: Platform, env: EnvFlags, phases: tuple[str, str],
                              what: str, fix: str) -> Failure | None:
-    """The failure for a call whose graph cuDNN refused earlier in this process (the live platform's runtime facts, recorded by the
-    engines), by phase: phases[0] (the forward) always, phases[1] (the backward) in training."""
+    """The failure for a call whose graph cuDNN refused earlier in this process (the live platform's runtime facts,
+    recorded by the engines), by phase: phases[0] (the forward) always, phases[1] (the backward) in training."""
     rejections = plat.facts.rejections
     if not rejections:
         return None
@@ -849,12 +853,13 @@ def _torch_format(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure 
                    topic="package", source=TORCH_SDP + " ('cuDNN version too old to use cuDNN Attention (< v9.0.0)')")
 def _torch_cudnn_sdpa(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if not plat.torch_cudnn_sdpa:
-        return fail(f"torch {plat.torch_version} on this platform has no cuDNN SDPA (needs a CUDA build with cuDNN >= 9)",
+        return fail(f"torch {plat.torch_version} on this platform has no cuDNN SDPA "
+                    "(needs a CUDA build with cuDNN >= 9)",
                     "install a CUDA build of torch >= 2.5, or nvidia-cudnn-frontend for the frontend provider")
     torch_version = _version_of(plat.torch_version)
     if torch_version is None or torch_version < _TORCH_MIN:
-        return fail(f"torch {plat.torch_version} predates the attn_bias argument of _scaled_dot_product_cudnn_attention "
-                    "(torch >= 2.5)", "pip install -U 'torch>=2.5'")
+        return fail(f"torch {plat.torch_version} predates the attn_bias argument of "
+                    "_scaled_dot_product_cudnn_attention (torch >= 2.5)", "pip install -U 'torch>=2.5'")
     return None
 
 

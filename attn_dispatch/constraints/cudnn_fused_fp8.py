@@ -204,8 +204,10 @@ FP8_TABLE.add(
     common.loads(FP8_TABLE),
 )
 _CHECKS = (
-    ("fp8_call", "an FP8 call (fp8_autocast with fp8_dpa=True) on float16/bfloat16 inputs", "dtype", TE_FP8_PY, _fp8_call),
-    ("fp8_arch", "not sm120", "platform", TE_FP8_PY + " ('FP8 is not supported for compute capability = sm120')", _arch),
+    ("fp8_call", "an FP8 call (fp8_autocast with fp8_dpa=True) on float16/bfloat16 inputs", "dtype", TE_FP8_PY,
+     _fp8_call),
+    ("fp8_arch", "not sm120", "platform", TE_FP8_PY + " ('FP8 is not supported for compute capability = sm120')",
+     _arch),
     ("fp8_cudnn", "cuDNN >= 9.2.1 (d 128, seqlens % 128, no_mask/causal); >= 9.7 otherwise; not 9.10.0", "package",
      TE_FP8 + " ('9.2.1', '9.7', '9.10.0: known bugs with SDPA FP8')", _cudnn_version),
     ("fp8_head_dim", "multiples of 16; sm90: training d = 128, inference <= 256; Blackwell <= 128", "head_dim",

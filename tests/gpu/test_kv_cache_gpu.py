@@ -47,8 +47,8 @@ def _probe_params():
     from attn_dispatch import AttentionParams
 
     return AttentionParams(dtype="bfloat16", qkv_format="thd", batch_size=2, num_heads=8, num_gqa_groups=2,
-                           head_dim_qk=64, max_seqlen_q=1, max_seqlen_kv=256, attn_mask_type="padding_causal_bottom_right",
-                           is_training=False)
+                           head_dim_qk=64, max_seqlen_q=1, max_seqlen_kv=256,
+                           attn_mask_type="padding_causal_bottom_right", is_training=False)
 
 
 def generation(engine: str, fmt: str, page: int | None, window: int) -> dict:
