@@ -122,11 +122,12 @@ def as_4d(name: str, x: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torc
     if not isinstance(x, torch.Tensor) or x.dim() > 4:
         shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} has shape {shape}; it must broadcast to {expected}")
-    x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    x4 = x if x.dim() == 4 else x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
     if any(n not in (1, full) for n, full in zip(x4.shape, (b, h, sq, skv))):
         raise ValueError(f"{name} has shape {list(x.shape)}; it must broadcast to {expected}")
-    index = tuple(slice(0, 1) if n > 1 and s == 0 else slice(None) for n, s in zip(x4.shape, x4.stride()))
-    return x4[index]
+    if not any(n > 1 and s == 0 for n, s in zip(x4.shape, x4.stride())):
+        return x4  # the tensor itself where it is 4-D: a bias that requires grad is read as it is
+    return x4[tuple(slice(0, 1) if n > 1 and s == 0 else slice(None) for n, s in zip(x4.shape, x4.stride()))]
 
 
 def reader(x4: torch.Tensor) -> Callable:
