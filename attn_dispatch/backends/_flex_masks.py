@@ -270,24 +270,23 @@ def mask_mod_for(frame: Frame, cfg: AttnConfig, mask4: torch.Tensor | None, user
     return mask_mod
 
 
-@dataclass(frozen=True)
 class BlockInfo:
-    """A BlockMask and what it skips: blocks ([B', H', nq, nk]) that hold no pair, hold only pairs, or some."""
+    """A BlockMask and what it skips: blocks ([B', H', nq, nk]) that hold no pair, hold only pairs, or some. The
+    counts stay on the device until described (a build must not wait for the GPU: a mask may change every step)."""
 
-    block_mask: Any
-    total: int
-    full: int
-    partial: int
+    def __init__(self, block_mask: Any, total: int, counts: torch.Tensor):
+        self.block_mask, self.total, self._counts = block_mask, total, counts  # counts: (partial, full)
 
     def describe(self) -> str:
-        empty = self.total - self.full - self.partial
+        partial, full = (int(x) for x in self._counts.tolist())
+        empty = self.total - full - partial
         if empty == 0:
             return (f"the mask leaves every {BLOCK}x{BLOCK} block of the scores at least partly attended "
-                    f"({self.full} full, {self.partial} partial of {self.total}): there is no sparsity for "
-                    "FlexAttention to skip")
+                    f"({full} full, {partial} partial of {self.total}): there is no sparsity for FlexAttention "
+                    "to skip")
         share = 100 * empty / self.total
         return (f"FlexAttention skips {empty} of {self.total} {BLOCK}x{BLOCK} blocks ({share:.1f}%); "
-                f"{self.full} are fully attended, {self.partial} partly")
+                f"{full} are fully attended, {partial} partly")
 
 
 def block_info(flex, frame: Frame, cfg: AttnConfig, mask: torch.Tensor | None, mask4: torch.Tensor | None,
@@ -351,9 +350,8 @@ def _from_mask_mod(flex, mask_mod: Callable, shape: tuple, device: torch.device,
     bm.mask_mod = flex.noop_mask  # cached: hold none of this call's tensors (each call sets its own mask_mod)
     full = bm.full_kv_num_blocks
     counts = torch.stack([bm.kv_num_blocks.sum(), full.sum() if full is not None else bm.kv_num_blocks.new_zeros(())])
-    partial, full_n = (int(x) for x in counts.tolist())
     total = shape[0] * shape[1] * -(-shape[2] // BLOCK) * -(-shape[3] // BLOCK)
-    return BlockInfo(bm, total, full_n, partial)
+    return BlockInfo(bm, total, counts)
 
 
 def _from_dense(flex, mask4: torch.Tensor, sq: int, skv: int) -> BlockInfo:
@@ -367,8 +365,7 @@ def _from_dense(flex, mask4: torch.Tensor, sq: int, skv: int) -> BlockInfo:
     num, idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     bm = flex.BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv))
-    counts = torch.stack([partial.sum(), full.sum()]).tolist()
-    return BlockInfo(bm, partial.numel(), int(counts[1]), int(counts[0]))
+    return BlockInfo(bm, partial.numel(), torch.stack([partial.sum(), full.sum()]))
 
 
 def _block_reduce(mask4: torch.Tensor, reduce, pad_value: bool, nq: int, nk: int) -> torch.Tensor:

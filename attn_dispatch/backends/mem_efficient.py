@@ -126,11 +126,10 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
         bias = parts[0]
         for part in parts[1:]:
             bias = bias + part
+        # rows the kernel must not see as all -inf; whether there are any is not asked (a host sync, and a mask may
+        # change every step): their clearing is one elementwise pass per call
         keyless = (bias == NEG_INF).all(-1)
-        if bool(keyless.any()):  # once per structure: rows the kernel must not see as all -inf
-            bias = bias.masked_fill(keyless.unsqueeze(-1), 0.0)
-        else:
-            keyless = None
+        bias = bias.masked_fill(keyless.unsqueeze(-1), 0.0)
         return _Static(_aligned(bias.contiguous()), native_causal, keyless)
     return _CACHE.get(tuple(tensors), key, build)
 
