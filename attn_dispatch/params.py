@@ -135,6 +135,8 @@ class AttentionParams:
     # score_mod (score, b, h, q_idx, kv_idx) -> score, after the call's bias/ALiBi/softcap
     mask_mod: bool = False
     score_mod: bool = False
+    # one of context parallelism's per-block calls (cp_size=1 itself): its backward is given the merged out/lse
+    cp_block: bool = False
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

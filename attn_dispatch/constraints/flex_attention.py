@@ -149,12 +149,13 @@ T.add(
           "kv_idx) -> score", "mask", FLEX_API + " flex_attention(score_mod=, block_mask=)", _user_mods),
     common.kv_cache(T, contiguous=False, paged=False, source="attn-dispatch scope",
                     why_not="attn-dispatch's KV-cache path does not call FlexAttention"),
-    check(T, "cp_comm_type", "no context parallelism", "context_parallel",
+    check(T, "cp_comm_type", "no context parallelism, nor its per-block calls (cp_block)", "context_parallel",
           "FlexAttention's backward is reached through autograd only: it cannot take the merged out/lse that context "
           "parallelism's per-block backward passes",
-          lambda p, plat, env: None if p.cp_size <= 1 else fail(
-              f"context parallelism (cp_size={p.cp_size}, {p.cp_comm_type}) is not supported by flex_attention:torch: "
-              "its backward runs through autograd and cannot take a merged out/lse",
+          lambda p, plat, env: None if p.cp_size <= 1 and not p.cp_block else fail(
+              ("a per-block call of context parallelism" if p.cp_block else
+               f"context parallelism (cp_size={p.cp_size}, {p.cp_comm_type})") + " is not supported by "
+              "flex_attention:torch: its backward runs through autograd and cannot take a merged out/lse",
               "run the masked call without context parallelism, or use a mask the FlashAttention/cuDNN engines "
               "express (padding, causal, windows)")),
 )

@@ -119,10 +119,12 @@ T.add(
           "under torch.use_deterministic_algorithms(True) num_splits_key = 1", _determinism),
     common.kv_cache(T, contiguous=False, paged=False, source="attn-dispatch scope",
                     why_not="attn-dispatch's KV-cache path does not call this kernel"),
-    check(T, "cp_comm_type", "no context parallelism", "context_parallel",
+    check(T, "cp_comm_type", "no context parallelism, nor its per-block calls (cp_block)", "context_parallel",
           "attn-dispatch scope: the engine's per-block calls under context parallelism are not wired",
-          lambda p, plat, env: None if p.cp_size <= 1 else fail(
-              f"context parallelism (cp_size={p.cp_size}, {p.cp_comm_type}) is not supported by mem_efficient:torch",
+          lambda p, plat, env: None if p.cp_size <= 1 and not p.cp_block else fail(
+              ("a per-block call of context parallelism" if p.cp_block else
+               f"context parallelism (cp_size={p.cp_size}, {p.cp_comm_type})") + " is not supported by "
+              "mem_efficient:torch (its backward reads its own out/lse, not a merged one)",
               "run the call without context parallelism, or use the FlashAttention/cuDNN engines or unfused")),
 )
 
