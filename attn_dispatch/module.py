@@ -26,7 +26,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
-from . import call_args, inputs, question, selection
+from . import call_args, inputs, question, selection, sequences, validation
 from .backends._cudnn_graph import CudnnGraphError
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
@@ -67,15 +67,15 @@ class DotProductAttention(torch.nn.Module):
                  softmax_type: str = "vanilla", return_max_logit: bool = False, *, backend: str | None = None,
                  softcap: float = 0.0, policy: str | None = None) -> None:
         super().__init__()
-        heads = inputs._positive_int("num_attention_heads", num_attention_heads)
+        heads = validation.positive_int("num_attention_heads", num_attention_heads)
         dim_qk, dim_v = _kv_channels(kv_channels)
-        groups = heads if num_gqa_groups is None else inputs._positive_int("num_gqa_groups", num_gqa_groups)
+        groups = heads if num_gqa_groups is None else validation.positive_int("num_gqa_groups", num_gqa_groups)
         if heads % groups:
             raise ValueError(f"num_attention_heads={heads} is not divisible by num_gqa_groups={groups}; each "
                              "key/value head must serve a whole number of query heads")
         if tp_group is not None:
             tp_size = torch.distributed.get_world_size(tp_group)
-        tp_size = inputs._positive_int("tp_size", tp_size)
+        tp_size = validation.positive_int("tp_size", tp_size)
         if heads % tp_size or groups % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide num_attention_heads={heads} and num_gqa_groups={groups}")
         _choice("attention_type", attention_type, ("self", "cross"))
@@ -124,7 +124,7 @@ class DotProductAttention(torch.nn.Module):
         """Rebuild the spec plans are made from and drop every plan, so that the next call decides again."""
         if not self.__dict__.get("_planned"):
             return
-        self._spec = inputs.ModuleSpec(
+        self._spec = validation.ModuleSpec(
             num_heads=self._heads_local, num_gqa_groups=self._groups_local,
             head_dim_qk=self.hidden_size_per_attention_head_k, head_dim_v=self.hidden_size_per_attention_head_v,
             softmax_scale=self._softmax_scale, attention_dropout=self._attention_dropout,
@@ -133,7 +133,7 @@ class DotProductAttention(torch.nn.Module):
             backend=self._backend, softcap=self._softcap, policy=self._policy)
         self._forget_plans()
 
-    def _spec_now(self) -> inputs.ModuleSpec:
+    def _spec_now(self) -> validation.ModuleSpec:
         """The spec with determinism as the environment and torch report it now (read when a plan is made)."""
         env = EnvFlags.from_environ()
         deterministic = not env.allow_nondeterministic or _deterministic_now()
@@ -156,8 +156,8 @@ class DotProductAttention(torch.nn.Module):
 
     @attn_mask_type.setter
     def attn_mask_type(self, value: str) -> None:
-        mask_type = inputs.normalize_mask_type(value)
-        window = inputs.check_window(self.__dict__.get("_window_arg"), mask_type)
+        mask_type = validation.normalize_mask_type(value)
+        window = validation.check_window(self.__dict__.get("_window_arg"), mask_type)
         self.__dict__.update(_attn_mask_type=mask_type, _window=window)
         self._configure()
 
@@ -168,7 +168,7 @@ class DotProductAttention(torch.nn.Module):
     @window_size.setter
     def window_size(self, value: tuple[int, int] | None) -> None:
         # kept as given: each forward's mask type normalises it (causal => right 0)
-        window = inputs.check_window(value, self._attn_mask_type)
+        window = validation.check_window(value, self._attn_mask_type)
         self.__dict__.update(_window_arg=value, _window=window)
         self._configure()
 
@@ -439,7 +439,7 @@ class DotProductAttention(torch.nn.Module):
         keys (_prepare) and explain() answers. fp8: (region, output in FP8) inside fp8_autocast."""
         fmt, mask_type, window = self._resolve(args)
         _guard_ranks(fmt, q, k, v)
-        seq = inputs.sequence_info(fmt, mask_type, q, k, args)
+        seq = sequences.sequence_info(fmt, mask_type, q, k, args)
         params = inputs.build_params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, args, self.training)
         if fp8 is not None:
             params = _fp8_params(params, fp8)
@@ -454,11 +454,11 @@ class DotProductAttention(torch.nn.Module):
         if attn_mask_type is None:
             mask_type = self.attn_mask_type
         else:
-            mask_type = inputs.normalize_mask_type(attn_mask_type)
+            mask_type = validation.normalize_mask_type(attn_mask_type)
         if window_size is None and mask_type == self.attn_mask_type:
             window = self.window_size
         else:
-            window = inputs.check_window(self._window_arg if window_size is None else window_size, mask_type)
+            window = validation.check_window(self._window_arg if window_size is None else window_size, mask_type)
         return fmt, mask_type, window
 
     def _prepare(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
@@ -477,7 +477,7 @@ class DotProductAttention(torch.nn.Module):
             _guard_ranks(fmt, q, k, v)
             entry = inputs.Entry(fmt, mask_type, window, dynamic=fmt == "thd" or has_padding(mask_type))
         if entry.dynamic or entry.seq is None:
-            seq = inputs.sequence_info(entry.fmt, entry.mask_type, q, k, args)
+            seq = sequences.sequence_info(entry.fmt, entry.mask_type, q, k, args)
         else:
             seq = entry.seq
         seq_key = seq.plan_key()
@@ -522,7 +522,7 @@ class DotProductAttention(torch.nn.Module):
             return slopes if slopes.dtype == torch.float32 else slopes.float()
         cached = self._alibi_cache.get(device)
         if cached is None:
-            cached = self._alibi_cache[device] = inputs.default_alibi_slopes(self._spec.num_heads).to(device)
+            cached = self._alibi_cache[device] = validation.default_alibi_slopes(self._spec.num_heads).to(device)
         return cached
 
     def _attend_bhsd(self, q, k, v):
@@ -613,8 +613,8 @@ def _guard_ranks(fmt: str, q, k, v) -> None:
 
 def _kv_channels(kv_channels: Any) -> tuple[int, int]:
     if isinstance(kv_channels, int) and not isinstance(kv_channels, bool):
-        return inputs._positive_int("kv_channels", kv_channels), kv_channels
+        return validation.positive_int("kv_channels", kv_channels), kv_channels
     if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2:
-        return (inputs._positive_int("kv_channels[0]", kv_channels[0]),
-                inputs._positive_int("kv_channels[1]", kv_channels[1]))
+        return (validation.positive_int("kv_channels[0]", kv_channels[0]),
+                validation.positive_int("kv_channels[1]", kv_channels[1]))
     raise ValueError(f"kv_channels={kv_channels!r} must be an int or a pair (head_dim_qk, head_dim_v)")

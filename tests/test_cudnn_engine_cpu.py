@@ -426,13 +426,13 @@ def run(engine, fmt="bshd", mask="no_mask", window=(-1, -1), h=4, hk=4, sq=12, s
         if gaps or padded:
             aux.cu_seqlens_q_padded, aux.cu_seqlens_kv_padded = cu(slots_q), cu(slots_kv)
         if facts:
-            from attn_dispatch import inputs
+            from attn_dispatch import sequences
             from attn_dispatch.call_args import CallArgs
 
             args = CallArgs(qkv_format="thd", cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv,
                             cu_seqlens_q_padded=aux.cu_seqlens_q_padded,
                             cu_seqlens_kv_padded=aux.cu_seqlens_kv_padded)
-            aux.packed = inputs.packed_facts(inputs.sequence_info("thd", mask, q, k, args), mask, window)
+            aux.packed = sequences.packed_facts(sequences.sequence_info("thd", mask, q, k, args), mask, window)
     elif fmt == "bshd":
         q, k, v = rnd(b, sq, h, d), rnd(b, skv, hk, d), rnd(b, skv, hk, dv)
     else:

@@ -10,7 +10,7 @@ import torch
 
 from attn_dispatch import DotProductAttention, NoBackendAvailableError
 from attn_dispatch.decision import Decision
-from attn_dispatch.inputs import default_alibi_slopes
+from attn_dispatch.validation import default_alibi_slopes
 from reference import reference_attention
 
 TOL = 1e-5

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attn_dispatch import DotProductAttention, inputs, tensor_cache
+from attn_dispatch import DotProductAttention, inputs, sequences, tensor_cache
 from attn_dispatch.backends import _flash_io
 from attn_dispatch.backends.base import AttnAux, PackedFacts
 from attn_dispatch.call_args import CallArgs
@@ -31,11 +31,11 @@ def _cu(lengths):
 
 
 def facts_of(q, k, aux: AttnAux, mask: str, window) -> PackedFacts | None:
-    """What the module's validation derives for these tensors (inputs.sequence_info, cached on cu_seqlens)."""
+    """What the module's validation derives for these tensors (sequences.sequence_info, cached on cu_seqlens)."""
     args = CallArgs(qkv_format="thd", cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv,
                     cu_seqlens_q_padded=aux.cu_seqlens_q_padded, cu_seqlens_kv_padded=aux.cu_seqlens_kv_padded,
                     attn_mask_type=mask)
-    return inputs.packed_facts(inputs.sequence_info("thd", mask, q, k, args), mask, tuple(window))
+    return sequences.packed_facts(sequences.sequence_info("thd", mask, q, k, args), mask, tuple(window))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,12 +65,12 @@ def test_facts_are_unknown_unless_the_caller_gives_the_window():
     q = torch.randn(10, 2, 8)
     aux = AttnAux(cu_seqlens_q=_cu([4, 6]), cu_seqlens_kv=_cu([4, 6]))
     args = CallArgs(qkv_format="thd", cu_seqlens_q=aux.cu_seqlens_q, cu_seqlens_kv=aux.cu_seqlens_kv)
-    seq = inputs.sequence_info("thd", "padding", q, q, args)
+    seq = sequences.sequence_info("thd", "padding", q, q, args)
     assert inputs.make_aux(seq, "padding", None, None, None, None).packed is None  # e.g. context parallelism
     assert inputs.make_aux(seq, "padding", None, None, None, None, (-1, -1)).packed == PackedFacts(10, 10, False)
-    dense = inputs.sequence_info("bshd", "padding", q.view(2, 5, 2, 8), q.view(2, 5, 2, 8),
+    dense = sequences.sequence_info("bshd", "padding", q.view(2, 5, 2, 8), q.view(2, 5, 2, 8),
                                  CallArgs(cu_seqlens_q=_cu([3, 5]), cu_seqlens_kv=_cu([3, 5])))
-    assert inputs.packed_facts(dense, "padding", (-1, -1)) is None
+    assert sequences.packed_facts(dense, "padding", (-1, -1)) is None
 
 
 def test_padded_offsets_with_gaps_leave_the_facts_unknown():
@@ -79,7 +79,8 @@ def test_padded_offsets_with_gaps_leave_the_facts_unknown():
     for padded, expected in ((gapped, None), (same, PackedFacts(10, 10, False))):
         args = CallArgs(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                         cu_seqlens_kv_padded=padded)
-        assert inputs.packed_facts(inputs.sequence_info("thd", "padding", q, q, args), "padding", (-1, -1)) == expected
+        seq = sequences.sequence_info("thd", "padding", q, q, args)
+        assert sequences.packed_facts(seq, "padding", (-1, -1)) == expected
 
 
 def test_the_module_hands_the_facts_to_the_engine():

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..call_args import CallArgs
-from ..inputs import check_window, make_plan, normalize_mask_type
+from ..inputs import make_plan
+from ..validation import check_window, normalize_mask_type
 from ..params import AttentionParams, is_causal
 from .inference_params import InferenceParams, KVCacheError
 
