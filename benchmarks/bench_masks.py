@@ -197,8 +197,11 @@ def columns(call: Call, q, k, v) -> dict[str, Callable]:
     for verdict in decision.verdicts:
         if verdict.eligible and not (verdict.backend == "unfused" and call.s > 8192):
             cols[f"module:{verdict.id}"] = module_with(verdict.id)
-    bhsd = (lambda x: x.transpose(1, 2))
-    merge = (lambda o: o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+    def bhsd(x):
+        return x.transpose(1, 2)
+
+    def merge(o):  # [b, h, s, d] -> [b, s, h * d]
+        return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
     if call.sdpa_mask is not None:
         cols["attn_dispatch.sdpa"] = lambda q, k, v: merge(scaled_dot_product_attention(
             bhsd(q), bhsd(k), bhsd(v), attn_mask=call.sdpa_mask, softcap=call.softcap))

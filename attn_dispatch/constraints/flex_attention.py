@@ -109,7 +109,7 @@ T.add(
           f"torch {MIN_TORCH}.0 release notes (FlexAttention, prototype: torch.nn.attention.flex_attention)",
           _torch_version),
     common.loads(T),
-    check(T, "device", f"CUDA sm80+ with triton (torch.compile); the CPU for inference only", "platform",
+    check(T, "device", "CUDA sm80+ with triton (torch.compile); the CPU for inference only", "platform",
           FLEX_API + " _validate_device: '" + CPU_BACKWARD_ERROR + "'; Triton bf16 tl.dot needs sm80; "
           + FLEX_CONFIGS + " (a100/h100/sm100 tuned configs)", _device),
     check(T, "dtype", "float16, bfloat16, float32 (and float64 on the CPU)", "dtype",
