@@ -871,6 +871,14 @@ class _TorchState:
     rest: tuple            # (cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset)
     lse_dims: int
     is_causal: bool
+    lse_stride: tuple      # the op's own logsumexp layout
+
+
+def _in_layout_of(t: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """t itself where its strides are `stride`, else a copy with those strides."""
+    if t.stride() == tuple(stride):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 class TorchCudnnEngine(_torch_native.NativeOpPath, Engine):
@@ -923,12 +931,12 @@ class TorchCudnnEngine(_torch_native.NativeOpPath, Engine):
             bias = aux.bias.detach().to(q.dtype).expand(b, h, sq, skv)
         res = self.fwd_op(q4, k4, v4, bias, True, float(cfg.dropout_p), is_causal, False, scale=cfg.softmax_scale)
         out4, lse = res[0], res[1]
-        lse_dims = lse.dim()
+        lse_dims, lse_stride = lse.dim(), tuple(lse.stride())
         lse = lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])
         out = out4.permute(0, 2, 1, 3)  # bshd view of the op's output
         if fmt == "sbhd":
             out = out.transpose(0, 1)
-        state = _TorchState(fmt, (q4, k4, v4), out4, bias, tuple(res[2:8]), lse_dims, is_causal)
+        state = _TorchState(fmt, (q4, k4, v4), out4, bias, tuple(res[2:8]), lse_dims, is_causal, lse_stride)
         return FwdResult(out, lse, state)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -937,13 +945,14 @@ class TorchCudnnEngine(_torch_native.NativeOpPath, Engine):
             raise ValueError("the bias requires grad, but torch's cuDNN op returns no bias gradient; detach it or use "
                              "the cudnn_fused:frontend provider")
         q4, k4, v4 = state.views
+        # torch caches the backward graph on q, k, v alone (MHA.cpp's MHAParams) and bakes in the strides of O, dO and
+        # the stats it was first built with: they go in the layouts of the op's own results, as torch's autograd
+        # passes them, else a call in another layout (a context-parallel merged out in sbhd) reads them wrongly
         d = dout.transpose(0, 1) if state.fmt == "sbhd" else dout
-        do4 = d.permute(0, 2, 1, 3)
-        if do4.stride() != state.out4.stride():  # dO in the output's layout, as torch's own autograd passes it
-            do4 = torch.empty_like(state.out4).copy_(do4)
+        do4 = _in_layout_of(d.permute(0, 2, 1, 3), state.out4.stride())
         o = out.transpose(0, 1) if state.fmt == "sbhd" else out
-        o4 = o.permute(0, 2, 1, 3)
-        lse_in = lse.unsqueeze(-1) if state.lse_dims == 4 else lse
+        o4 = _in_layout_of(o.permute(0, 2, 1, 3), state.out4.stride())
+        lse_in = _in_layout_of(lse.unsqueeze(-1) if state.lse_dims == 4 else lse, state.lse_stride)
         cum_q, cum_k, max_q, max_k, seed, offset = state.rest
         dq4, dk4, dv4 = self.bwd_op(do4, q4, k4, v4, o4, lse_in, seed, offset, state.bias, cum_q, cum_k, max_q, max_k,
                                     float(cfg.dropout_p), state.is_causal, scale=cfg.softmax_scale)
