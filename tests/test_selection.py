@@ -18,7 +18,8 @@ TE_CASE = AttentionParams(dtype="bf16", qkv_format="bshd", batch_size=48, max_se
 
 def test_every_family_is_declared():
     families = {t.family for t in TABLES.values()}
-    assert families == {"flash_attn_2", "flash_attn_3", "flash_attn_4", "cudnn_fused", "unfused"}
+    assert families == {"flash_attn_2", "flash_attn_3", "flash_attn_4", "cudnn_fused", "flex_attention",
+                        "mem_efficient", "unfused"}
 
 
 def test_cpu_call_picks_unfused_and_explains_the_rest():

@@ -42,7 +42,7 @@ class SelectedPerBlock(Engine):
             max_seqlen_kv=max(skv, 1),
             attn_mask_type=cfg.attn_mask_type, window_size=tuple(cfg.window_size), softmax_type=cfg.softmax_type,
             is_training=self.is_training, deterministic=cfg.deterministic,
-            device_type="cuda" if q.device.type == "cuda" else q.device.type, **fp8)
+            device_type="cuda" if q.device.type == "cuda" else q.device.type, cp_block=True, **fp8)
 
     def engine_for(self, q, k, v, aux: AttnAux, cfg: AttnConfig, dtype: torch.dtype | None = None) -> Engine:
         key = (q.shape, k.shape, v.shape, dtype or q.dtype, q.device.type, aux.max_seqlen_q, aux.max_seqlen_kv,

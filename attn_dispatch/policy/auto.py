@@ -9,6 +9,7 @@ from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
 from . import decode
 from .base import Choice
+from .order import without_last_resort
 from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
 PREDICTED = "ms per step, predicted"  # the unit of a Choice made from the profile's prediction
@@ -26,6 +27,10 @@ class AutoPolicy:
         if len(eligible) <= 1:
             return Choice(eligible[0] if eligible else None,
                           "the only eligible provider" if eligible else "no provider is eligible")
+        considered = without_last_resort(eligible, params, platform)
+        if len(considered) == 1 < len(eligible):
+            return Choice(considered[0], "the only eligible provider but unfused (the last resort on a GPU)")
+        eligible = considered
         local = self._tuned_here(params, platform, eligible)
         if local is not None:
             return local
