@@ -221,8 +221,8 @@ def run_path(args, path: str, cp: int, cp_group, initial: dict | None) -> tuple[
                 initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
                            if isinstance(v, torch.Tensor)}
             else:
-                missing, unexpected = model.load_state_dict(initial, strict=False)
-                stray = [k for k in list(missing) + list(unexpected) if not k.endswith("_extra_state")]
+                model.load_state_dict(initial, strict=False)  # Megatron's override returns nothing
+                stray = [k for k in sorted(set(initial) ^ set(model.state_dict())) if not k.endswith("_extra_state")]
                 if stray:
                     raise RuntimeError(f"{path}: weights do not carry over: {stray[:5]}")
             result = train(args, model, cp_group, perturb=path == "local_perturbed")

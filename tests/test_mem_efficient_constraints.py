@@ -55,6 +55,8 @@ REFUSALS = [
      ["(128, 0)"]),
     (MEM, BASE.replace(softcap=30.0), H100, ENV, "mem_efficient.softcap", ["softcap=30"]),
     (MEM, BASE.replace(mask_mod=True), H100, ENV, "mem_efficient.user_mods", ["mask_mod"]),
+    (MEM, BASE.replace(attn_mask_type="causal", bias_type="post_scale_bias", bias_shape="1hss",
+                       bias_requires_grad=True), H100, ENV, "mem_efficient.bias_grad_causal", ["'causal'", "0.42"]),
 ]
 
 

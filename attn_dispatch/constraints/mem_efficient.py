@@ -78,6 +78,14 @@ def _window(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None
     return None
 
 
+def _bias_grad_under_causal(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.bias_requires_grad and p.is_training and p.attn_mask_type in ("causal", "padding_causal"):
+        return fail(f"a bias that requires grad with attn_mask_type={p.attn_mask_type!r}: the causal kernel's bias "
+                    "gradient is not zero where the mask removes a score (measured on the H100: relative error 0.42 "
+                    "against float32)", "use flex_attention or cudnn_fused (bias gradients), or detach the bias")
+    return None
+
+
 def _determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     return None  # the engine runs its backward under torch's deterministic flag then (num_splits_key = 1)
 
@@ -109,6 +117,9 @@ T.add(
     common.bias_types(T, ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi"),
                       source=ATTENTION_CU + " bias [b, h, sq, skv] (any stride-0 broadcast; rows padded to 16 "
                              "elements as SDPA's preprocess_mask does); pre-scale bias and ALiBi as such a bias"),
+    check(T, "bias_grad_causal", "no bias gradient under a top-left causal mask", "bias",
+          "measured: tests/gpu/test_masked_engines_gpu.py test_bias_that_takes_gradients_with_causal (H100, "
+          "torch 2.11: dbias nonzero above the diagonal)", _bias_grad_under_causal),
     check(T, "softmax_type", "softmax_type vanilla (no sink)", "softmax", ATTENTION_CU + " (no sink term)",
           lambda p, plat, env: None if p.softmax_type == "vanilla" else fail(
               f"softmax_type={p.softmax_type!r}: the memory-efficient kernels have no sink term",

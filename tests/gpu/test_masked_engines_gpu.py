@@ -120,7 +120,8 @@ def test_padding_with_per_head_alibi(engine_id):
              lambda x: x - slopes.view(1, h, 1, 1) * (i - j).abs())
 
 
-@pytest.mark.parametrize("engine_id", ENGINES)
+# mem_efficient:torch gave dbias nonzero above the diagonal here (H100, torch 2.11): its table refuses the call.
+@pytest.mark.parametrize("engine_id", ["flex_attention:torch"])
 def test_bias_that_takes_gradients_with_causal(engine_id):
     b, s, h, d = 2, 640, 4, 128
     q, k, v = _leaves(b, s, h, h, d, "bias")
