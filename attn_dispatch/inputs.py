@@ -130,6 +130,7 @@ def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, 
         cp_size=1, cp_comm_type=spec.cp_comm_type, pad_between_seqs=seq.pad_between_seqs,
         seqlens_differ=seq.lengths_differ,
         device_type="cuda" if q.device.type == "cuda" else q.device.type, softcap=spec.softcap,
+        mask_mod=spec.mask_mod, score_mod=spec.score_mod,
     )
 
 

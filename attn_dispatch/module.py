@@ -65,7 +65,8 @@ class DotProductAttention(torch.nn.Module):
                  attention_type: str = "self", cp_group: Any = None, cp_global_ranks: list[int] | None = None,
                  cp_stream: Any = None, cp_comm_type: str = "p2p", softmax_scale: float | None = None,
                  softmax_type: str = "vanilla", return_max_logit: bool = False, *, backend: str | None = None,
-                 softcap: float = 0.0, policy: str | None = None) -> None:
+                 softcap: float = 0.0, policy: str | None = None, mask_mod: Callable | None = None,
+                 score_mod: Callable | None = None) -> None:
         super().__init__()
         heads = validation.positive_int("num_attention_heads", num_attention_heads)
         dim_qk, dim_v = _kv_channels(kv_channels)
@@ -84,6 +85,13 @@ class DotProductAttention(torch.nn.Module):
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 <= softcap < math.inf:
             raise ValueError(f"softcap={softcap!r} must be a finite float >= 0 (0 turns logit soft-capping off)")
         self._softcap = float(softcap)
+        # FlexAttention modifiers of the user's (our extension): only flex_attention runs them; every other engine's
+        # table refuses a call that has them, so none is silently dropped
+        for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name}={fn!r} must be a function (FlexAttention's {name} signature) or None")
+        self._user_mods = {name: fn for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod))
+                           if fn is not None}
         self.__dict__["_planned"] = False  # the setters below re-plan only once construction is done
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
@@ -130,7 +138,8 @@ class DotProductAttention(torch.nn.Module):
             softmax_scale=self._softmax_scale, attention_dropout=self._attention_dropout,
             softmax_type=self.softmax_type, return_max_logit=self._return_max_logit,
             attention_type=self.attention_type, deterministic=False, cp_comm_type=self.cp_comm_type,
-            backend=self._backend, softcap=self._softcap, policy=self._policy)
+            backend=self._backend, softcap=self._softcap, policy=self._policy,
+            mask_mod="mask_mod" in self._user_mods, score_mod="score_mod" in self._user_mods)
         self._forget_plans()
 
     def _spec_now(self) -> validation.ModuleSpec:
@@ -495,6 +504,8 @@ class DotProductAttention(torch.nn.Module):
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
         aux = inputs.make_aux(seq, entry.mask_type, args.attention_mask, args.core_attention_bias, alibi_slopes,
                               self.softmax_offset, entry.window)
+        if self._user_mods:
+            aux.extra.update(self._user_mods)
         if fp8 is not None:
             aux.extra["fp8"] = self._fp8_call(fp8, q.device)
         return plan, aux

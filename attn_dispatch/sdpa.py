@@ -32,17 +32,21 @@ from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
 from .module import DotProductAttention
 
-_MODULES: dict[tuple, Any] = {}  # (h, h_kv, d_qk, d_v, scale, dropout, softcap, mask type) -> DotProductAttention
+# (h, h_kv, d_qk, d_v, scale, dropout, softcap, mask type, mask_mod, score_mod) -> DotProductAttention
+_MODULES: dict[tuple, Any] = {}
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-                                 recognize_masks: bool = True, softcap: float = 0.0) -> torch.Tensor:
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors. `softcap` (our
-    extension, 0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does."""
+                                 recognize_masks: bool = True, softcap: float = 0.0, mask_mod=None,
+                                 score_mod=None) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors. Our extensions:
+    `softcap` (0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does; `mask_mod`
+    ((b, h, q_idx, kv_idx) -> bool, ANDed with the mask) and `score_mod` ((score, b, h, q_idx, kv_idx) -> score)
+    are FlexAttention's modifiers, which only the flex_attention engine runs."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                recognize_masks, softcap)
+                                recognize_masks, softcap, mask_mod, score_mod)
     kwargs.pop("mask_note", None)
     packed = kwargs.pop("packed_cu_seqlens", None)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
@@ -81,11 +85,12 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False, *, recognize_masks: bool = True, softcap: float = 0.0) -> Decision:
+                 enable_gqa: bool = False, *, recognize_masks: bool = True, softcap: float = 0.0, mask_mod=None,
+                 score_mod=None) -> Decision:
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
     say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                recognize_masks, softcap)
+                                recognize_masks, softcap, mask_mod, score_mod)
     note = kwargs.pop("mask_note", None)
     packed = kwargs.pop("packed_cu_seqlens", None)
     layout = kwargs.pop("padding_layout", None)
@@ -116,7 +121,7 @@ def _thd_kwargs(layout: PaddingLayout) -> dict[str, Any]:
 
 
 def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
-               softcap: float = 0.0):
+               softcap: float = 0.0, mask_mod=None, score_mod=None):
     tensor = torch.Tensor
     if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4):  # one test per call; the loop says which
@@ -149,7 +154,8 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if set(kwargs) == {"attn_mask_type"}:  # a mask that is a plain causal / no-mask pattern: that module type
             mask_type = kwargs.pop("attn_mask_type")
     # a plain causal / no-mask call: a module of that type, and its cached path
-    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap), mask_type)
+    module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap), mask_type,
+                     mask_mod, score_mod)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) or (
         isinstance(kwargs.get("core_attention_bias"), torch.Tensor) and kwargs["core_attention_bias"].requires_grad)
     training = bool(needs_grad) or dropout_p > 0
@@ -159,15 +165,16 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
 
 def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, softcap: float,
-            mask_type: str = "no_mask"):
-    key = (h, hkv, d, dv, scale, dropout, softcap, mask_type)
+            mask_type: str = "no_mask", mask_mod=None, score_mod=None):
+    key = (h, hkv, d, dv, scale, dropout, softcap, mask_type, mask_mod, score_mod)
     module = _MODULES.get(key)
     if module is None:
         if len(_MODULES) >= 64:
             _MODULES.clear()
         module = _MODULES[key] = DotProductAttention(h, (d, dv), num_gqa_groups=hkv, attention_dropout=dropout,
                                                      qkv_format="bshd", attn_mask_type=mask_type,
-                                                     softmax_scale=scale, softcap=softcap)
+                                                     softmax_scale=scale, softcap=softcap, mask_mod=mask_mod,
+                                                     score_mod=score_mod)
     return module
 
 

@@ -61,6 +61,8 @@ class ModuleSpec:
     cp_comm_type: str
     backend: str | None  # forced provider ('family' or 'family:provider'), our extension
     softcap: float = 0.0  # logit soft-capping, our extension
+    mask_mod: bool = False  # the module holds a user's FlexAttention mask_mod / score_mod (our extension)
+    score_mod: bool = False
     policy: str | None = None  # the selection policy's name; None: ATTN_DISPATCH_POLICY's
 
 

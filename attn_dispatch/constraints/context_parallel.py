@@ -193,8 +193,8 @@ def block_params(p) -> list:
 
     Convention: under CP, p.max_seqlen_q / max_seqlen_kv are the LOCAL lengths (tokens on this rank) and p is
     for one rank of p.cp_size; a2a+p2p splits heads over p.a2a_size ranks."""
-    plain = dict(cp_size=1, cp_block=True, cp_comm_type="p2p", cp_a2a_size=None, softmax_type="vanilla", return_max_logit=False,
-                 dropout=0.0, bias_type="no_bias", bias_shape=None, alibi_slopes_shape=None)
+    plain = dict(cp_size=1, cp_block=True, cp_comm_type="p2p", cp_a2a_size=None, softmax_type="vanilla",
+                 return_max_logit=False, dropout=0.0, bias_type="no_bias", bias_shape=None, alibi_slopes_shape=None)
     sq, skv, size, thd = p.max_seqlen_q, p.max_seqlen_kv, p.cp_size, p.qkv_format == "thd"
     full_mask = "padding" if thd else "no_mask"
     diag_mask = "padding_causal" if thd else "causal"

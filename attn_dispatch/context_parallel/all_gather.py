@@ -79,12 +79,12 @@ class AllGatherAttention:
             if out is None:  # the first block of each row set is its diagonal (or the only block)
                 out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
                 lse = torch.empty(*_lse_shape(res.lse, self.fmt, q.shape[self.dim]), dtype=acc, device=q.device)
-            o, l = self._rows(out, b.rows), self._rows(lse, b.rows, lse=True)  # views (bshd/sbhd)
+            o, lse_rows = self._rows(out, b.rows), self._rows(lse, b.rows, lse=True)  # views (bshd/sbhd)
             if b.cfg.attn_mask_type == "causal" or b.rows is None:
                 o.copy_(res.out)
-                l.copy_(res.lse)
+                lse_rows.copy_(res.lse)
             else:
-                merge_(o, l, res.out, res.lse, self.fmt)
+                merge_(o, lse_rows, res.out, res.lse, self.fmt)
         if sink is not None:
             out, lse = add_sink(out, lse, sink, self.fmt)
         out = out.to(q.dtype)

@@ -134,10 +134,12 @@ def gather(local: torch.Tensor, qkv_format: str, cp_group, *, load_balance: bool
         dist.all_gather(parts, local.contiguous(), group=groups[0])
     else:  # gather over the product of the two groups, then order by cp_rank_of
         a2a, p2p = groups
-        inner = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(a2a))]
+        inner = [torch.empty_like(local, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(a2a))]
         dist.all_gather(inner, local.contiguous(), group=a2a)
         stacked = torch.stack(inner)
-        outer = [torch.empty_like(stacked, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(p2p))]
+        outer = [torch.empty_like(stacked, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(p2p))]
         dist.all_gather(outer, stacked, group=p2p)
         parts = [t for block in outer for t in block]
     return unshard(parts, qkv_format, load_balance=load_balance, cu_seqlens=cu_seqlens)

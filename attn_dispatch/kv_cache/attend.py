@@ -136,7 +136,8 @@ def params_for(module: "DotProductAttention", ip: InferenceParams, q: torch.Tens
         attn_mask_type=mask,
         window_size=window, is_training=False, deterministic=spec.deterministic, cp_comm_type=spec.cp_comm_type,
         device_type="cuda" if q.device.type == "cuda" else q.device.type, softcap=spec.softcap,
-        inference_kv_cache=True, kv_cache_paged=ip.is_paged, kv_page_size=ip.page_size if ip.is_paged else None)
+        mask_mod=spec.mask_mod, score_mod=spec.score_mod, inference_kv_cache=True, kv_cache_paged=ip.is_paged,
+        kv_page_size=ip.page_size if ip.is_paged else None)
 
 
 def describe(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
