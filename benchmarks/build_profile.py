@@ -1,7 +1,8 @@
 """Build the shipped profile (attn_dispatch/policy/profiles/<arch>.json) from bench_user_step.py results.
 
-    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from shipped_sources()
+    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from results/profile/MANIFEST.json
     python3 benchmarks/build_profile.py FILE... --out PATH
+    python3 benchmarks/build_profile.py FILE... --write-manifest   # these files become the shipped profile's sources
 
 Any number of result files, of any grid, machine and stack: rows of one call on one machine make one entry, its
 provider times the median over the runs after scaling each run onto the one with the most providers by the
@@ -13,6 +14,7 @@ Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add ea
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -24,20 +26,40 @@ from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile"
-# Not profile data: held-out grids (blind*), the H200's fit and split runs, split refreshes included (kept out: they
-# made its held-out mean worse, results/profile/README.md), a run from before the torch providers' path was fixed
-# (session3_first), the checks' own formats (check_*, gqa_cudnn, sdpa_gap, host_*, split_stock_*, sustained_*), and
-# the fit-dense grid's run (session 18: its host times made blind10-19's picks worse, stock 1.0030 -> 1.0052;
-# results/profile/README.md).
-NOT_FIT = ("session3_first", "gqa_cudnn", "sdpa_gap", "blind", "check_", "host_", "split_stock", "split_dense",
-           "sustained_")
+MANIFEST = RESULTS / "MANIFEST.json"
 
 
 def shipped_sources() -> list[str]:
-    """The result files the shipped profile is built from."""
-    paths = sorted(RESULTS.glob("*.json")) + sorted(RESULTS.glob("*.json.gz"))
-    return [str(p) for p in paths if not any(x in p.name for x in NOT_FIT)
-            and not (p.name.startswith(("fit", "split_")) and "h200" in p.name)]
+    """The result files the shipped profile is built from: exactly those MANIFEST.json names, each checked against its
+    sha256 (a renamed, edited or missing file is an error, never a silently different profile). Held-out grids
+    (blind*), the H200's fit and split runs, diagnostics and the fit-dense run are not in it (results/profile/README.md
+    says why each was left out)."""
+    manifest = json.loads(MANIFEST.read_text())
+    paths = []
+    for source in manifest["sources"]:
+        path = RESULTS / source["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{MANIFEST.name} names {source['file']}, which is not in {RESULTS}")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != source["sha256"]:
+            raise ValueError(f"{source['file']} has sha256 {digest}, not the {source['sha256']} {MANIFEST.name} "
+                             "records: restore the file, or rebuild the profile and the manifest together")
+        paths.append(str(path))
+    return paths
+
+
+def write_manifest(paths: list[str]) -> None:
+    """MANIFEST.json for these result files (file, sha256, machine, grid, date, stack), for --write-manifest."""
+    sources = []
+    for path in sorted(paths, key=lambda p: Path(p).name):
+        data = read_results(path)
+        env = data["environment"]
+        sources.append({"file": Path(path).name, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+                        "machine": env["device"], "grid": data.get("grid", ""), "date": env["date"][:10],
+                        "stack": {key: env.get(key) for key in ("torch", "cudnn", "cudnn_frontend", "flash_attn_4")}})
+    what = ("the bench_user_step.py result files the shipped profile (attn_dispatch/policy/profiles/sm90.json) is "
+            "built from: benchmarks/build_profile.py --shipped reads exactly these and checks each sha256")
+    MANIFEST.write_text(json.dumps({"what": what, "sources": sources}, indent=1) + "\n")
 
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -82,7 +104,14 @@ def main() -> int:
     ap.add_argument("--shipped", action="store_true", help="build the shipped profile of --arch from its sources")
     ap.add_argument("--arch", default="sm90")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--write-manifest", action="store_true", help="record the result files given as the shipped "
+                    "profile's sources (results/profile/MANIFEST.json), then build it")
     args = ap.parse_args()
+    if args.write_manifest:
+        if not args.results:
+            ap.error("--write-manifest records the result files given: name them")
+        write_manifest(args.results)
+        args.results, args.shipped = [], True
     if args.shipped:
         if args.results:
             ap.error("--shipped names its own sources: give no result files")
