@@ -93,7 +93,7 @@ def point(engine, d, s, b, h, causal, rounds: int) -> dict:
     row["ours_plans"] = sorted({c.plan for key, c in engine._graphs.items()
                                 if (key.b, key.h, key.sq, key.dqk) == (b, h, s, d)
                                 and (key.alignment is not None) == causal})
-    del q, k, v, dout, qt, kt, vt, dt
+    q = k = v = dout = qt = kt = vt = dt = None  # the closures' cells: drop the tensors before empty_cache
     torch.cuda.empty_cache()
     return row
 

@@ -304,7 +304,8 @@ def main():
                 print(json.dumps(row), flush=True)
     if "train" not in skip:
         result["train"] = {"bf16": train_run(False, args.steps), "fp8": train_run(True, args.steps),
-                           "model": "2 layers, width 512, 4 heads of 128, seq 128 (64 random tokens of 32, then the same again), batch 32, AdamW 2e-3 (30 warmup steps), loss on the copied half"}
+                           "model": "2 layers, width 512, 4 heads of 128, seq 128 (64 random tokens of 32, then the "
+                                    "same again), batch 32, AdamW 2e-3 (30 warmup steps), loss on the copied half"}
         try:
             import matplotlib
 

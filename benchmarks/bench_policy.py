@@ -4,7 +4,8 @@
    shapes off the bucket steps), each forward and forward+backward. Per row: the static order's pick
    (selection.preference_order), the measured policy's pick through selection's real hook with an empty cache
    (so it comes from its own tuning pass), then every eligible engine timed again for the evaluation (CUDA
-   events, interleaved call by call after a warm period, median; longer than tuning, on other random inputs). Reported: time(pick) / time(fastest) per policy; target measured <= 1.03 everywhere.
+   events, interleaved call by call after a warm period, median; longer than tuning, on other random inputs).
+   Reported: time(pick) / time(fastest) per policy; target measured <= 1.03 everywhere.
 2. Hot path at a small shape: cached DotProductAttention.forward vs the chosen engine called directly (host
    microseconds per call; target <= 5 us added), in inference, with autograd, and under the measured policy.
 3. CUDA graph capture (forward, and forward+backward via make_graphed_callables) and torch.compile (output vs

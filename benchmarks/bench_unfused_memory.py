@@ -189,7 +189,9 @@ def main() -> None:
 
 def _row(row: dict) -> str:
     def mib(r):
-        return f"{r['peak_bytes'] / 2**20:9.1f} MiB {r['seconds']:7.2f} s" if r["status"] == "ok" else f"{r['status']:>22}"
+        if r["status"] != "ok":
+            return f"{r['status']:>22}"
+        return f"{r['peak_bytes'] / 2**20:9.1f} MiB {r['seconds']:7.2f} s"
     ratio = f"{row['ratio']:.4f}" if row["ratio"] is not None else "n/a"
     return f"S={row['seqlen']:6d}  unfused {mib(row['unfused'])}   naive {mib(row['naive'])}   ratio {ratio}"
 

@@ -1,5 +1,5 @@
 """A diagnostic of a benchmark run's host: microseconds per small op launched from Python (bench_user_step.py
-records it in each run's environment; gpu/calibrate_host_probe.py compares it with the lease's host factor).
+records it in each run's environment, to compare with the lease's host factor).
 
 A step's host time differs by lease: on the H100 leases that measured the blind grids, small calls ran at 0.76-1.6x
 the profile's prediction, and which engine wins a near-tie follows it. This probe (a one-element add from a Python

@@ -6,9 +6,9 @@ engine's kernels, so their first-call costs there hold no compile. Here each pol
 (an empty tuning cache, no kernels compiled), as a user's script starts: a workload of calls, each new to the
 process; per call the module's first step (wall time to a synchronisation), the engine it chose and why, then its
 step (median of seven 5-step blocks, CUDA events) taken right after the compiles with the GPU just out of idle: a
-first look, not a warm steady loop as the blind runs time, so no ranking of engines. The workload is eval-blind25's training and
-inference calls of its first four families' first shapes and every window, packed, MLA and d256 call's training
-step (drawn, not tuned on).
+first look, not a warm steady loop as the blind runs time, so no ranking of engines. The workload is eval-blind25's
+training and inference calls of its first four families' first shapes and every window, packed, MLA and d256
+call's training step (drawn, not tuned on).
 
     python3 benchmarks/gpu/check_first_call_cost.py --out $OUT/first_call_cost.json
 """

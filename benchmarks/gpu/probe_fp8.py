@@ -147,7 +147,8 @@ def run_case(cudnn, handle, c: Case, check=True):
     scalar = lambda n: tensor(n, dims=[1, 1, 1, 1], strides=[1, 1, 1, 1], dtype=f32)  # noqa: E731
     o = alloc((c.b, c.sq, c.h, c.dv), c.o_dtype, c.layout)
     stats = torch.empty(c.b, c.h, c.sq, 1, device=dev, dtype=torch.float32)
-    amax_s, amax_o = torch.full((1, 1, 1, 1), float("nan"), device=dev), torch.full((1, 1, 1, 1), float("nan"), device=dev)
+    amax_s = torch.full((1, 1, 1, 1), float("nan"), device=dev)
+    amax_o = torch.full((1, 1, 1, 1), float("nan"), device=dev)
     kw = dict(q=tensor("q", q8), k=tensor("k", k8), v=tensor("v", v8), descale_q=scalar("dq_"), descale_k=scalar("dk_"),
               descale_v=scalar("dv_"), descale_s=scalar("ds_"), scale_s=scalar("ss_"), scale_o=scalar("so_"),
               attn_scale=scale, generate_stats=True)
@@ -179,7 +180,8 @@ def run_case(cudnn, handle, c: Case, check=True):
     G.execute(pack, ws, handle=handle)
     torch.cuda.synchronize()
     o_deq = o.float() * o_descale.view(1)
-    res = {"case": c.name, "fwd_build_s": round(build_s, 3), "plan": str(getattr(G, "get_plan_name_at_index", lambda i: "")(0))}
+    plan_name = getattr(G, "get_plan_name_at_index", lambda i: "")(0)
+    res = {"case": c.name, "fwd_build_s": round(build_s, 3), "plan": str(plan_name)}
     valid = torch.ones(c.b, c.sq, 1, 1, dtype=torch.bool, device=dev)
     if lens is not None:
         valid = (torch.arange(c.sq, device=dev).view(1, -1, 1, 1) < lens[0].view(-1, 1, 1, 1))
@@ -557,8 +559,9 @@ def main():
                           o_dtype=torch.bfloat16, bwd_o_dtype=torch.bfloat16, dqkv_dtype=torch.bfloat16)
                 _, f8b, b8b = run_case(cudnn, handle, c2, check=False)
                 fb, bb = bf16_graphs(cudnn, handle, b, h, s, d, causal)
-                t = time_interleaved(rounds=15 if s > 8192 else 30, inner=3 if s > 8192 else 5, fns={"fp8_fwd": f8, "fp8_fwd_obf16": f8b, "bf16_fwd": fb, "fp8_bwd": b8,
-                                      "fp8_bwd_bf16out": b8b, "bf16_bwd": bb})
+                fns = {"fp8_fwd": f8, "fp8_fwd_obf16": f8b, "bf16_fwd": fb, "fp8_bwd": b8, "fp8_bwd_bf16out": b8b,
+                       "bf16_bwd": bb}
+                t = time_interleaved(rounds=15 if s > 8192 else 30, inner=3 if s > 8192 else 5, fns=fns)
                 flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
                 row.update({k: round(v, 4) for k, v in t.items()})
                 row["fp8_fwd_tflops"] = round(flops / t["fp8_fwd"] / 1e9, 1)

@@ -1,6 +1,6 @@
-"""The interleaved timer's CUDA path (issue 12): block samples (a synchronisation, a lead-in call, n calls between
-two events) and confirmed cuts run every call they account for and report per-call times of real kernels. How
-much they cut the timer's own noise is a benchmark's question (benchmarks/gpu/check_measured12.py)."""
+"""The interleaved timer's CUDA path: block samples (a synchronisation, a lead-in call, n calls between two events)
+and confirmed cuts run every call they account for and report per-call times of real kernels. How much they cut the
+timer's own noise is a benchmark's question (bench_user_step.py's pick_twin, the A/A spread)."""
 from __future__ import annotations
 
 import pytest
