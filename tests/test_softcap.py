@@ -48,14 +48,15 @@ def test_unfused_softcap_matches_reference(causal, with_bias):
     assert attn.last_decision.params["softcap"] == 2.5
 
 
-def test_flash_attn_4_takes_softcap_and_every_other_fused_engine_refuses_it_with_a_reason():
+def test_flash_attn_4_and_flex_take_softcap_and_every_other_fused_engine_refuses_it_with_a_reason():
     params = AttentionParams(dtype="bfloat16", batch_size=2, max_seqlen_q=1024, head_dim_qk=128, softcap=50.0,
                              attn_mask_type="causal")
     decision = explain(params, Platform.parse("h100-cudnn9"))
     assert decision.verdict("flash_attn_4").eligible and decision.verdict("unfused").eligible
+    assert decision.verdict("flex_attention").eligible
     assert decision.chosen == "flash_attn_4:cute"
     for verdict in decision.verdicts:
-        if verdict.backend not in ("unfused", "flash_attn_4"):
+        if verdict.backend not in ("unfused", "flash_attn_4", "flex_attention"):
             assert verdict.has(f"{verdict.backend}.softcap"), verdict.id
     b200 = Platform.parse("b200-cudnn9")
     assert explain(params, b200).verdict("flash_attn_4").eligible
