@@ -17,9 +17,29 @@ the functional forward/backward pair), keeps the engine's general path.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from .base import AttnAux, AttnConfig
+
+
+@contextlib.contextmanager
+def torch_deterministic(enabled: bool) -> Iterator[None]:
+    """torch's flash and memory-efficient backwards read determinism from the global flag (attention_backward.cu):
+    set it for one call."""
+    if not enabled or (torch.are_deterministic_algorithms_enabled()
+                       and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
 
 _NO_WINDOW = ((-1, -1), (-1, 0))
 # torch's generated bindings of the ops (the same schema as torch.ops.aten.*): their argument parsing costs ~7 us

@@ -6,28 +6,12 @@ dropout from torch's default CUDA generator and return an rng state that backwar
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from . import _torch_native
 from ._flash_io import UNBOUNDED, FlashEngineBase, KernelCall, Varlen, bind_supported, parameters_of
-
-
-@contextlib.contextmanager
-def _torch_deterministic(enabled: bool) -> Iterator[None]:
-    """torch's flash backward reads determinism from the global flag (attention_backward.cu); set it for one call."""
-    if not enabled or (torch.are_deterministic_algorithms_enabled()
-                       and not torch.is_deterministic_algorithms_warn_only_enabled()):
-        yield
-        return
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=False)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 class TorchFlashEngine(_torch_native.NativeOpPath, FlashEngineBase):
@@ -120,7 +104,7 @@ class TorchFlashEngine(_torch_native.NativeOpPath, FlashEngineBase):
             kernel_state = (empty, empty, None, None)
         rng_state, unused, _, _ = kernel_state
         cum_q, cum_k, max_q, max_k = _cum_and_max(q, k, varlen)
-        with _torch_deterministic(call.deterministic):
+        with _torch_native.torch_deterministic(call.deterministic):
             dq, dk, dv = self._bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, call.dropout_p,
                                    call.causal, rng_state, unused, scale=call.scale, **self._window_kwargs(call))
         return dq, dk, dv, None

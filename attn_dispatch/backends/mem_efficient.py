@@ -15,33 +15,18 @@ deterministic flag set (one key split).
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import OrderedDict
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..params import TOP_LEFT_MASKS
+from ._torch_native import torch_deterministic
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
 
 ALIGN = 16  # bias row stride (elements) the kernels read in aligned vectors; SDPA pads rows the same way
 NEG_INF = float("-inf")
-
-
-@contextlib.contextmanager
-def _deterministic(enabled: bool) -> Iterator[None]:
-    """The backward reads determinism from torch's global flag (attention_backward.cu); set it for one call."""
-    if not enabled or (torch.are_deterministic_algorithms_enabled()
-                       and not torch.is_deterministic_algorithms_warn_only_enabled()):
-        yield
-        return
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=False)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def _bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -256,7 +241,7 @@ class MemEfficientEngine(Engine):
         if do4.stride() != state.out4.stride():  # dO in the output's layout, as torch's own autograd passes it
             do4 = torch.empty_like(state.out4).copy_(do4)
         want_bias = aux.bias is not None and aux.bias.requires_grad and state.bias is not None
-        with _deterministic(cfg.deterministic):
+        with torch_deterministic(cfg.deterministic):
             dq4, dk4, dv4, dbias = self._bwd(do4, state.q4, state.k4, state.v4, state.bias, state.out4, state.lse4,
                                              state.seed, state.offset, float(cfg.dropout_p),
                                              [True, True, True, want_bias], state.is_causal, scale=cfg.softmax_scale)
