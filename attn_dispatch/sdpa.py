@@ -192,6 +192,22 @@ def _as_4d(mask: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tenso
     return mask4.expand(mask4.shape[0], mask4.shape[1], sq, skv)
 
 
+def _inverted(mask: torch.Tensor, mask4: torch.Tensor) -> torch.Tensor:
+    """~mask4 (Transformer Engine's True = masked out), made once per mask tensor and version and kept on the mask
+    itself: a model passing one mask to every layer hands the engines one tensor, so what they build from it (flex's
+    BlockMask, mem_efficient's bias) is built once; a mask made anew each step takes its inverse with it."""
+    try:
+        version = mask._version
+    except RuntimeError:  # an inference tensor: no version counter to tell an in-place write
+        return ~mask4
+    cached = getattr(mask, "_attn_dispatch_inverted", None)
+    if cached is not None and cached[0] == version and cached[1].shape == mask4.shape:
+        return cached[1]
+    inverted = ~mask4
+    mask._attn_dispatch_inverted = (version, inverted)
+    return inverted
+
+
 def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: torch.device,
                  recognize: bool) -> dict[str, Any]:
     if not isinstance(mask, torch.Tensor):
@@ -202,7 +218,7 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
     mask4 = _as_4d(mask, b, h, sq, skv)
     if mask.dtype == torch.bool:
         if not recognize:
-            return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4,
+            return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4),
                     "mask_note": lambda: "bool attn_mask taken as 'arbitrary': recognize_masks=False"}
         if mask4.shape[0] == 1 and mask4.shape[1] == 1:
             pattern = _pattern(mask, mask4[0, 0], sq, skv)
@@ -215,7 +231,7 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
                             f"causal sequences: thd 'padding_causal' with cu_seqlens {cu.tolist()}"}
         layout = recognise_padding(mask, mask4, b, sq, skv)
         if isinstance(layout, NotRecognised):
-            return {"attn_mask_type": "arbitrary", "attention_mask": ~mask4,
+            return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4),
                     "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}"}
         note = lambda: f"bool attn_mask recognised as {layout.describe()}"  # noqa: E731 - read by explain only
         if layout.thd:

@@ -161,3 +161,19 @@ def test_repeat_calls_take_the_cached_path_and_stay_exact(monkeypatch):
         scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # another signature: plans once
         torch.testing.assert_close(scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), ref)
     assert len(calls) == 1
+
+
+def test_an_arbitrary_bool_mask_is_inverted_once_per_tensor_and_version():
+    """Every layer of a model gets the same mask tensor: the engines must get one inverted tensor too (their own
+    caches, a BlockMask or a bias, key on it); an in-place change of the mask is seen."""
+    from attn_dispatch.sdpa import _mask_kwargs
+
+    g = torch.Generator().manual_seed(7)
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.5
+    mask[..., 0] = True
+    first = _mask_kwargs(mask, 2, 4, 6, 6, mask.device, True)["attention_mask"]
+    assert _mask_kwargs(mask, 2, 4, 6, 6, mask.device, True)["attention_mask"] is first
+    torch.testing.assert_close(first, ~mask)
+    mask[0, 0, 3, 2] = ~mask[0, 0, 3, 2]
+    changed = _mask_kwargs(mask, 2, 4, 6, 6, mask.device, True)["attention_mask"]
+    assert changed is not first and torch.equal(changed, ~mask)
