@@ -122,6 +122,7 @@ class DotProductAttention(torch.nn.Module):
         else:
             self.softmax_offset = None
         self._plans = PlanCache()  # every plan and shortcut of this module (plans.py)
+        self._fp8_dpa = True  # runs in FP8 inside fp8_autocast (the SDPA function's modules keep torch SDPA's dtype)
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self.last_decision: Decision | None = None
         self.__dict__["_planned"] = True
@@ -284,7 +285,7 @@ class DotProductAttention(torch.nn.Module):
         was validated before (dynamo never traces it: every caller checks first). merged=False (the SDPA
         function's path) returns the engine's output with heads not merged, and _MISS where cuDNN refuses the
         cached graph."""
-        if self.cp_group is not None or _FP8_REGIONS[0]:  # an FP8 region open somewhere: plan under it
+        if self.cp_group is not None or (_FP8_REGIONS[0] and self._fp8_dpa):  # an FP8 region open: plan under it
             return _MISS
         hit = self._plans.hit(query_layer, key_layer, value_layer, self.training, call)
         if hit is None:
@@ -353,7 +354,7 @@ class DotProductAttention(torch.nn.Module):
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------
     def _fp8_context(self, args: CallArgs) -> tuple | None:
         """(region, output in FP8) when this call runs in FP8: inside fp8_autocast with fp8_dpa; None otherwise."""
-        region = _fp8_autocast.current_region()
+        region = _fp8_autocast.current_region() if self._fp8_dpa else None
         if region is None:
             if args.fp8_output:
                 raise ValueError("fp8_output=True needs FP8 attention: call the module inside "
@@ -540,7 +541,7 @@ class DotProductAttention(torch.nn.Module):
         """The SDPA function's cached path for q, k, v-only calls: [b, h, s, d] tensors in, [b, h, sq, d_v] out, the
         torch provider's op bound to them (no bshd views either way); None unless this signature's plan was used
         twice through _attend_unmerged (with bhsd=) and its engine binds such a call."""
-        if self.cp_group is not None or _FP8_REGIONS[0] or _is_compiling():
+        if self.cp_group is not None or (_FP8_REGIONS[0] and self._fp8_dpa) or _is_compiling():
             return None
         call, plan = self._plans.bhsd_call(q, k, v, self.training)
         if call is None:

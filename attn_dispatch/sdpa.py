@@ -175,6 +175,7 @@ def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, sof
                                                      qkv_format="bshd", attn_mask_type=mask_type,
                                                      softmax_scale=scale, softcap=softcap, mask_mod=mask_mod,
                                                      score_mod=score_mod)
+        module._fp8_dpa = False  # torch SDPA's semantics: the inputs' dtype, inside fp8_autocast too
     return module
 
 

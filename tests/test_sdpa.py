@@ -177,3 +177,18 @@ def test_an_arbitrary_bool_mask_is_inverted_once_per_tensor_and_version():
     mask[0, 0, 3, 2] = ~mask[0, 0, 3, 2]
     changed = _mask_kwargs(mask, 2, 4, 6, 6, mask.device, True)["attention_mask"]
     assert changed is not first and torch.equal(changed, ~mask)
+
+
+def test_inside_fp8_autocast_the_sdpa_function_keeps_its_dtype_and_explain_agrees():
+    """fp8_autocast is the module's FP8 (Transformer Engine's fp8_dpa); the SDPA function keeps torch SDPA's
+    semantics there, and explain_sdpa says what it runs."""
+    from attn_dispatch.fp8 import DelayedScaling, fp8_autocast
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 10, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    outside = attn_dispatch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)):
+        inside = attn_dispatch.scaled_dot_product_attention(q, k, v, is_causal=True)
+        decision = attn_dispatch.explain_sdpa(q, k, v, is_causal=True)
+    torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+    assert decision.chosen is not None and not decision.params["fp8"]
