@@ -226,7 +226,7 @@ class AttentionParams:
         """This call with each window side that masks nothing at its lengths made unbounded, or self. A side of
         max(sq, skv) - 1 or more excludes no key under either diagonal alignment (padded and packed sequences are
         no longer than the maxima), so the result is exact; engines run a window slower than the plain mask
-        (flash-attn-4: 1.38x cuDNN's time on a causal d64 s2048 forward with window (2048, 0), H100, eval-blind12).
+        (flash-attn-4: 1.38x cuDNN's time on a causal d64 s2048 forward with window (2048, 0), H100, a held-out grid).
         Plain calls only: under context parallelism the lengths are a rank's, and a KV cache's are buckets."""
         if self.cp_size > 1 or self.inference_kv_cache or not self.has_sliding_window:
             return self

@@ -21,8 +21,8 @@ before the launches follows from the call's signature (shapes, strides, dtype, d
   memory when recorded, zeroed by the preprocess kernel), and the replay drops their memsets;
 - under torch.compile's tracing the interface runs.
 This reads private API (a compile cache's attribute name, the compiled functions' arguments), hence the checks.
-On by default since its GPU tests passed on the H100 (session 14; written in session 13 against a stand-in of the
-interface): ATTN_DISPATCH_FA4_REPLAY=0, read when an engine first runs a call, turns it off.
+On by default since its GPU tests passed on the H100 (it was written against a stand-in of the interface):
+ATTN_DISPATCH_FA4_REPLAY=0, read when an engine first runs a call, turns it off.
 """
 from __future__ import annotations
 

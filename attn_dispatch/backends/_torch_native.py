@@ -3,7 +3,7 @@
 `F.scaled_dot_product_attention` picks a kernel and calls `aten::_scaled_dot_product_flash_attention` or
 `aten::_scaled_dot_product_cudnn_attention`, whose backward torch registers in C++ (derivatives.yaml). Calling
 the same op directly gives a module call SDPA's own forward and backward: no Python autograd Function, no
-Python backward, no extra copies of the output gradient. Measured on the H100 (issue 12), the Python path lost
+Python backward, no extra copies of the output gradient. Measured on the H100, the Python path lost
 up to 1.26x to SDPA on the same kernels; this path is what closes it.
 
 The module's repeat calls go through bind(): the op specialised to one tensor signature. FA2 on bshd tensors

@@ -122,7 +122,7 @@ def eval_cases() -> list[Case]:
 
 
 def fit_extra_cases() -> list[Case]:
-    """Fit rows added after the held-out diagnosis (issue 12, session 4): packed (thd) calls at d64/d128/d256 and
+    """Fit rows added after the held-out diagnosis: packed (thd) calls at d64/d128/d256 and
     several lengths (thd costs more per call than dense, and one thd row per region left the model guessing),
     the d64 training lengths where flash-attn-4 and cuDNN cross, small windows, d256 and MLA in between, and more
     host-bound calls. None is in eval_cases or eval_fresh_cases."""
@@ -150,8 +150,8 @@ def fit_extra_cases() -> list[Case]:
 
 def fit_gqa_cases() -> list[Case]:
     """Small-batch GQA training and inference of 1B-8B LLM layers (h 16/8, 32/8, 32/4 at d 128, s 2k-8k), which the
-    fit grids covered with one or two rows: the issue-13 check found the profile picking torch's cuDNN op for a 1B
-    Llama's attention (b1 h16/8 s4096), 0.85x torch SDPA's kernel. None is in eval_cases or eval_fresh_cases."""
+    fit grids covered with one or two rows: a check on a 1B Llama found the profile picking torch's cuDNN op for its
+    attention (b1 h16/8 s4096), 0.85x torch SDPA's kernel. None is in eval_cases or eval_fresh_cases."""
     shapes = [
         Case(b=1, s=4096, h=16, hkv=8, d=128), Case(b=2, s=4096, h=16, hkv=8, d=128),
         Case(b=1, s=2048, h=16, hkv=8, d=128), Case(b=1, s=8192, h=16, hkv=8, d=128),
@@ -162,7 +162,7 @@ def fit_gqa_cases() -> list[Case]:
 
 
 def eval_fresh_cases() -> list[Case]:
-    """A second held-out grid (issue 12, session 4), chosen before any of it was measured and not tuned on: model
+    """A second held-out grid, chosen before any of it was measured and not tuned on: model
     calls other than eval_cases' and the fit grids' (LLM with GQA, long context, encoders, small batches, head dims
     64/80/96/128/192/256, windows, thd, cross and bottom-right causal)."""
     shapes = [
@@ -194,49 +194,33 @@ def eval_fresh_cases() -> list[Case]:
     return _both(shapes)
 
 
-# eval-blind, eval-blind2 (session 5), eval-blind3 (session 6), eval-blind4 (session 7: the first seed from 20261127
-# whose draw covers the head dims issue 12 names, 64/80/96/128/192/256, thd, sbhd and both kinds of window; chosen
-# by that coverage alone, before anything of it was measured), eval-blind5 (session 8: the first seed from 20261133
-# with that coverage, chosen and committed the same way), eval-blind6 (session 9: the first from 20261134, 20261138, the
-# same way), eval-blind7 (session 11: the first from 20261139, 20261139, the same way; committed unmeasured, for the
-# check after the FA2 host-path refresh), eval-blind8 (session 12: the first from 20261140, 20261140, the same way;
-# committed unmeasured, after blind7 decided between two profiles and the timer and measured policy changed),
-# eval-blind9 (session 13: the first from 20261141, 20261144, the same way; committed unmeasured, after blind8 was
-# measured and the profile's host_scale chosen on blind5-7), eval-blind10 (session 14: the first from 20261145,
-# 20261153, the same way; committed unmeasured, after flash-attn-4's split was refreshed with its replay on),
-# eval-blind11 (session 14: the first from 20261154, 20261154, the same way; committed unmeasured, after blind10's
-# worst row led to the cost model's unwindowed cuDNN backward), eval-blind12 (session 14: the first from 20261155,
-# 20261155, the same way; committed unmeasured, after the last profile rebuild, for the next session), eval-blind13
-# (session 15: the first from 20261156, 20261158, the same way; committed unmeasured, before cuDNN's split refresh),
-# eval-blind14 (session 15: the first from 20261159, 20261159, the same way; committed unmeasured, after the GPU
-# tie-break was chosen on blind10-12), eval-blind15 (session 15: the first from 20261160, 20261160, the same way;
-# committed unmeasured, after the host probe's first calibration), eval-blind16 and eval-blind17 (session 16: the
-# first from 20261161, 20261161, and the next, 20261163, the same way; committed unmeasured, after the split's
-# first-call correction was chosen on blind5-15), eval-blind18 (session 16: the first from 20261164, 20261167, the same
-# way; committed unmeasured, after blind16-17 were measured twice with the profile that ships), eval-blind19 (session
-# 17: the first from 20261168, 20261168, the same way; committed unmeasured, to be measured on two leases for the
-# static bound of benchmarks/static_bound.py on a fresh grid)
+# The held-out (blind) grids: BLIND_SEEDS[i] draws eval-blind<i + 1> (plain eval-blind for i = 0). Each was committed
+# before any of it was measured, to check the model as it then stood. From the fourth on, a seed is the first from a
+# start seed whose draw covers head dims 64/80/96/128/192/256, thd, sbhd and both kinds of window, chosen by that
+# coverage alone. Start seeds, in order: 20261127, 20261133, 20261134, 20261139, 20261140, 20261141, 20261145,
+# 20261154, 20261155, 20261156, 20261159, 20261160, 20261161 (the first two with the coverage), 20261164, 20261168,
+# then as noted below. What each grid checked: benchmarks/results/profile/README.md.
 BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153,
                20261154, 20261155, 20261158, 20261159, 20261160, 20261161, 20261163, 20261167, 20261168,
-               20261175,  # eval-blind20 (session 18): the first from 20261169 with the coverage, after fit-dense
-               20261178,  # eval-blind21 (session 18): the first from 20261176, after the rate fit left windows out
-               20261181,  # eval-blind22 (session 19): the first from 20261179, the shipped profile unchanged
-               20261187,  # eval-blind23 and eval-blind24 (session 19): the first two from 20261182, drawn after the
+               20261175,  # eval-blind20: the first from 20261169 with the coverage, after fit-dense
+               20261178,  # eval-blind21: the first from 20261176, after the rate fit left windows out
+               20261181,  # eval-blind22: the first from 20261179, the shipped profile unchanged
+               20261187,  # eval-blind23 and eval-blind24: the first two from 20261182, drawn after the
                20261188,  # checked policy was written, to check it
-               20261189)  # eval-blind25 (session 21): the first from 20261189, the profile and policies unchanged
+               20261189)  # eval-blind25: the first from 20261189, the profile and policies unchanged
 # Grids drawn before the packed family's kv-head count had to divide its head count (fit-drawn had 10 rows refused
 # for h12/hkv8): their draws must not change, so they keep the old draw.
 _LEGACY_DRAWS = 3  # the first three blind seeds, and the fit-drawn grids, which exclude only those
-# The fit-drawn grids (session 6): the blind grids' families drawn with other seeds, the families where engines
-# cross weighted up; every blind grid is left out of them (they are drawn after, and excluding, the blind grids).
+# The fit-drawn grids: the blind grids' families drawn with other seeds, the families where engines cross weighted
+# up; every blind grid is left out of them (they are drawn after, and excluding, the blind grids).
 FIT_DRAWN_SEEDS = {"fit-drawn-a": (7001, 7002, 7003), "fit-drawn-b": (7004, 7005, 7006),
                    "fit-drawn-c": (7007, 7008, 7009)}
 _BLIND_COUNTS = (("llm", 6), ("long", 3), ("encoder", 4), ("small", 3), ("windowed", 3), ("packed", 3), ("mla", 1),
                  ("d256", 1))
 _FIT_COUNTS = (("windowed", 7), ("mla", 3), ("d256", 3), ("packed", 4), ("encoder", 5), ("llm", 5), ("small", 2),
                ("long", 2))
-# fit-dense (session 18): more fit rows, with a host/GPU split, in the families where the profile's pick missed the
-# fastest engine on every lease of a repeated blind grid (benchmarks/static_bound.py over blind9-19: mid-size
+# fit-dense: more fit rows, with a host/GPU split, in the families where the profile's pick missed the
+# fastest engine on every lease of a repeated blind grid (benchmarks/static_bound.py over eleven blind grids: mid-size
 # encoders, packed d128, causal windows, GQA causal forwards near s3000, d256). Drawn after, and excluding, every
 # grid before it; the blind grids from BLIND_SEEDS[_DENSE_FROM] on exclude it.
 FIT_DENSE_SEEDS = (7101, 7102)
@@ -334,7 +318,7 @@ def _hand_grids() -> list:
 
 
 def eval_blind_cases(seed: int = BLIND_SEEDS[0]) -> list[Case]:
-    """A held-out grid (issue 12, sessions 5-6), drawn at random from model-shaped families with a fixed seed and
+    """A held-out grid, drawn at random from model-shaped families with a fixed seed and
     committed before any of it was measured or any model change was made with it in view. It shares no call with
     the hand-made grids or an earlier blind grid. 24 distinct shapes, fwd and fwd+bwd each."""
     return list(_blind_draw(seed, BLIND_SEEDS))
@@ -386,7 +370,7 @@ def fit_dense_cases() -> list[Case]:
 
 def fit_thd_cases() -> list[Case]:
     """Every packed (thd) call of the grids the profile is built from, measured again after the thd host path
-    changed (session 6: each engine's host time per packed call fell by 0.1-0.5 ms, by different amounts); a run
+    changed (each engine's host time per packed call fell by 0.1-0.5 ms, by different amounts); a run
     of this grid replaces the earlier runs of its calls in the profile (build_profile.py --refresh). The fit-drawn
     grids' calls come first (the blind grids' families), then the hand-made grids'; calls whose kv-head count does
     not divide the head count are left out (refused by every engine)."""

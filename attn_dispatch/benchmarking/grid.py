@@ -17,7 +17,7 @@ TOKENS_PER_BATCH = 32768  # batch x seqlen held constant across the grid, as in 
 
 
 def default_grid(device_type: str = "cuda", dtype: str = "bfloat16") -> list[AttentionParams]:
-    """Issue 8's grid: D 64/128/256, S 512..16k, causal or not, GQA, plus two shapes off the bucket steps (so the
+    """The default grid: D 64/128/256, S 512..16k, causal or not, GQA, plus two shapes off the bucket steps (so the
     measured policy's bucketing is tested too). 31 geometries; the bench runs each forward and forward+backward."""
     shapes = []
 

@@ -2,7 +2,7 @@
 
 Writes JSON (--out), prints a table (TFLOP/s per engine, the fastest starred, each policy's pick with
 time(pick)/time(fastest)) and writes a PNG plot (--plot, needs matplotlib). With no call flags and no --shapes
-the grid is --grid (default: issue 8's grid on a GPU, 'quick' on the CPU). The measured policy's pick comes from
+the grid is --grid (default: 'default' on a GPU, 'quick' on the CPU). The measured policy's pick comes from
 its own tuning pass (cache: --cache-dir, else the usual cache directory); the checked policy's (--policies ...,checked)
 from its own, into a cache of its own for the run.
 

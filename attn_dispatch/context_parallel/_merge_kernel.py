@@ -1,6 +1,6 @@
 """One Triton pass for the log-sum-exp merge of two partial attention results (merge.merge_to on CUDA).
 
-Eager torch takes five passes over the float32 output for one merge (scale, multiply-add, copies; issue 16: on
+Eager torch takes five passes over the float32 output for one merge (scale, multiply-add, copies; on
 2xH100 at 32k tokens the ring's merges and copies cost 0.66 ms of a 4.3 ms forward). This kernel reads both
 partial outputs once, in their own dtype, computes in float32 and writes the merged output once, in the output's
 dtype: no float32 copy of a block result, no float32 accumulator between the last step and the output.

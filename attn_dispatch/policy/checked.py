@@ -7,13 +7,13 @@ other, once per shape bucket, by the measured policy (its timer, its persistent 
 shape), and the fastest measured wins. Every decision `auto` makes otherwise (a bucket tuned here, a decode step, no
 profile for the architecture, a single candidate) is auto's.
 
-Why: the profile's misses are close calls. Offline over every run of blind10-21 (pick / fastest, mean), timing only
-the providers within 10% of the predicted best, with the times the measured policy's tuner recorded in those runs,
-scored 1.0052 / 1.0044 / 1.0023 on blind10-14 / 15-19 / 20-21's full-stack runs against the profile's 1.0150 /
-1.0098 / 1.0060, timing ~45% of those buckets (~3% on stock torch). Timed on two grids drawn after it was written
-(eval-blind23 and 24, two H100 leases): 1.0072 against the default's 1.0117 on the full stack, timing 45 of 96
+Why: the profile's misses are close calls. Offline over every run of twelve held-out grids (pick / fastest, mean),
+timing only the providers within 10% of the predicted best, with the times the measured policy's tuner recorded in
+those runs, scored 1.0052 / 1.0044 / 1.0023 on three groups of them (5 / 5 / 2 grids, full-stack runs) against the
+profile's 1.0150 / 1.0098 / 1.0060, timing ~45% of those buckets (~3% on stock torch). Timed on two held-out grids
+drawn after it was written (two H100 leases): 1.0072 against the default's 1.0117 on the full stack, timing 45 of 96
 buckets, and 1.0011 against 0.9997 on stock torch, timing 1 of 96; the measured policy, timing every bucket, scored
-1.0022 there (benchmarks/results/profile/README.md, session 19). Unlike `auto`, it times at run time, so it is not
+1.0022 there (benchmarks/results/profile/README.md). Unlike `auto`, it times at run time, so it is not
 the default.
 """
 from __future__ import annotations

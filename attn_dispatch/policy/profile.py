@@ -76,8 +76,8 @@ class CostModel:
     use_split: bool = True
     host_k: int = 25
     # The split lease's host was slower than the hosts that ran the block-timer blind grids: their host-bound steps
-    # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over blind5-7's 720
-    # rows (session 13; benchmarks/results/profile/README.md).
+    # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over three held-out
+    # grids' 720 rows (benchmarks/results/profile/README.md).
     host_scale: float = 0.8
     split_combine: float = 4.0
     # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
@@ -88,7 +88,7 @@ class CostModel:
     # the H100 and H200 (the profile's split fit, 25 two-sided training calls, window covers 0.05-1): its GPU rate
     # over the windowed work fell with the cover, 24-446 TFLOP/s, and over this work stayed at 270-500 with no
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
-    # (1.1-1.25x flash-attn-4's GPU time at every cover). session 14, benchmarks/results/profile/README.md.
+    # (1.1-1.25x flash-attn-4's GPU time at every cover). benchmarks/results/profile/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
 
 
@@ -525,7 +525,7 @@ MIN_REFERENCE_CALLS = 5  # calls a refresh shares with the other runs, per pass,
 
 def refresh_host_scales(runs: list[dict]) -> dict[tuple[int, bool], float]:
     """(index of a refresh run, training) -> the factor putting its host times on the other runs' scale. A lease's
-    host speed differs by up to ~1.7x from another's (session 10: H200/H100 leases 0.62-0.68x; the FA2 refresh's
+    host speed differs by up to ~1.7x from another's (H200/H100 leases 0.62-0.68x; the FA2 refresh's
     lease ran F.sdpa at 0.60x the split fit's): so the refresh's own F.sdpa split, against the other runs' of the
     same calls on its machine, gives the median ratio by which the refresh's host times are scaled."""
     def host(row: dict) -> float | None:

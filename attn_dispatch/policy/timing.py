@@ -13,18 +13,18 @@ What one sample is (TimerSettings.block_ms):
   end. A call's events then measure its GPU time when the calls before it left a deep queue (its host time
   hidden), and host gaps too when they did not: the sample depends on what ran just before. Where a call's host
   time is near its GPU time the samples are bimodal and the median picks a mode by how often the round order put a
-  GPU-heavy call first: the same engine in two modules differed by 6-13% on the H100 (issue 12).
+  GPU-heavy call first: the same engine in two modules differed by 6-13% on the H100.
 - > 0, blocks: a synchronisation (empty queue), one untimed lead-in call, then n back-to-back calls of the same
   function between two events, n = block_ms / its estimate. Every sample is that function in a steady loop of
   itself, whatever ran before: max(host, GPU) per call, the cost a loop of that call pays (host launch overhead
-  included where it is not hidden), which is what issue 12 calls a user's step. The lead-in keeps the
+  included where it is not hidden), which is what a user's step costs. The lead-in keeps the
   synchronisation's empty queue out of the timed calls. A function too long for two calls in a block (n < 2)
   is sampled one call at a time as above: its host time is a small share of it, and a lead-in would double what
   timing it costs (the long calls are most of a benchmark's time).
 
 Cutting a far slower function short (cutoff_ratio / cutoff_ms) needs confirmation: its one-call estimate right
 after a JIT compile or a graph build is no measurement of it, nor is one call in the shallow queue of the first
-timed round, which exposes all of its host time (issue 12: a forward timed at 0.616 ms there ran at 0.113 ms),
+timed round, which exposes all of its host time (on the H100 a forward timed at 0.616 ms there ran at 0.113 ms),
 so a function is cut only when the least of its estimate and `confirm` more samples (blocks where the timed
 rounds use blocks) is still beyond the cutoff.
 """
@@ -208,7 +208,7 @@ def engine_step(engine: "Engine", call: SyntheticCall, mode: str) -> Callable[[]
     with merged heads out), under no_grad in inference; in training, forward then backward into the leaf tensors'
     .grad (reset to None first, as optimizer.zero_grad does). Timing the functional forward/backward pair instead
     missed host and autograd costs: on the H100 one engine's pair took 0.40 ms where the module's training step
-    took 0.83 ms (issue 12)."""
+    took 0.83 ms."""
     import torch
 
 
@@ -344,7 +344,7 @@ def round_order(names: list[str], r: int) -> list[str]:
     What runs just before a call biases it on the GPU (the clock a heavy kernel leaves, a queue that hides host
     time): with the rotation used before, the pick's forced column never followed a call of its own engine in a
     blind row's 16 rounds while the default and its twin did in 8 and 12, and on calls over 3 ms both read 1-2%
-    above the forced pick in each of 11 runs (benchmarks/results/profile/README.md, session 12)."""
+    above the forced pick in each of 11 runs (benchmarks/results/profile/README.md)."""
     n = len(names)
     if n < 2:
         return list(names)
