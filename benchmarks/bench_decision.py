@@ -1,6 +1,7 @@
 """Cost of a decision on the host: cached (the hot path) and fresh (every check of every table).
 
-Targets (issue 2): cached <= 2 us, fresh <= 300 us. Run: python3 benchmarks/bench_decision.py [--out FILE]
+Targets: cached <= 2 us (every call pays it), fresh <= 300 us (once per new shape).
+Run: python3 benchmarks/bench_decision.py [--out FILE]
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FP8 attention on the GPU (issue 14): accuracy, speed against bf16 cuDNN, and a short training run.
+"""FP8 attention on the GPU: accuracy, speed against bf16 cuDNN, and a short training run.
 
     source .gpu-wheels/a/env.sh && python3 benchmarks/bench_fp8.py --out $OUT/fp8.json [--skip train]
 

@@ -14,7 +14,7 @@ repeats, because the machine may be shared:
     python3 benchmarks/bench_hotpath_cpu.py --json OUT.json
 
 Headline: "module - engine" (us/call) in inference (eval, no_grad) and training (train, grad enabled,
-inputs requiring grad); issue 8's budget is 5 us on the GPU host. "module(kw)" is the same call passing one
+inputs requiring grad); the budget is 5 us on a GPU host. "module(kw)" is the same call passing one
 keyword at its default value (attn_mask_type="no_mask"): the cached path every call with keywords takes (through
 nn.Module.__call__, forward and the plan cache). "sdpa_fn-op": attn_dispatch.scaled_dot_product_attention on
 [b, h, s, d] tensors (the transformers integration's call) over the stand-in op called on them directly.

@@ -1,4 +1,4 @@
-"""Issue 15 on a GPU: KV-cache inference per engine, equality and decode bandwidth. One process, <= 8 minutes.
+"""KV-cache inference on a GPU, per engine: equality and decode bandwidth. One process, <= 8 minutes.
 
 1. Equality: each engine that takes a cache, forced (flash_attn_2:torch, flash_attn_4:cute, cudnn_fused:frontend,
    unfused), contiguous and paged, bshd and thd, GQA 8/2, with and without a sliding window: the generation loop

@@ -1,4 +1,4 @@
-"""Masked calls on the GPU (issue 39's must-show): a user's training step (forward, then backward into the leaves'
+"""Masked calls on the GPU: a user's training step (forward, then backward into the leaves'
 .grad), bf16, h16 d128, for each call:
 
 - the module (DotProductAttention) forced to each eligible engine, and its default pick;

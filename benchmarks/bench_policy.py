@@ -1,4 +1,4 @@
-"""Issue 8's "Must show" run: how close each selection policy gets to the fastest engine, and the hot-path budget.
+"""How close each selection policy gets to the fastest engine, what the module adds per call, and graphs/compile.
 
 1. Grid (attn_dispatch.benchmarking.grid.default_grid: 31 shapes, D 64/128/256, S 512..16k, causal or not, GQA, two
    shapes off the bucket steps), each forward and forward+backward. Per row: the static order's pick

@@ -18,11 +18,11 @@ inference). For every eligible provider a module is built with that provider for
     padding, not sliding windows, not bottom-right causal with sq != skv).
 All of them are timed interleaved on the same inputs (attn_dispatch.policy.timing.time_interleaved: CUDA events,
 a warm period, balanced round orders, median). --timer block (the default): a sample of a call under 2 ms is a ~3 ms
-block of back-to-back calls of one function after a synchronisation and a lead-in call: every function is timed
-in a steady loop of itself, whatever ran before it (longer calls: one call per sample). --timer call: one call
-per sample, back to back on one stream (the session 3-4 JSON): a short call's sample then depends on the queue the
-previous function left (host time hidden or not), and the same engine in two modules differed by up to 13%. The
-JSON's settings record which (block_ms 0 or absent: per call); `calls_per_sample` per row.
+block of back-to-back calls of one function after a synchronisation and a lead-in call: every function is timed in a
+steady loop of itself, whatever ran before it (longer calls: one call per sample). --timer call: one call per
+sample, back to back on one stream (how the first fit and eval runs were timed): a short call's sample then depends
+on the queue the previous function left (host time hidden or not), and the same engine in two modules differed by up
+to 13%. The JSON's settings record which (block_ms 0 or absent: per call); `calls_per_sample` per row.
 --split adds, per provider (and SDPA), its step split into host and GPU time (split_times): the GPU time alone
 is the calls' time queued behind a spin kernel, the host time the wall time of enqueueing them; --split-only
 records that alone (no interleaved timing): the profile's host/GPU measurements; with --refreshes P (a provider
@@ -251,8 +251,8 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
     measured = measured_module = None
     if measured_cache is not None:
         # selection.clear_cache() before it, never after: that makes every module's plan stale, and this one would
-        # plan again under the restored environment (the auto policy), which is what the session-4 JSON's 'measured'
-        # column timed (its measured_pick was right, its times were the default's pick).
+        # plan again under the restored environment (the auto policy) and its column would time the default's pick
+        # under the measured policy's name.
         measured_module, fns["measured"], first_ms = first_call_under("measured", measured_cache, case, device, q, k,
                                                                       v, dout, kwargs, clear=True)
         measured = (measured_module.last_decision.chosen, first_ms)
@@ -399,7 +399,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the harness")
     ap.add_argument("--timer", default="block", choices=("block", "call"),
                     help="a short call's sample: a ~3 ms block of back-to-back calls after a sync (block) or one "
-                         "call (call; the session 3-4 runs)")
+                         "call (call; how the first fit and eval runs were timed)")
     ap.add_argument("--split", action="store_true", help="also split each provider's step into host and GPU time")
     ap.add_argument("--split-only", action="store_true", help="the split alone, no interleaved timing")
     ap.add_argument("--refreshes", default="",

@@ -1,6 +1,6 @@
 """Build the shipped profile (attn_dispatch/policy/profiles/<arch>.json) from bench_user_step.py results.
 
-    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from results/profile/MANIFEST.json
+    python3 benchmarks/build_profile.py --shipped     # the shipped sm90.json, from results/manifest.json
     python3 benchmarks/build_profile.py FILE... --out PATH
     python3 benchmarks/build_profile.py FILE... --write-manifest   # these files become the shipped profile's sources
 
@@ -14,7 +14,6 @@ Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add ea
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import sys
@@ -25,41 +24,25 @@ from attn_dispatch.benchmarking.cases import REFRESH_GRIDS  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "profile"
-MANIFEST = RESULTS / "MANIFEST.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_manifest  # noqa: E402
 
 
-def shipped_sources() -> list[str]:
-    """The result files the shipped profile is built from: exactly those MANIFEST.json names, each checked against its
-    sha256 (a renamed, edited or missing file is an error, never a silently different profile). Held-out grids
-    (blind*), the H200's fit and split runs, diagnostics and the fit-dense run are not in it (results/profile/README.md
-    says why each was left out)."""
-    manifest = json.loads(MANIFEST.read_text())
-    paths = []
-    for source in manifest["sources"]:
-        path = RESULTS / source["file"]
-        if not path.is_file():
-            raise FileNotFoundError(f"{MANIFEST.name} names {source['file']}, which is not in {RESULTS}")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != source["sha256"]:
-            raise ValueError(f"{source['file']} has sha256 {digest}, not the {source['sha256']} {MANIFEST.name} "
-                             "records: restore the file, or rebuild the profile and the manifest together")
-        paths.append(str(path))
-    return paths
+def shipped_sources(manifest: Path = results_manifest.MANIFEST) -> list[str]:
+    """The result files the shipped profile is built from: exactly the manifest's `profile-source` entries, each
+    checked against its sha256 (a renamed, edited or missing file is an error, never a silently different profile).
+    Held-out grids, measurements that were not adopted (the H200's fit and split runs, the dense fit) and evidence
+    files are other roles: results/README.md says why each source set is what it is."""
+    return [str(results_manifest.verified_path(e, manifest))
+            for e in results_manifest.entries("profile-source", manifest)]
 
 
-def write_manifest(paths: list[str]) -> None:
-    """MANIFEST.json for these result files (file, sha256, machine, grid, date, stack), for --write-manifest."""
-    sources = []
-    for path in sorted(paths, key=lambda p: Path(p).name):
-        data = read_results(path)
-        env = data["environment"]
-        sources.append({"file": Path(path).name, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
-                        "machine": env["device"], "grid": data.get("grid", ""), "date": env["date"][:10],
-                        "stack": {key: env.get(key) for key in ("torch", "cudnn", "cudnn_frontend", "flash_attn_4")}})
-    what = ("the bench_user_step.py result files the shipped profile (attn_dispatch/policy/profiles/sm90.json) is "
-            "built from: benchmarks/build_profile.py --shipped reads exactly these and checks each sha256")
-    MANIFEST.write_text(json.dumps({"what": what, "sources": sources}, indent=1) + "\n")
+def write_manifest(paths: list[str], manifest: Path = results_manifest.MANIFEST) -> None:
+    """Record these result files as the shipped profile's sources (replacing the previous set), for --write-manifest."""
+    what = "a bench_user_step.py run the shipped profile is built from"
+    new = [results_manifest.entry_for(Path(p), "profile-source", f"{what} (grid {read_results(p).get('grid', '')})",
+                                      manifest) for p in paths]
+    results_manifest.record(new, manifest, replace_role="profile-source")
 
 
 def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -98,15 +81,15 @@ def stack_of(envs: list[dict]) -> tuple[dict[str, str], str]:
     return stack, max(e["date"] for e in envs)[:10]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="*", help="bench_user_step.py results (any grids, machines, stacks)")
     ap.add_argument("--shipped", action="store_true", help="build the shipped profile of --arch from its sources")
     ap.add_argument("--arch", default="sm90")
     ap.add_argument("--out", default=None)
     ap.add_argument("--write-manifest", action="store_true", help="record the result files given as the shipped "
-                    "profile's sources (results/profile/MANIFEST.json), then build it")
-    args = ap.parse_args()
+                    "profile's sources (results/manifest.json), then build it")
+    args = ap.parse_args(argv)
     if args.write_manifest:
         if not args.results:
             ap.error("--write-manifest records the result files given: name them")

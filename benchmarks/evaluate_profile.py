@@ -9,7 +9,7 @@ prediction is made for the row's machine (its run's device name), as the platfor
     python3 benchmarks/evaluate_profile.py --protocols FILE... # the model-selection protocols over these files:
     python3 benchmarks/evaluate_profile.py --model host_scale=0.9 --summary FILE...
         # a profile rebuilt from the shipped sources with these CostModel settings; --summary: one line over all
-        # the files (mean, mean of each file's worst, worst, rows over 1.05), as the session-13 selection read them
+        # the files (mean, mean of each file's worst, worst, rows over 1.05): how a CostModel setting is compared
 
 --protocols: the files are pooled (every run of a call on a machine combined, as build_profile.py does), then
 - leave-one-out: each pooled entry predicted with every entry of its shape (on any machine) left out of the
@@ -34,7 +34,7 @@ from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Pr
 from build_profile import load_runs  # noqa: E402
 
 TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
-HOLDOUT = ("fresh_h100_rerun.json", "eval_h100_final.json", "eval_h200.json")
+HOLDOUT = ("fresh_h100_rerun.json.gz", "eval_h100_final.json.gz", "eval_h200.json.gz")
 
 
 def forced_times(all_times: dict[str, float], stock: bool) -> dict[str, float]:
@@ -150,7 +150,7 @@ def timed(path: str) -> None:
             found["default/pick forced"].append((t["default"] / forced[row["default_pick"]], row["label"]))
         if row.get("measured_pick") in forced:  # the measured policy's pick, timed as a forced module
             found["measured pick forced/fastest"].append((forced[row["measured_pick"]] / best, row["label"]))
-            if "measured" in t:  # far from 1: the measured column ran another engine (the session-4 harness)
+            if "measured" in t:  # far from 1: the measured column ran another engine than its recorded pick
                 found["measured/pick forced"].append((t["measured"] / forced[row["measured_pick"]], row["label"]))
         if "aa_ratio" in row:
             found["A/A twin/pick"].append((row["aa_ratio"], row["label"]))

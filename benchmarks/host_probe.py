@@ -1,10 +1,10 @@
 """A diagnostic of a benchmark run's host: microseconds per small op launched from Python (bench_user_step.py
 records it in each run's environment, to compare with the lease's host factor).
 
-A step's host time differs by lease: on the H100 leases that measured the blind grids, small calls ran at 0.76-1.6x
-the profile's prediction, and which engine wins a near-tie follows it. This probe (a one-element add from a Python
-loop, the least mean over a few short loops) was tried as the default policy's measure of it and did not follow the
-lease's factor over three leases (benchmarks/results/profile/README.md, session 15), so the policy does not use it.
+A step's host time differs by machine: on the H100 leases that measured the held-out grids, small calls ran at
+0.76-1.6x the profile's prediction, and which engine wins a near-tie follows it. This probe (a one-element add from
+a Python loop, the least mean over a few short loops) did not follow that factor over three leases, so the policy
+does not scale its predictions by it; the runs record it to compare with.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import functools
 import math
 import time
 
-CALLS = 16   # launches per loop (calibration a: 24; a per-launch mean either way)
+CALLS = 16   # launches per loop (a per-launch mean: 24 read the same)
 LOOPS = 3
 
 

@@ -1,14 +1,15 @@
-"""The least any fixed choice of engine per call can score on grids measured more than once (issue 12's targets).
+"""The least any fixed choice of engine per call can score on grids measured more than once.
 
 A policy that decides from the call alone (the shipped profile, Transformer Engine's order, any table) picks the
 same engine for a call whatever lease it runs on. Where a grid was measured on several runs (other leases, or
 later on the same one), this reads, for each call, the engine whose worst ratio over those runs is least:
 - vs fastest: max over the runs of time(engine) / time(fastest engine forced in that run);
 - vs SDPA: max over the runs of time(engine) / time(F.sdpa), where SDPA expresses the call.
-No fixed choice can score below that on those runs, so a row over issue 12's bound (1.05 worst; 1.03 vs SDPA)
-here is one no profile can bring under it as measured. Beside it, the shipped profile's pick on the same runs.
+No fixed choice can score below that on those runs, so a row over a target (say 1.05 of the fastest, 1.03 of
+SDPA) here is one no profile can bring under it as measured: the lease, not the model, decides that row. Beside
+it, the shipped profile's pick on the same runs.
 
-    python3 benchmarks/static_bound.py benchmarks/results/profile/blind*.json.gz
+    python3 benchmarks/static_bound.py benchmarks/results/held_out/*.json.gz
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/evaluate_profile.py's --model settings and --summary line (the offline selection session 13 used)."""
+"""benchmarks/evaluate_profile.py's --model settings and --summary line (how a cost-model setting is compared)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import evaluate_profile  # noqa: E402
 from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, Profile  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "profile"
+HELD_OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "held_out"
 
 
 def test_model_settings_parse_to_their_fields_types_and_refuse_unknown_keys():
@@ -29,7 +29,7 @@ def test_the_summary_reads_every_row_of_every_file():
     import json
 
     profile = Profile(json.loads((PROFILE_DIR / "sm90.json").read_text()))
-    paths = [str(RESULTS / "blind9_stock_h100_from0.json.gz"), str(RESULTS / "blind9_h100_from0.json.gz")]
+    paths = [str(HELD_OUT / "blind10_stock_h100_from0.json.gz"), str(HELD_OUT / "blind10_h100_from0.json.gz")]
     line = evaluate_profile.summary_line(profile, paths)
     assert line.startswith("96 rows in 2 files: mean ")
     mean = float(line.split("mean ")[1].split(",")[0])

@@ -12,14 +12,14 @@ import static_bound  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "profile"
+HELD_OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "held_out"
 H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.fixture(scope="module")
 def params() -> dict:
     """A real call's parameters (the profile predicts for them); the times below are made up per test."""
-    return read_results(RESULTS / "blind19_h100_from0.json.gz")["rows"][1]["params"]
+    return read_results(HELD_OUT / "blind19_h100_from0.json.gz")["rows"][1]["params"]
 
 
 def write_run(path: Path, rows: list[tuple[str, dict[str, float]]], params: dict, grid: str = "g",

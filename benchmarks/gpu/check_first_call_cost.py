@@ -1,12 +1,12 @@
-"""Issue 12: what a fresh process pays the first time it meets a shape, under each policy (`auto`, `checked`,
+"""What a fresh process pays the first time it meets a shape, under each policy (`auto`, `checked`,
 `measured`), with nothing compiled or tuned before: flash-attn-4's import and JIT compiles included.
 
-The blind runs time the checked and measured modules after other modules of the same process compiled every
+The held-out runs time the checked and measured modules after other modules of the same process compiled every
 engine's kernels, so their first-call costs there hold no compile. Here each policy runs in a process of its own
 (an empty tuning cache, no kernels compiled), as a user's script starts: a workload of calls, each new to the
 process; per call the module's first step (wall time to a synchronisation), the engine it chose and why, then its
 step (median of seven 5-step blocks, CUDA events) taken right after the compiles with the GPU just out of idle: a
-first look, not a warm steady loop as the blind runs time, so no ranking of engines. The workload is eval-blind25's
+first look, not a warm steady loop as the held-out runs time, so no ranking of engines. The workload is eval-blind25's
 training and inference calls of its first four families' first shapes and every window, packed, MLA and d256
 call's training step (drawn, not tuned on).
 

@@ -1,4 +1,4 @@
-"""FP8 on packed sequences (thd) and FP8 under context parallelism (a2a), on the GPU (issue 14, what remained).
+"""FP8 on packed sequences (thd) and FP8 under context parallelism (a2a), on the GPU.
 
 1. thd: benchmarks/gpu/probe_fp8.py's thd cases (attn-dispatch's FP8 engine with ragged offsets; forward accuracy
    per sequence against float32, and whether cuDNN builds the ragged FP8 backward graph).

@@ -1,14 +1,14 @@
-"""Issue 12 (session 19): is the profile's split GPU time optimistic for some engines under sustained load?
+"""Is the profile's split GPU time optimistic for some engines under sustained load (a power-capped GPU)?
 
 The profile's GPU rates come from bench_user_step.split_times: a block of calls queued behind a spin kernel
-(torch.cuda._sleep keeps the GPU busy but draws little power). Its own interleaved step times, and the blind grids',
+(torch.cuda._sleep keeps the GPU busy but draws little power). Its own interleaved step times, and the held-out grids',
 read cuDNN and FA2 10-13% over that GPU time on GPU-bound dense causal forwards and flash-attn-4 6% (training 7-8%
 against 3%). This times the same GPU-bound calls per provider forced four ways, with the SM clock and power logged
 by nvidia-smi beside them:
   - split: split_times' GPU time (the profile's measure);
   - idle_burst: a ~3 ms block of calls after 0.3 s with the GPU idle;
   - sustained: blocks timed back to back after 1 s of the provider's own calls (as a training loop keeps the GPU);
-  - interleaved: time_interleaved with the blind grids' settings (block timer, 40 ms warm, 48 reps).
+  - interleaved: time_interleaved with the held-out grids' settings (block timer, 40 ms warm, 48 reps).
 
     PYTHONPATH=. python3 benchmarks/gpu/check_sustained_gpu.py --out $OUT/sustained.json
 """
@@ -32,7 +32,7 @@ from attn_dispatch.benchmarking.cases import Case  # noqa: E402
 from attn_dispatch.policy.timing import time_interleaved  # noqa: E402
 
 PROVIDERS = ("cudnn_fused:frontend", "cudnn_fused:torch", "flash_attn_2:torch", "flash_attn_4:cute")
-# GPU-bound calls of the blind families (not calls of a blind grid not yet measured)
+# GPU-bound calls of the held-out families (none of them a call of a held-out grid not yet measured)
 CASES = (Case(b=1, s=3000, h=32, hkv=8, d=128, name="llm-a"), Case(b=16, s=1000, h=40, hkv=4, d=128, name="llm-b"),
          Case(b=2, s=4096, h=32, hkv=8, d=128, train=False, name="llm-c"),
          Case(b=32, s=512, h=16, d=64, mask="no_mask", name="enc"), Case(b=2, s=4096, h=16, hkv=8, d=256, name="d256"))

@@ -1,4 +1,4 @@
-"""What cuDNN's per-tensor FP8 SDPA graphs accept on this machine, how accurate they are, how fast (issue 14).
+"""What cuDNN's per-tensor FP8 SDPA graphs accept on this machine, how accurate they are, how fast.
 
 Run on the GPU machine with cudnn-frontend on the path (bundle a). For each configuration it builds the
 forward (and, for training rows, backward) FP8 graph straight through cudnn-frontend, runs it on random data

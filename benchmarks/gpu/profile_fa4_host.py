@@ -1,7 +1,8 @@
-"""Where flash-attn-4's host time per training step goes (issue 12: 0.47-0.79 ms with the replay, cuDNN's
-0.24-0.55): cProfile over a steady loop of user steps (forward, then backward into the leaves' .grad), beside
-cuDNN (torch) forced on the same call. The GPU is kept busy by a spin kernel ahead of each block, so launches never
-wait on it and the profile is the host's alone. Prints each column's top functions by own time; JSON under --out.
+"""Where flash-attn-4's host time per training step goes (0.47-0.79 ms with the replay on the H100, cuDNN's
+0.24-0.55: it decides close calls between the two): cProfile over a steady loop of user steps (forward, then
+backward into the leaves' .grad), beside cuDNN (torch) forced on the same call. The GPU is kept busy by a spin
+kernel ahead of each block, so launches never wait on it and the profile is the host's alone. Prints each
+column's top functions by own time; JSON under --out.
 
     python3 benchmarks/gpu/profile_fa4_host.py --out $OUT/fa4_host_profile.json
 """
