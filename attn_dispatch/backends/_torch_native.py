@@ -51,7 +51,7 @@ _CUDNN = getattr(torch, "_scaled_dot_product_cudnn_attention", None) or \
 # The FA2 op that _FLASH itself calls after transposing [b, h, s, d] back to [b, s, h, d] (its backward is the
 # same kernel's too): bshd goes in as it is, with no views in and one out. Private and reached through torch.ops
 # (no generated binding), yet on two H100 leases' hosts it cost 0.5-12 us less per forward and 42-175 us less per
-# training step than _FLASH with its views (benchmarks/results/profile/host_overhead_h100*.json); it is used only
+# training step than _FLASH with its views (benchmarks/results/hotpath/host_overhead_h100*.json); it is used only
 # where a one-time self-check on the device finds it equal to _FLASH, forward and backward (fa2_bshd_ok).
 _FA2_BSHD = getattr(getattr(torch.ops.aten, "_flash_attention_forward", None), "default", None)
 _FA2_BSHD_OK: dict[torch.device, bool] = {}  # device -> the self-check's verdict

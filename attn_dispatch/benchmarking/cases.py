@@ -199,7 +199,7 @@ def eval_fresh_cases() -> list[Case]:
 # start seed whose draw covers head dims 64/80/96/128/192/256, thd, sbhd and both kinds of window, chosen by that
 # coverage alone. Start seeds, in order: 20261127, 20261133, 20261134, 20261139, 20261140, 20261141, 20261145,
 # 20261154, 20261155, 20261156, 20261159, 20261160, 20261161 (the first two with the coverage), 20261164, 20261168,
-# then as noted below. What each grid checked: benchmarks/results/profile/README.md.
+# then as noted below. What each grid checked: benchmarks/results/README.md.
 BLIND_SEEDS = (20261124, 20261125, 20261126, 20261132, 20261133, 20261138, 20261139, 20261140, 20261144, 20261153,
                20261154, 20261155, 20261158, 20261159, 20261160, 20261161, 20261163, 20261167, 20261168,
                20261175,  # eval-blind20: the first from 20261169 with the coverage, after fit-dense

@@ -22,7 +22,7 @@ INDEX = {name: i for i, name in enumerate(SLOTS)}
 SELF_QUANTIZED = ("q", "k", "v", "do")  # current scaling takes these from the tensor's own amax
 # cuDNN's FP8 kernel quantizes the softmax's unnormalised block probabilities exp(s - running max) <= 1 with the S
 # scale, but reports the amax of the normalised probabilities (0.15 for a no_mask call where causal gives 1.0, seen
-# on the H100 with cuDNN 9.19; benchmarks/results/fp8/README.md). A scale taken from that amax saturates P: the S
+# on the H100 with cuDNN 9.19; benchmarks/results/README.md). A scale taken from that amax saturates P: the S
 # scale is fp8_max / 1, the bound of what is quantized (cudnn-frontend's own FP8 test fixes s_amax = 1.0 too).
 S_AMAX_BOUND = 1.0
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -97,8 +97,9 @@ def register(name: str = NAME, *, packed_positions: bool = True) -> str:
     packed_positions: a batch-1 call with no mask reads position_ids to find a flattening collator's packed row
     (transformers builds no mask for it while a KV cache is in use, and its SDPA path then attends across the
     sequences). Reading them is one device sync per forward: on the H100 it cost a 1B Llama's unpadded batch-1
-    training step 6% against "sdpa" (benchmarks/results/issue13_b1_h100.json). False skips it, for training that
-    never packs rows by position_ids alone (collators passing cu_seq_lens are found either way)."""
+    training step 6% against "sdpa" (benchmarks/results/transformers/llama_1b_b1_packed_positions_h100.json).
+    False skips it, for training that never packs rows by position_ids alone (collators passing cu_seq_lens are found
+    either way)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

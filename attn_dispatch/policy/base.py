@@ -19,7 +19,7 @@ class Choice:
 class Policy(Protocol):
     """A strategy selection consults: `eligible` lists the eligible provider ids in the preference order; `lengths`
     (a packed call's own, or None) is what a policy that times the call times it on (a small packed call's engines
-    rank by the tokens present; benchmarks/results/profile/README.md)."""
+    rank by the tokens present; benchmarks/results/README.md)."""
 
     name: str
 

@@ -13,7 +13,7 @@ those runs, scored 1.0052 / 1.0044 / 1.0023 on three groups of them (5 / 5 / 2 g
 profile's 1.0150 / 1.0098 / 1.0060, timing ~45% of those buckets (~3% on stock torch). Timed on two held-out grids
 drawn after it was written (two H100 leases): 1.0072 against the default's 1.0117 on the full stack, timing 45 of 96
 buckets, and 1.0011 against 0.9997 on stock torch, timing 1 of 96; the measured policy, timing every bucket, scored
-1.0022 there (benchmarks/results/profile/README.md). Unlike `auto`, it times at run time, so it is not
+1.0022 there (benchmarks/results/README.md). Unlike `auto`, it times at run time, so it is not
 the default.
 """
 from __future__ import annotations

@@ -55,9 +55,9 @@ PRUNE_RATIO = 2.0
 # shape is. On a small one the engines rank by the tokens present: a held-out grid's d64 s2048 b4 h12 padding_causal thd
 # forward (H100), timed on full-length sequences, had cuDNN (frontend) at 0.105 ms and FA2 at 0.143, where the
 # modules on the row's own batch ran 0.138 and 0.105 (the policy picked cuDNN at 2.2x FA2's time); random lengths
-# instead fixed that row and lost two others (benchmarks/results/profile/README.md).
+# instead fixed that row and lost two others (benchmarks/results/README.md).
 # On a GPU the unfused engine is not timed when a fused one is eligible: over 2329 calls timed on the H100 and H200
-# (benchmarks/results/profile) it never came within 4.1x of the best fused engine, and its probe alone cost up to 2
+# (benchmarks/results/README.md) it never came within 4.1x of the best fused engine, and its probe alone cost up to 2
 # minutes per bucket at long lengths (31 s a call at s28672 on a held-out grid). It stays the choice where nothing
 # else runs.
 UNFUSED_ON_GPU_REASON = ("not timed: on a GPU with a fused engine eligible, the unfused engine was 4.1x or more "
@@ -149,7 +149,7 @@ class MeasuredPolicy:
         """Look the bucket up; if it has no time for some candidate (or retune), time all candidates together, at
         this call's own shape: what the user's step costs. (Timing the bucket's largest shape instead misled on
         host-bound engines: a held-out grid's encoder d64 s384 b42 training, tuned at b64 where flash-attn-4's ~0.5 ms
-        host floor was hidden, picked it at 1.59x cuDNN's time at b42; benchmarks/results/profile/README.md.)"""
+        host floor was hidden, picked it at 1.59x cuDNN's time at b42; benchmarks/results/README.md.)"""
         bucket = self.scheme.key(params)
         with self._lock:
             cache = self.cache_for(platform)

@@ -26,7 +26,7 @@ from the nearest split entry's GPU rate (no host floor to subtract, so no neighb
 H the median host time of the host_k nearest split entries (one host's noise averaged out; flash-attn-4's training
 host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
 steady loop of one module costs a little more than the larger of the two where they are close.
-benchmarks/results/profile/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
+benchmarks/results/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
 """
@@ -52,7 +52,7 @@ _FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
 @dataclass(frozen=True)
 class CostModel:
     """The model's settings, chosen by leave-one-out and leave-one-grid-out over every measured run
-    (benchmarks/evaluate_profile.py --protocols; benchmarks/results/profile/README.md has the numbers)."""
+    (benchmarks/evaluate_profile.py --protocols; benchmarks/results/README.md has the numbers)."""
 
     # Distance per log2 unit (a doubling) of each size (_FEATURES order); and for a different memory format.
     weights: tuple[float, ...] = (4.0, 2.0, 0.5, 0.25, 1.0, 1.0, 2.0)
@@ -77,7 +77,7 @@ class CostModel:
     host_k: int = 25
     # The split lease's host was slower than the hosts that ran the block-timer blind grids: their host-bound steps
     # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over three held-out
-    # grids' 720 rows (benchmarks/results/profile/README.md).
+    # grids' 720 rows (benchmarks/results/README.md).
     host_scale: float = 0.8
     split_combine: float = 4.0
     # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
@@ -88,7 +88,7 @@ class CostModel:
     # the H100 and H200 (the profile's split fit, 25 two-sided training calls, window covers 0.05-1): its GPU rate
     # over the windowed work fell with the cover, 24-446 TFLOP/s, and over this work stayed at 270-500 with no
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
-    # (1.1-1.25x flash-attn-4's GPU time at every cover). benchmarks/results/profile/README.md.
+    # (1.1-1.25x flash-attn-4's GPU time at every cover). benchmarks/results/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
 
 

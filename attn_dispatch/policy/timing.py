@@ -344,7 +344,7 @@ def round_order(names: list[str], r: int) -> list[str]:
     What runs just before a call biases it on the GPU (the clock a heavy kernel leaves, a queue that hides host
     time): with the rotation used before, the pick's forced column never followed a call of its own engine in a
     blind row's 16 rounds while the default and its twin did in 8 and 12, and on calls over 3 ms both read 1-2%
-    above the forced pick in each of 11 runs (benchmarks/results/profile/README.md)."""
+    above the forced pick in each of 11 runs (benchmarks/results/README.md)."""
     n = len(names)
     if n < 2:
         return list(names)
