@@ -450,10 +450,13 @@ class DotProductAttention(torch.nn.Module):
         fmt, mask_type, window = self._resolve(args)
         _guard_ranks(fmt, q, k, v)
         seq = sequences.sequence_info(fmt, mask_type, q, k, args)
-        params = inputs.build_params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, args, self.training)
-        if fp8 is not None:
-            params = _fp8_params(params, fp8)
-        return params, seq
+        return self._params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, args, fp8), seq
+
+    def _params(self, spec: validation.ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq,
+                args: CallArgs, fp8: tuple | None):
+        """A plain call's AttentionParams, for the plan cache and explain() alike."""
+        params = inputs.build_params(spec, fmt, mask_type, window, q, k, v, seq, args, self.training)
+        return params if fp8 is None else _fp8_params(params, fp8)
 
     def _resolve(self, args: CallArgs) -> tuple[str, str, tuple[int, int]]:
         """(qkv_format, mask type, window) of a call: its own, or the module's."""
@@ -515,10 +518,7 @@ class DotProductAttention(torch.nn.Module):
                    fp8: tuple | None) -> inputs.Plan:
         """The slow path's plan for a call (the same description explain() answers), stored under key."""
         spec = self._spec_now()
-        params = inputs.build_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
-                                     self.training)
-        if fp8 is not None:
-            params = _fp8_params(params, fp8)
+        params = self._params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args, fp8)
         if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
             del entry.plans[next(iter(entry.plans))]
         plan = entry.plans[seq.plan_key()] = inputs.make_plan(spec, params, seq.lengths)
