@@ -38,6 +38,9 @@ class FP8ScalingState:
         fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
         self.dtypes = {name: fwd if name in FORWARD else bwd for name in SLOTS}
         self._fp8_max = torch.tensor([FP8_MAX[self.dtypes[n]] for n in SLOTS], dtype=torch.float32, device=device)
+        # column masks made once: a host list copied to the device at each update would wait for the GPU
+        self._s_column = torch.tensor([n == "s" for n in SLOTS], device=device)
+        self._self_quantized = torch.tensor([n in SELF_QUANTIZED for n in SLOTS], device=device)
         self.steps = 0  # forward calls recorded (informational; checkpointed)
 
     # --- the recipe a module is called under may change -------------------------------------------------
@@ -59,6 +62,7 @@ class FP8ScalingState:
         if self.scale.device != device:
             self.amax_history, self.scale = self.amax_history.to(device), self.scale.to(device)
             self._fp8_max = self._fp8_max.to(device)
+            self._s_column, self._self_quantized = self._s_column.to(device), self._self_quantized.to(device)
         return self
 
     # --- per call --------------------------------------------------------------------------------------
@@ -93,18 +97,16 @@ class FP8ScalingState:
             dist.all_reduce(row, op=dist.ReduceOp.MAX, group=group)
             history[0] = row
         amax = history.amax(0) if self.recipe.amax_compute_algo == "max" else history[0]
-        if "s" in names:
-            amax = amax.clone()
-            amax[INDEX["s"] - cols.start] = S_AMAX_BOUND
+        if "s" in names:  # a masked select, not an indexed store: storing a host scalar would sync
+            amax = torch.where(self._s_column[cols], S_AMAX_BOUND, amax)
         scale = self.scale[cols]
         new = _scale_from_amax(amax, self._fp8_max[cols] / 2 ** self.recipe.margin, scale)
         if self.recipe.kind == "current":  # the self-quantized tensors are scaled at each call, not here
-            keep = torch.tensor([n in SELF_QUANTIZED for n in SLOTS[cols]], device=scale.device)
-            new = torch.where(keep, scale, new)
+            new = torch.where(self._self_quantized[cols], scale, new)
         scale.copy_(new)
         if history.shape[0] > 1:
             history.copy_(torch.roll(history, -1, 0))
-        history[0] = 0.0
+        history[0].zero_()
         if names[0] == FORWARD[0]:
             self.steps += 1
 
