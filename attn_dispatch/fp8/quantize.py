@@ -10,7 +10,10 @@ import torch
 
 from .recipe import FP8_MAX
 
-_BLOCK = 4096
+# 16384 elements and 8 warps per program: 3.95 TB/s for q, k, v on the H200, 98% of a bf16 clone's rate, against
+# 3.53 TB/s with 4096 and 4 (benchmarks/results/fp8/profile_h200.json)
+_BLOCK = 16384
+_WARPS = 8
 
 try:  # Triton ships with torch's CUDA builds; the CPU build has none
     import triton
@@ -62,7 +65,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax_into
         track = amax_into is not None
         grid = (triton.cdiv(x.numel(), _BLOCK),)
         _quantize_kernel[grid](x, y, scale, amax_into if track else scale, x.numel(), FP8_MAX[dtype],
-                               BLOCK=_BLOCK, TRACK=track)
+                               BLOCK=_BLOCK, TRACK=track, num_warps=_WARPS)
         return y
     if amax_into is not None:
         torch.maximum(amax_into, amax(x), out=amax_into)
@@ -77,6 +80,7 @@ def dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> to
         x = x.contiguous()
     if _fused(x) and x.numel():
         y = torch.empty(x.shape, dtype=dtype, device=x.device)
-        _dequantize_kernel[(triton.cdiv(x.numel(), _BLOCK),)](x, y, descale, x.numel(), BLOCK=_BLOCK)
+        _dequantize_kernel[(triton.cdiv(x.numel(), _BLOCK),)](x, y, descale, x.numel(), BLOCK=_BLOCK,
+                                                                   num_warps=_WARPS)
         return y
     return (x.float() * descale).to(dtype)
