@@ -27,7 +27,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
 from . import call_args, inputs, question, selection, sequences, validation
-from .backends._cudnn_graph import CudnnGraphError
+from .backends.base import EngineRefused
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
 from .call_args import QKV_ONLY, CallArgs
@@ -300,7 +300,7 @@ class DotProductAttention(torch.nn.Module):
             aux = AttnAux(max_seqlen_q=hit.max_q, max_seqlen_kv=hit.max_kv, softmax_offset=self.softmax_offset)
         try:
             out, _, max_logit = plan.engine(query_layer, key_layer, value_layer, aux, plan.cfg, flatten_heads=merged)
-        except CudnnGraphError:
+        except EngineRefused:
             if not merged:
                 self._forget_plans()
                 return _MISS
@@ -411,7 +411,7 @@ class DotProductAttention(torch.nn.Module):
         checkpoint_core_attention = args.checkpoint_core_attention
         try:
             out, max_logit = self._run(plan, aux, q, k, v, checkpoint_core_attention)
-        except CudnnGraphError:
+        except EngineRefused:
             # cuDNN refused a graph the table let through: the engine recorded cuDNN's message (the table's
             # cudnn_rejected check now reports it) and cleared the decision cache, so selecting again moves on.
             self._forget_plans()
@@ -579,7 +579,7 @@ class DotProductAttention(torch.nn.Module):
                     aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
                 try:
                     out = plan.engine(q, k, v, aux, plan.cfg)[0]
-                except CudnnGraphError:  # recorded by the engine: selecting again moves on (see _dispatch)
+                except EngineRefused:  # recorded by the engine: selecting again moves on (see _dispatch)
                     if attempt:
                         raise
                     self._forget_plans()

@@ -15,6 +15,7 @@ ENGINE_CLASSES: dict[str, str] = {
     "cudnn_fused:fp8": "attn_dispatch.backends.cudnn_fused_fp8:CudnnFP8Engine",
     "flash_attn_2:package": "attn_dispatch.backends.flash_attn_2:FlashAttn2PackageEngine",
     "flash_attn_2:torch": "attn_dispatch.backends.flash_attn_2:TorchFlashEngine",
+    "flex_attention:flash_attn_4": "attn_dispatch.backends.flex_attention:FlexFlashEngine",
     "flex_attention:torch": "attn_dispatch.backends.flex_attention:FlexAttentionEngine",
     "mem_efficient:torch": "attn_dispatch.backends.mem_efficient:MemEfficientEngine",
     "unfused:pytorch": "attn_dispatch.backends.unfused:UnfusedEngine",

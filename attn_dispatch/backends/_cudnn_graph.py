@@ -14,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .base import EngineRefused
+
 PYTHON_ENGINE_NAMES = ("sdpa_fwd_prefill", "sdpa_bwd_sm", "sdpa_fwd_decode")
 EXECUTE_PATHS = ("raw", "ordered", "dict")
 
 
-class CudnnGraphError(RuntimeError):
+class CudnnGraphError(EngineRefused):
     """cuDNN (through cudnn-frontend) cannot build this attention graph. Carries cuDNN's own message."""
 
     def __init__(self, phase: str, stage: str, message: str, key: Any):

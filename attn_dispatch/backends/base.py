@@ -245,5 +245,10 @@ _unwrap = None
 _RAW_APPLY = _raw_apply() if PRIVATE_TORCH else None
 
 
+class EngineRefused(RuntimeError):
+    """The engine's own build step (a cuDNN graph, a FlexAttention compile) refused a call its table let through.
+    The engine records the refusal as a runtime fact before raising, so selecting again moves on to another."""
+
+
 class EngineUnavailableError(RuntimeError):
     """An engine's package failed to load at run time (the platform probe saw it, but the import broke)."""

@@ -18,8 +18,10 @@ import warnings
 
 import torch
 
+from ..constraints.flex_attention import flash_kind
+from ..runtime_facts import record_rejection
 from . import _flex_masks as masks
-from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
+from .base import AttnAux, AttnConfig, BwdResult, Engine, EngineRefused, FwdResult
 
 MASK_MOD, SCORE_MOD = masks.MASK_MOD, masks.SCORE_MOD
 
@@ -40,19 +42,21 @@ def _from_bhsd(out4: torch.Tensor, lse: torch.Tensor, fmt: str) -> tuple[torch.T
     return out4[0].transpose(0, 1), lse[0]
 
 
-def _call_flex(flex_attention, q4, k4, v4, score_mod, block_mask, scale, enable_gqa, aux_request):
+def _call_flex(flex_attention, q4, k4, v4, score_mod, block_mask, scale, enable_gqa, aux_request,
+               kernel_options=None):
     """(out, lse) of one flex call; what the engine compiles (a copy of this code per kind of call)."""
     if aux_request is None:  # torch < 2.9: no AuxRequest
         return flex_attention(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=enable_gqa, return_lse=True)
+                              enable_gqa=enable_gqa, return_lse=True, kernel_options=kernel_options)
     out, aux = flex_attention(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=enable_gqa, return_aux=aux_request)
+                              enable_gqa=enable_gqa, return_aux=aux_request, kernel_options=kernel_options)
     return out, aux.lse
 
 
 class FlexAttentionEngine(Engine):
     family = "flex_attention"
     provider = "torch"
+    KERNEL_OPTIONS: dict | None = None  # flex's kernel_options: None lets torch pick its Triton kernels
 
     def __init__(self) -> None:
         try:
@@ -90,14 +94,17 @@ class FlexAttentionEngine(Engine):
         kernel = self._kernel(q.device, kind)
         aux_request = self._lse_request
         if q.device.type == "cuda":
-            out4, lse = kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask,
-                               cfg.softmax_scale, h != k4.shape[1], aux_request)
+            out4, lse = self._launch(kernel, q4, k4, v4, call, cfg, aux_request, kind)
         else:
             with warnings.catch_warnings():  # eager on the CPU is the intended path, not a missed compile
                 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
                 out4, lse = kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask,
                                    cfg.softmax_scale, h != k4.shape[1], aux_request)
         return _from_bhsd(out4, lse, fmt)
+
+    def _launch(self, kernel, q4, k4, v4, call, cfg: AttnConfig, aux_request, kind: tuple):
+        return kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask, cfg.softmax_scale,
+                      q4.shape[1] != k4.shape[1], aux_request, self.KERNEL_OPTIONS)
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
         with torch.no_grad():
@@ -115,6 +122,34 @@ class FlexAttentionEngine(Engine):
             raise ValueError("flex_attention:torch supports softmax_type='vanilla' without return_max_logit")
         out, lse = self._run(q, k, v, aux, cfg)
         return (out.flatten(-2) if flatten_heads else out), lse.detach(), None
+
+
+class FlexFlashEngine(FlexAttentionEngine):
+    """flex_attention:flash_attn_4: the same call, lowered by torch.compile to flash-attn-4's CuTe kernels
+    (kernel_options BACKEND='FLASH'; torch >= 2.11 with flash-attn-4 installed). A kind of call the lowering
+    refuses at compile time is recorded (its table's compile_refused check) and raised as EngineRefused, so that
+    selection moves on to flex_attention:torch."""
+
+    provider = "flash_attn_4"
+    KERNEL_OPTIONS = {"BACKEND": "FLASH"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        import flash_attn.cute  # noqa: F401, PLC0415 - lazy: the package is optional; a failure is a load failure
+
+    def _launch(self, kernel, q4, k4, v4, call, cfg: AttnConfig, aux_request, kind: tuple):
+        try:
+            return super()._launch(kernel, q4, k4, v4, call, cfg, aux_request, kind)
+        except (ValueError, TypeError, torch.cuda.OutOfMemoryError):
+            raise  # the call's own inputs, or memory: not a refusal of this kind of call
+        except Exception as exc:  # noqa: BLE001 - dynamo/inductor wrap the lowering's refusals in several types
+            training = torch.is_grad_enabled() and any(x.requires_grad for x in (q4, k4, v4))
+            signature = flash_kind(kind[0], cfg.attn_mask_type, cfg.window_size, cfg.bias_type, bool(cfg.softcap),
+                                   kind[5], kind[6], training, (q4.shape[-1], v4.shape[-1]),
+                                   str(q4.dtype).removeprefix("torch."))
+            message = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            record_rejection(signature, message)
+            raise EngineRefused(f"FlexAttention's BACKEND='FLASH' refused this call: {message}") from None
 
 
 class _Call:

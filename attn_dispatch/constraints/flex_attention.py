@@ -172,7 +172,149 @@ def _new_structure_cost(p: AttentionParams, plat: Platform) -> str | None:
             "build every step")
 
 
-TABLES = [TABLE]
+# --------------------------------------------------------------------------------------------
+# Provider 'flash_attn_4': the same FlexAttention call lowered to flash-attn-4's CuTe kernels
+# --------------------------------------------------------------------------------------------
+FLASH_LOWERING = "torch/_inductor/kernel/flex/flex_flash_attention.py (torch 2.11-2.13)"
+MIN_TORCH_FLASH = "2.11"           # the first torch whose flex lowering attn-dispatch ran with BACKEND='FLASH'
+FLASH_HEAD_DIMS = (64, 96, 128)    # flash-attn-4's sm90 tiles (constraints/flash_attn_4_sm90.py) attn-dispatch runs
+FLASH_MEASURED = "benchmarks/results/masks/flex_flash_h200.json"
+
+FLASH_TABLE = Table("flex_attention", "flash_attn_4",
+                    "FlexAttention lowered to flash-attn-4's CuTe kernels (flex_attention kernel_options "
+                    "BACKEND='FLASH'): the mask as flash-attn-4's block sparsity and mask_mod, on Hopper/Blackwell")
+F = FLASH_TABLE
+
+
+def flash_kind(thd: bool, mask_type: str, window: tuple, bias_type: str, softcap: bool, mask_mod: bool,
+               score_mod: bool, training: bool, head_dims: tuple[int, int], dtype: str) -> tuple:
+    """What a FLASH compile depends on: the key a refused compile is recorded under, by the engine and this table."""
+    return ("flex_flash", thd, mask_type, tuple(window), bias_type, softcap, mask_mod, score_mod, training,
+            tuple(head_dims), dtype)
+
+
+def flash_kind_of(p: AttentionParams) -> tuple:
+    return flash_kind(p.qkv_format == "thd", p.attn_mask_type, p.window_size or (-1, -1), p.bias_type,
+                      bool(p.softcap), p.mask_mod, p.score_mod, p.is_training, (p.head_dim_qk, p.head_dim_v),
+                      p.dtype)
+
+
+def _flash_torch(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if plat.torch < parse_version(MIN_TORCH_FLASH):
+        return fail(f"torch {plat.torch_version}: attn-dispatch runs FlexAttention's BACKEND='FLASH' from torch "
+                    f"{MIN_TORCH_FLASH} (the lowering to flash-attn-4 it was measured with)",
+                    f"pip install -U 'torch>={MIN_TORCH_FLASH}'")
+    return None
+
+
+def _flash_package(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if not plat.package("flash-attn-4").installed:
+        return fail("flash-attn-4 is not installed: FlexAttention's BACKEND='FLASH' lowers to its CuTe kernels "
+                    "(flash_attn.cute)", "pip install flash-attn-4")
+    return None
+
+
+def _flash_device(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.device_type != "cuda" or plat.device_type != "cuda":
+        return fail("flash-attn-4's kernels run on CUDA only", "use flex_attention:torch (the CPU, inference)")
+    if plat.sm not in (90, 100, 103):
+        return fail(f"this GPU ({plat.device_name}) is sm{plat.sm}: flash-attn-4's CuTe kernels target sm90 "
+                    "(Hopper) and sm100 (Blackwell)", "flex_attention:torch runs the same call (Triton, sm80+)")
+    return None
+
+
+def _flash_head_dims(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in FLASH_HEAD_DIMS:
+        return fail(f"head_dim_qk={p.head_dim_qk}, head_dim_v={p.head_dim_v}: attn-dispatch runs FlexAttention's "
+                    f"FLASH lowering with equal head dims in {FLASH_HEAD_DIMS} (flash-attn-4's sm90 tiles; others "
+                    "not run)", "flex_attention:torch takes head dims 16-256")
+    return None
+
+
+def _flash_score_mod_grad(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if not p.is_training:
+        return None
+    given = [what for what, present in (("a bias", p.has_bias_tensor), ("ALiBi", p.bias_type == "alibi"),
+                                         ("softcap", bool(p.softcap)), ("a user score_mod", p.score_mod)) if present]
+    if given:
+        return fail(f"training with {', '.join(given)} (a score_mod): FlexAttention's FLASH backward has none "
+                    "(the lowering accepts only the identity score graph there)",
+                    "flex_attention:torch (Triton) differentiates score_mods")
+    return None
+
+
+def _flash_determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if deterministic_backward(p, env) and plat.sm < 100:
+        return fail(f"{why_deterministic(p)} demands a deterministic backward; FlexAttention's FLASH backward with "
+                    f"a block mask has one on sm100+ only (this GPU: sm{plat.sm})",
+                    "flex_attention:torch (Triton) has a deterministic backward without a learnable bias")
+    return None
+
+
+def _flash_refused(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    message = plat.facts.rejections.get(flash_kind_of(p)) if plat.facts.rejections else None
+    if message:
+        return fail(f"torch.compile refused this kind of call with BACKEND='FLASH' in this process: {message}",
+                    "flex_attention:torch runs it")
+    return None
+
+
+F.add(
+    check(F, "torch_version", f"torch >= {MIN_TORCH_FLASH} (flex_attention kernel_options BACKEND='FLASH')",
+          "package", FLASH_LOWERING + " _use_flex_flash_attention; run on torch 2.11.0+cu130: " + FLASH_MEASURED,
+          _flash_torch),
+    common.loads(F),
+    check(F, "package", "flash-attn-4 installed (flash_attn.cute)", "package",
+          FLASH_LOWERING + " ensure_flash_available: 'CUTE flash attention library is not available'",
+          _flash_package),
+    check(F, "device", "CUDA sm90 or sm100", "platform", "flash-attn-4's README (Hopper and Blackwell)",
+          _flash_device),
+    common.dtypes(F, ("float16", "bfloat16"), source="flash-attn-4's CuTe kernels take fp16/bf16"),
+    common.no_fp8(F, source="FlexAttention's FLASH lowering takes the inputs' fp16/bf16"),
+    check(F, "head_dim", f"head_dim_qk == head_dim_v in {FLASH_HEAD_DIMS}", "head_dim",
+          "attn_dispatch.constraints.flash_attn_4_sm90 (flash-attn-4's sm90 tile choices by head dim)",
+          _flash_head_dims),
+    common.formats(F, ("bshd", "sbhd", "thd"),
+                   source="attn_dispatch.backends.flex_attention (as flex_attention:torch)"),
+    common.masks(F, ("no_mask", "padding", "causal", "causal_bottom_right", "padding_causal",
+                     "padding_causal_bottom_right", "arbitrary"),
+                 source="attn_dispatch.backends.flex_attention (as flex_attention:torch): a BlockMask with full "
+                        "blocks, which the FLASH lowering requires"),
+    common.bias_types(F, ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi"),
+                      source="attn_dispatch.backends.flex_attention score_mod (inference; see score_mod_grad)"),
+    check(F, "score_mod_grad", "training: no score_mod (bias, ALiBi, softcap, a user's)", "bias",
+          FLASH_LOWERING + " is_trivial_score_graph ('Backwards currently doesn't support score_mods'); "
+          "_can_use_flex_flash_attention ('Input buffers require gradients (not supported by flash attention)')",
+          _flash_score_mod_grad),
+    common.no_dropout(F, source=FLEX_API + " flex_attention has no dropout argument"),
+    check(F, "softmax_type", "softmax_type vanilla (no sink)", "softmax", FLEX_API + " (no sink term)",
+          lambda p, plat, env: None if p.softmax_type == "vanilla" else fail(
+              f"softmax_type={p.softmax_type!r}: FlexAttention's softmax has no sink term",
+              "use flash_attn_4:cute or cudnn_fused (sinks)")),
+    check(F, "softcap", "softcap in inference (a score_mod)", "softmax",
+          "attn_dispatch.backends.flex_attention score_mod", lambda p, plat, env: None),
+    common.no_return_max_logit(F, source="attn-dispatch does not read FlexAttention's max_scores"),
+    check(F, "deterministic", "a deterministic backward: sm100+", "determinism",
+          FLASH_LOWERING + " ('Deterministic backward for flex_attention with block_mask and BACKEND=FLASH requires "
+          "SM100+')", _flash_determinism),
+    check(F, "user_mods", "a user's mask_mod; a user's score_mod in inference", "mask",
+          FLEX_API + " flex_attention(score_mod=, block_mask=)", _user_mods),
+    common.kv_cache(F, contiguous=False, paged=False, source="attn-dispatch scope",
+                    why_not="attn-dispatch's KV-cache path does not call FlexAttention"),
+    check(F, "cp_comm_type", "no context parallelism, nor its per-block calls (cp_block)", "context_parallel",
+          "as flex_attention:torch: its backward runs through autograd",
+          lambda p, plat, env: None if p.cp_size <= 1 and not p.cp_block else fail(
+              "context parallelism is not supported by flex_attention:flash_attn_4: its backward runs through "
+              "autograd and cannot take a merged out/lse", "run the masked call without context parallelism")),
+    check(F, "compile_refused", "torch.compile accepted this kind of call with BACKEND='FLASH'", "platform",
+          "observed at run time (the engine records a refused compile)", _flash_refused),
+)
+
+F.note(_new_structure_cost)
+
+# flash-attn-4's lowering first: on the H200 it ran a prefix-LM bool mask (S=8k) 1.69x faster than flex's Triton
+# kernels forward and 1.71x forward+backward, and a document mask (S=16k) within 1.1x either way (FLASH_MEASURED)
+TABLES = [FLASH_TABLE, TABLE]
 
 
 def refuse_user_mods(table: Table) -> Check:

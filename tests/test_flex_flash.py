@@ -1,0 +1,122 @@
+"""flex_attention:flash_attn_4 (FlexAttention lowered to flash-attn-4 with BACKEND='FLASH'): its table on described
+machines, and a compile the lowering refuses becoming a recorded fact that moves selection on."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attn_dispatch import runtime_facts, selection
+from attn_dispatch.backends.base import AttnConfig, EngineRefused
+from attn_dispatch.backends.flex_attention import FlexAttentionEngine, FlexFlashEngine
+from attn_dispatch.constraints.flex_attention import flash_kind_of
+from attn_dispatch.params import AttentionParams
+from attn_dispatch.platform import PROFILES
+
+FLASH = "flex_attention:flash_attn_4"
+H100 = PROFILES["h100-cudnn9"]
+
+
+def _verdict(params, platform=H100):
+    decision = selection.explain(params, platform, use_cache=False)
+    verdict = next(v for v in decision.verdicts if v.backend == "flex_attention" and v.provider == "flash_attn_4")
+    return decision, [r.code for r in verdict.reasons]
+
+
+def test_an_arbitrary_mask_in_training_runs_on_flash_attn_4_first():
+    decision, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", max_seqlen_q=4096))
+    assert codes == [] and decision.chosen == FLASH
+
+
+@pytest.mark.parametrize("change, platform, code", [
+    (dict(), PROFILES["a100-cudnn9"], "flex_attention.device"),
+    (dict(), H100.with_packages(flash_attn_4=None), "flex_attention.package"),
+    (dict(device_type="cpu", is_training=False), PROFILES["cpu"], "flex_attention.device"),
+    (dict(head_dim_qk=256), H100, "flex_attention.head_dim"),
+    (dict(head_dim_qk=128, head_dim_v=64), H100, "flex_attention.head_dim"),
+    (dict(dtype="float32"), H100, "flex_attention.dtype"),
+    (dict(softcap=30.0), H100, "flex_attention.score_mod_grad"),
+    (dict(bias_type="post_scale_bias", bias_shape="1hss"), H100, "flex_attention.score_mod_grad"),
+    (dict(score_mod=True), H100, "flex_attention.score_mod_grad"),
+    (dict(deterministic=True), H100, "flex_attention.deterministic"),
+    (dict(dropout=0.1), H100, "flex_attention.dropout"),
+])
+def test_refusals_name_their_check(change, platform, code):
+    decision, codes = _verdict(AttentionParams(**{"attn_mask_type": "arbitrary", "max_seqlen_q": 2048, **change}),
+                               platform)
+    assert code in codes
+    assert decision.chosen != FLASH
+
+
+def test_score_mods_run_in_inference():
+    for change in (dict(softcap=30.0), dict(bias_type="alibi", alibi_slopes_shape="h"), dict(score_mod=True)):
+        _, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", is_training=False, **change))
+        assert codes == [], change
+
+
+def test_deterministic_training_is_accepted_on_blackwell():
+    _, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", deterministic=True), PROFILES["b200-cudnn9"])
+    assert "flex_attention.deterministic" not in codes
+
+
+@pytest.fixture
+def flash_engine():
+    engine = object.__new__(FlexFlashEngine)  # flash_attn.cute is not installed on the CPU runner
+    FlexAttentionEngine.__init__(engine)
+    return engine
+
+
+class _Call:
+    score_mod = block_mask = None
+
+
+def test_a_refused_compile_is_recorded_and_selection_moves_on(flash_engine, monkeypatch):
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
+
+    def refusing_kernel(*args):
+        raise NotImplementedError("Flash attention with block mask but without full blocks is not supported yet")
+
+    q = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16, requires_grad=True)
+    cfg = AttnConfig(attn_mask_type="arbitrary")
+    kind = (False, "arbitrary", (-1, -1), "no_bias", False, False, False)
+    with pytest.raises(EngineRefused, match="BACKEND='FLASH' refused"):
+        flash_engine._launch(refusing_kernel, q, q, q, _Call(), cfg, None, kind)
+    params = AttentionParams(attn_mask_type="arbitrary", batch_size=2, num_heads=4, max_seqlen_q=64)
+    assert runtime_facts.current().rejections.get(flash_kind_of(params), "").startswith("NotImplementedError")
+    live = dataclasses.replace(H100, facts=runtime_facts.current())  # a described H100 that saw the refusal
+    decision, codes = _verdict(params, live)
+    assert codes == ["flex_attention.compile_refused"]
+    assert decision.chosen == "flex_attention:torch"
+    # another kind of call (inference) is not refused by it
+    _, other = _verdict(params.replace(is_training=False), live)
+    assert other == []
+
+
+def test_the_call_s_own_errors_are_not_recorded_as_refusals(flash_engine, monkeypatch):
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
+
+    def bad_input(*args):
+        raise ValueError("attention_mask has dtype torch.float32; it must be torch.bool")
+
+    q = torch.randn(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="must be torch.bool"):
+        flash_engine._launch(bad_input, q, q, q, _Call(), AttnConfig(attn_mask_type="arbitrary"), None,
+                             (False, "arbitrary", (-1, -1), "no_bias", False, False, False))
+    assert not runtime_facts.current().rejections
+
+
+def test_the_kernel_is_asked_for_flash_attn_4(flash_engine):
+    seen = {}
+
+    def kernel(*args):
+        seen["options"] = args[-1]
+        return "out", "lse"
+
+    q = torch.randn(1, 2, 16, 64)
+    flash_engine._launch(kernel, q, q, q, _Call(), AttnConfig(), None, (False,) + ("no_mask", (-1, -1), "no_bias",
+                                                                                    False, False, False))
+    assert seen["options"] == {"BACKEND": "FLASH"}
+    plain = FlexAttentionEngine()
+    plain._launch(kernel, q, q, q, _Call(), AttnConfig(), None, ())
+    assert seen["options"] is None
