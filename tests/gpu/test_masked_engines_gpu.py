@@ -1,4 +1,5 @@
-"""flex_attention:torch (compiled FlexAttention) and mem_efficient:torch on the GPU, bf16, against a float32 dense
+"""flex_attention:torch (compiled FlexAttention), flex_attention:flash_attn_4 (its FLASH lowering, bool masks) and
+mem_efficient:torch on the GPU, bf16, against a float32 dense
 reference on fresh random inputs: outputs, LSE, and gradients to q, k, v and a bias that requires grad; masks as bool
 tensors (documents, prefix-LM, block-sparse, rows without keys), padding and packed sequences, windows, ALiBi,
 softcap, GQA; the module routed to each engine for an 'arbitrary' mask; a user's mask_mod/score_mod."""
@@ -91,9 +92,14 @@ def _cfg(mask_type="arbitrary", d=128, **kw):
 
 
 ENGINES = ["flex_attention:torch", "mem_efficient:torch"]
+try:  # flex's FLASH lowering needs flash-attn-4 (the full stack)
+    import flash_attn.cute  # noqa: F401
+    WITH_FLASH = ENGINES + ["flex_attention:flash_attn_4"]
+except ImportError:
+    WITH_FLASH = ENGINES
 
 
-@pytest.mark.parametrize("engine_id", ENGINES)
+@pytest.mark.parametrize("engine_id", WITH_FLASH)
 @pytest.mark.parametrize("kind", ["documents", "prefix_lm", "block_sparse", "rows_without_keys"])
 def test_bool_masks(engine_id, kind):
     b, s, h, hk, d = 1, 1000, 8, 2, 128
