@@ -1,12 +1,15 @@
 """The shipped profile's picks stay what they were: every call of every committed grid, on a described H100 and
-H200 with the full stack and with stock torch, gets the engine recorded in tests/data (made at commit 9f4e03f
-with the same function as below; regenerate only for a deliberate change of the profile or the tables, and say
-why in the commit)."""
+H200 with the full stack and with stock torch, gets the engine recorded in tests/data (first made at commit
+9f4e03f). Regenerate it only for a deliberate change of the profile or the tables, with
+`python tests/test_shipped_picks.py --write`, which prints how many picks moved and in which grids: say that, and
+why, in the commit."""
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -15,7 +18,7 @@ from attn_dispatch.benchmarking.cases import CASE_GRIDS
 from attn_dispatch.params import AttentionParams, normalize_window
 from attn_dispatch.platform import Platform
 
-RECORDED = pathlib.Path(__file__).parent / "data" / "shipped_picks_9f4e03f.json.gz"
+RECORDED = pathlib.Path(__file__).parent / "data" / "shipped_picks.json.gz"
 
 
 def params_of(case) -> AttentionParams:
@@ -75,3 +78,28 @@ def test_the_shipped_profile_picks_what_it_picked(recorded, grid):
     now = picks(grid)
     changed = [(then, row) for then, row in zip(recorded["grids"][grid], now) if then != row]
     assert len(now) == len(recorded["grids"][grid]) and not changed, changed[:5]
+
+
+def write() -> int:
+    """Records every grid's picks anew; prints each pick that moved."""
+    with gzip.open(RECORDED, "rt") as f:
+        before = json.load(f)["grids"]
+    grids = {grid: picks(grid) for grid in sorted(set(CASE_GRIDS) - {"smoke"})}
+    moved = 0
+    for grid, rows in grids.items():
+        for then, now in zip(before.get(grid, []), rows):
+            if then != now:
+                moved += sum(a != b for a, b in zip(then[1:], now[1:]))
+                print(f"{grid}: {now[0]}: {then[1:]} -> {now[1:]}")
+    new = sorted(set(grids) - set(before))
+    print(f"{moved} picks moved; new grids: {', '.join(new) or 'none'}")
+    with gzip.GzipFile(RECORDED, "wb", mtime=0) as f:
+        f.write(json.dumps({"platforms": list(platforms()), "grids": grids}).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Record the shipped profile's picks (tests/data).")
+    ap.add_argument("--write", action="store_true", required=True)
+    ap.parse_args()
+    sys.exit(write())

@@ -4,6 +4,7 @@ bench_user_step.py times both on the GPU machines)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+import math
 from functools import lru_cache
 
 
@@ -21,11 +22,20 @@ class Case:
     fmt: str = "bshd"
     train: bool = True
     name: str = ""
+    # thd: each packed sequence's tokens (queries = keys), b of them, the longest s; empty: the harness draws them
+    # (bench_user_step.make_tensors: uniform in [s/2, s], the first s)
+    seqlens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field_, default in (("hkv", self.h), ("dv", self.d), ("skv", self.s)):
             if getattr(self, field_) == 0:
                 object.__setattr__(self, field_, default)
+        if self.seqlens:
+            object.__setattr__(self, "seqlens", tuple(self.seqlens))  # a list read back from JSON
+            if self.fmt != "thd" or len(self.seqlens) != self.b or max(self.seqlens) != self.s \
+                    or min(self.seqlens) < 1:
+                raise ValueError(f"seqlens={self.seqlens} need fmt='thd' (got {self.fmt!r}), b={len(self.seqlens)} "
+                                 f"sequences (got b={self.b}) of 1 to s={self.s} tokens, the longest s")
 
     @property
     def label(self) -> str:
@@ -34,6 +44,9 @@ class Case:
         seq = f"s{self.s}" + (f"x{self.skv}" if self.skv != self.s else "")
         extra = [self.mask] + ([f"w{self.window[0]},{self.window[1]}"] if self.window else [])
         extra += [self.fmt] if self.fmt != "bshd" else []
+        if self.seqlens:
+            low = min(self.seqlens)
+            extra.append("uniform" if low == self.s else f"lens{low}-{self.s}")
         extra.append("fwd+bwd" if self.train else "fwd")
         return " ".join(([self.name] if self.name else []) + [dims, seq, f"b{self.b}", heads] + extra)
 
@@ -229,7 +242,7 @@ _DENSE_FROM = 19
 
 
 def _case_key(c: Case) -> tuple:
-    return (c.b, c.s, c.skv, c.h, c.hkv, c.d, c.dv, c.mask, c.window, c.fmt)
+    return (c.b, c.s, c.skv, c.h, c.hkv, c.d, c.dv, c.mask, c.window, c.fmt, c.seqlens)
 
 
 def _draw(seed: int, counts: tuple[tuple[str, int], ...], seen: set[tuple], legacy: bool = False) -> list[Case]:
@@ -382,6 +395,67 @@ def fit_thd_cases() -> list[Case]:
 REFRESH_GRIDS = frozenset({"fit-thd"})
 
 
+# eval-blind-packed: a held-out grid of packed (thd) calls whose sequence lengths are drawn and fixed in the grid
+# (ragged: log-uniform from 32 tokens to the longest; one long document among short ones; uniform; the harness's own
+# [s/2, s] spread), to check predictions of packed calls from their lengths' distribution. Drawn and committed
+# before any of it was measured; the seed is the first from 20261201 whose draw covers what _packed_coverage asks
+# (two long ragged causal packs among them: the kind of call the profile missed).
+PACKED_SEEDS = (20261202,)
+
+
+def _draw_packed(seed: int, count: int) -> list[Case]:
+    """count packed shapes: head dims 64-256 (192 with v 128), GQA, padding and padding_causal, causal and
+    two-sided windows; each pack filled as a data loader fills one, sequences added until a token budget (8k, 16k or
+    32k) is reached (at most 32), their lengths drawn by a pattern (ragged, one long among short ones, uniform, or
+    the harness's own [s/2, s])."""
+    import random
+
+    rng = random.Random(seed)
+    pick = rng.choice
+
+    def log_uniform(lo: int, hi: int) -> int:
+        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+    draws = {"ragged": lambda s: log_uniform(32, s), "one-long": lambda s: log_uniform(32, max(33, s // 8)),
+             "uniform": lambda s: s, "near": lambda s: rng.randint(s // 2, s)}
+    shapes = []
+    for i in range(count):
+        d = pick((64, 96, 128, 128, 192, 256))
+        h = pick((8, 12, 16, 32))
+        hkv = pick([g for g in (1, 2, 4, 8, h) if h % g == 0])
+        s = pick((1000, 2048, 3000, 4096, 6000, 8192))
+        budget = max(pick((8192, 16384, 32768)), 2 * s)
+        pattern = pick(("ragged", "ragged", "one-long", "uniform", "near"))
+        lens = [s]
+        while len(lens) < 32 and sum(lens) < budget:
+            lens.append(min(draws[pattern](s), budget - sum(lens)))
+        rng.shuffle(lens)
+        kind = pick(("causal", "causal", "causal", "plain", "causal-window", "two-sided"))
+        mask = "padding_causal" if kind.startswith("causal") else "padding"
+        window = None
+        if kind in ("causal-window", "two-sided"):
+            w = pick([x for x in (128, 512, 1024, 2048) if x < s])
+            window = (w, 0) if kind == "causal-window" else (w, w)
+        shapes.append(Case(b=len(lens), s=s, h=h, hkv=hkv, d=d, dv=128 if d == 192 else 0, mask=mask, window=window,
+                           fmt="thd", seqlens=tuple(lens), name=f"pk{i}-{pattern}"))
+    return shapes
+
+
+def _packed_coverage(shapes: list[Case]) -> bool:
+    patterns = [c.name.split("-", 1)[1] for c in shapes]
+    long_ragged = sum(p in ("ragged", "one-long") and c.s >= 4096 and c.mask == "padding_causal"
+                      for p, c in zip(patterns, shapes))
+    return ({64, 256} <= {c.d for c in shapes} and {"ragged", "one-long", "uniform", "near"} <= set(patterns)
+            and {c.window[1] == 0 for c in shapes if c.window} == {True, False}
+            and any(c.hkv != c.h for c in shapes) and {c.mask for c in shapes} == {"padding", "padding_causal"}
+            and long_ragged >= 2)
+
+
+def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
+    """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
+    return _both(_draw_packed(seed, 12))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -392,4 +466,5 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "eval-blind": eval_blind_cases,
               **{f"eval-blind{i + 1}": (lambda s=seed: eval_blind_cases(s)) for i, seed in enumerate(BLIND_SEEDS) if i},
               "fit-thd": fit_thd_cases,
-              **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases}
+              **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
+              "eval-blind-packed": eval_packed_cases}
