@@ -158,6 +158,30 @@ def reduce_scatter_seq(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
     return out
 
 
+class AllToAll:
+    """One all-to-all in flight (async_op=True): dim 0 of `send` is split into one slice per rank. NCCL runs it on
+    its own stream after the current stream's work so far; wait() makes the current stream wait for it. The send and
+    receive buffers stay referenced here until wait(), so the caching allocator cannot hand their memory to the
+    compute stream while the transfer may still read or write it (no record_stream needed). `label` names the
+    transfer in profiles."""
+
+    def __init__(self, send: torch.Tensor, info: GroupInfo, label: str):
+        if not send.is_contiguous():
+            raise RuntimeError(f"internal error: all-to-all buffer {label} of shape {tuple(send.shape)} is not "
+                               "contiguous")
+        self.label = label
+        self.send = send
+        self.recv = torch.empty_like(send)
+        with torch.profiler.record_function(f"cp_a2a_start:{label}"):
+            self.work = dist.all_to_all_single(self.recv, send, group=info.group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        with torch.profiler.record_function(f"cp_a2a_wait:{self.label}"):
+            self.work.wait()
+        self.send = self.work = None
+        return self.recv
+
+
 def all_to_all_dim0(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
     """x is [P, ...]: slice p goes to rank p; returns [P, ...] with slice p from rank p."""
     x = x.contiguous()

@@ -1,4 +1,5 @@
-"""'a2a' (DeepSpeed Ulysses) and 'a2a+p2p' (Ulysses inside a group, ring across groups).
+"""The one-shot Ulysses exchange (HeadSplit), used by FP8 'a2a' and by 'a2a+p2p' (Ulysses inside a group, ring
+across groups). Plain 'a2a' pipelines it over head groups instead (head_groups.py).
 
 All-to-all turns [local sequence, all heads] into [whole sequence, heads / P] on each rank; attention then
 runs on whole sequences for a slice of the heads, and a second all-to-all turns the output back. Needs
@@ -11,14 +12,11 @@ holds "super-chunks" g and 2R-1-g (R = p2p size), which is the load-balanced lay
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
-from ..backends.base import AttnAux, AttnConfig, Engine
 from ._comm import GroupInfo, all_to_all_dim0
 from ._layout import HEAD_DIM, SEQ_DIM
-from .merge import BlockState, acc_dtype, add_sink, sink_grad
 from .p2p import P2PAttention
 from .sharding import RankOrder
 
@@ -57,34 +55,6 @@ class HeadSplit:
         n = dsink_slice.numel()
         full[self.info.rank * n:(self.info.rank + 1) * n] = dsink_slice
         return full
-
-
-class A2AAttention:
-    """cp_comm_type='a2a': the engine sees whole sequences (natural order) and heads / P."""
-
-    def __init__(self, engine: Engine, cfg: AttnConfig, aux: AttnAux, split: HeadSplit):
-        self.engine, self.split, self.fmt = engine, split, split.fmt
-        self.cfg = dataclasses.replace(cfg, softmax_type="vanilla", return_max_logit=False)
-        self.aux = aux
-
-    def forward(self, q, k, v, sink):
-        qh, kh, vh = (self.split.to_heads(t) for t in (q, k, v))
-        res = self.engine.forward(qh, kh, vh, self.aux, self.cfg)
-        out_h, lse = res.out, res.lse.to(acc_dtype(q))
-        sink_h = self.split.head_slice(sink)
-        if sink_h is not None:
-            out_h, lse = add_sink(out_h.to(acc_dtype(q)), lse, sink_h, self.fmt)
-            out_h = out_h.to(q.dtype)
-        return self.split.to_seq(out_h), (qh, kh, vh, out_h, lse), BlockState(res.state, res.out)
-
-    def backward(self, dout, saved, state, sink):
-        qh, kh, vh, out_h, lse = saved
-        dout_h = self.split.to_heads(dout.contiguous())
-        g = self.engine.backward(dout_h, qh, kh, vh, out_h, lse, state.state, self.aux, self.cfg)
-        sink_h = self.split.head_slice(sink)
-        dsink = sink_grad(dout_h, out_h, lse, sink_h, self.fmt) if sink_h is not None else None
-        dsink = self.split.full_heads(dsink, sink.numel()) if sink is not None else None
-        return self.split.to_seq(g.dq), self.split.to_seq(g.dk), self.split.to_seq(g.dv), dsink
 
 
 class A2AP2PAttention:

@@ -16,9 +16,10 @@ import torch
 from ..backends.base import AttnAux, AttnConfig, Engine
 from ._comm import GroupInfo, agree, checks_enabled, group_info
 from ._layout import HEAD_DIM, NDIM, SEQ_DIM
-from .a2a import A2AAttention, A2AP2PAttention, HeadSplit
+from .a2a import A2AP2PAttention, HeadSplit
 from .all_gather import AllGatherAttention
 from .fp8_a2a import FP8A2AAttention
+from .head_groups import A2AAttention, SeqOrder, resolve_head_groups
 from .merge import sink_logits
 from .p2p import P2PAttention, RingPlan
 from .sharding import RankOrder, local_cu_seqlens
@@ -36,7 +37,7 @@ _MASKS = ("no_mask", "causal", "padding", "padding_causal")
 
 def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
               cfg: AttnConfig, *, cp_group, cp_global_ranks=None, cp_stream=None,
-              cp_comm_type: str = "p2p") -> torch.Tensor:
+              cp_comm_type: str = "p2p", cp_a2a_head_groups: int | None = None) -> torch.Tensor:
     """This rank's attention output (cfg.qkv_format, heads not flattened) for its shard of the sequence.
 
     engine: the Engine every per-block call runs on, or None: each block's engine is then chosen by
@@ -48,6 +49,11 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
     cu_seqlens / cp_size tokens of each. Differentiable w.r.t. q, k, v and aux.softmax_offset; the sink's
     gradient on each rank covers that rank's rows (or heads, for a2a): summing over the cp group gives the
     full gradient, as for any weight whose gradients the data-parallel reduction sums.
+
+    cp_a2a_head_groups (cp_comm_type='a2a' only): split each rank's heads into this many groups and overlap one
+    group's all-to-alls with another's attention (head_groups.py). None: the environment variable
+    ATTN_DISPATCH_CP_A2A_HEAD_GROUPS, else up to 4 where the heads divide and the exchange is large enough; 1: no
+    pipelining. Must divide num_heads / cp_size and num_gqa_groups / cp_size.
     """
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     fp8 = aux.extra.get("fp8")
@@ -58,24 +64,25 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
     except ValueError as exc:  # still tell the ranks of any usable group, which would otherwise wait
         _tell_usable_groups(cp_group, exc, q.device if isinstance(q, torch.Tensor) else None)
         raise
-    error = None
+    error, groups = None, 1
     try:
         _check_local(engine, q, k, v, aux, cfg, cp_comm_type, infos)
+        groups = _head_groups(cp_a2a_head_groups, q, k, aux, cfg, cp_comm_type, infos)
     except ValueError as exc:
         if not checks_enabled():
             raise
         error = str(exc)
     if checks_enabled():
-        signature = _signature(q, k, v, aux, cfg, cp_comm_type)
+        signature = _signature(q, k, v, aux, cfg, cp_comm_type, groups)
         for info in infos:
             agree(info, signature, _describe, error, q.device)
-    impl = _build(engine, q, k, aux, cfg, cp_comm_type, infos, cp_stream, training)
+    impl = _build(engine, q, k, aux, cfg, cp_comm_type, infos, cp_stream, training, groups)
     learnable = cfg.softmax_type == "learnable"
     return _ContextParallel.apply(impl, cfg.softmax_type, _num_heads(q, cfg), q, k, v,
                                   aux.softmax_offset if learnable else None)
 
 
-SIGNATURE_LEN = 22  # _signature's length, the same for every format
+SIGNATURE_LEN = 23  # _signature's length, the same for every format
 _FP8_RECIPES = ("delayed", "current")
 
 
@@ -259,7 +266,24 @@ def _cp_size(infos: list[GroupInfo]) -> int:
 _DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-def _signature(q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str) -> list[int]:
+def _head_groups(requested, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo]) -> int:
+    """The a2a head-group count (1 for the other comm types, which take no cp_a2a_head_groups but 1)."""
+    if comm != "a2a":
+        if requested not in (None, 1):
+            raise ValueError(f"cp_a2a_head_groups={requested!r} applies to cp_comm_type='a2a' only; got "
+                             f"cp_comm_type={comm!r} (pass None)")
+        return 1
+    if "fp8" in aux.extra:  # FP8 a2a exchanges FP8 data in one group (fp8_a2a.py)
+        if requested not in (None, 1):
+            raise ValueError(f"cp_a2a_head_groups={requested!r}: FP8 attention under cp_comm_type='a2a' runs in one "
+                             "head group; pass None or 1")
+        return 1
+    hd = HEAD_DIM[cfg.qkv_format]
+    tokens = q.numel() // (q.shape[hd] * q.shape[-1])
+    return resolve_head_groups(requested, q.shape[hd], k.shape[hd], infos[0].size, tokens * q.shape[-1])
+
+
+def _signature(q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str, groups: int) -> list[int]:
     fmt = cfg.qkv_format
     code = lambda value, options: options.index(value) if value in options else -1  # noqa: E731
     scale_bits = int.from_bytes(struct.pack("<d", float(cfg.softmax_scale)), "little", signed=True)
@@ -273,6 +297,7 @@ def _signature(q, k, v, aux: AttnAux, cfg: AttnConfig, comm: str) -> list[int]:
         sig += [0, 0, 0, 0]
     fp8 = aux.extra.get("fp8")
     sig.append(0 if fp8 is None else 1 + _FP8_RECIPES.index(fp8.state.recipe.kind))
+    sig.append(groups)
     assert len(sig) == SIGNATURE_LEN
     return sig
 
@@ -288,12 +313,13 @@ def _describe(sig: list[int]) -> str:
             f"{names(COMM_TYPES, sig[1])} {names(_MASKS, sig[2])} {names(_SOFTMAX, sig[3])} "
             f"{names([str(d) for d in _DTYPES], sig[4])} softmax_scale={scale:.6g} window_size=({sig[6]}, {sig[7]})")
     if fmt == "thd":
-        text += f" cu_seqlens: {sig[-5] - 1} seqs, checksum {sig[-4]}"
-    text += " not FP8" if sig[-1] == 0 else f" FP8 ({names(_FP8_RECIPES, sig[-1] - 1)} scaling)"
-    return text
+        text += f" cu_seqlens: {sig[-6] - 1} seqs, checksum {sig[-5]}"
+    text += " not FP8" if sig[-2] == 0 else f" FP8 ({names(_FP8_RECIPES, sig[-2] - 1)} scaling)"
+    return text + f" a2a head groups={sig[-1]}"
 
 
-def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo], stream, training: bool):
+def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo], stream, training: bool,
+           groups: int):
     fmt = cfg.qkv_format
     causal = "causal" in cfg.attn_mask_type
     if fmt == "thd":  # the engine sees thd as padding masks, one sequence at a time
@@ -310,17 +336,22 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
     if comm == "all_gather":
         return AllGatherAttention(engine, cfg, aux, fmt, infos[0], causal, q.shape[sd], k.shape[sd], q.device)
     a2a = infos[0]
-    order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device,
-                        outer=infos[1].size if comm == "a2a+p2p" else 1)
-    split = HeadSplit(fmt, a2a, order)
     if comm == "a2a":
         whole = dataclasses.replace(aux, max_seqlen_q=q.shape[sd] * a2a.size, max_seqlen_kv=k.shape[sd] * a2a.size,
                                     softmax_offset=None)
         if fmt == "thd":
             whole = _thd_aux(aux, divisor=1)
         if "fp8" in aux.extra:
-            return FP8A2AAttention(engine, cfg, whole, split, training)
-        return A2AAttention(engine, cfg, whole, split)
+            order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device, outer=1)
+            return FP8A2AAttention(engine, cfg, whole, HeadSplit(fmt, a2a, order), training)
+        lengths = None
+        if fmt == "thd":
+            cu = aux.cu_seqlens_q.tolist()
+            lengths = [b - a for a, b in zip(cu, cu[1:])]
+        seq_order = SeqOrder(fmt, a2a.size, q.shape[sd], q.device, causal or windowed, lengths)
+        return A2AAttention(engine, cfg, whole, fmt, a2a, seq_order, groups)
+    order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device, outer=infos[1].size)
+    split = HeadSplit(fmt, a2a, order)
     p2p = infos[1]
     if windowed:
         plan = WindowRingPlan(cfg, aux, fmt, q.shape[sd] * a2a.size, p2p)

@@ -1,0 +1,210 @@
+"""'a2a' (DeepSpeed Ulysses), pipelined over head groups.
+
+An all-to-all turns [local sequence, all heads] into [whole sequence, heads / P] on each rank; attention runs on
+whole sequences for that slice of the heads, and a second all-to-all turns the output back. The slice is cut
+further into G head groups, and the exchanges of one group overlap the attention of another:
+
+    forward:  start in(0); for g: start in(g+1), wait in(g), attend(g), start out(g); then wait every out(g)
+    backward: the same, with dout going in and dq, dk, dv coming out
+
+so only in(0) and out(G-1) are exposed (1/G of the bytes each way); the others run under attention. On GPUs
+NCCL runs each all-to-all on its own stream after the compute stream's work so far; every buffer stays referenced
+until its wait (_comm.AllToAll). q, k, v of all groups are packed in one pass into one buffer [G, P, n], and each
+group crosses in one all-to-all. num_heads and num_gqa_groups must be divisible by P * G (query head group g uses
+kv head group g). G = 1 is the plain Ulysses exchange.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from ..backends.base import AttnAux, AttnConfig, Engine
+from ._comm import AllToAll, GroupInfo
+from ._layout import HEAD_DIM, SEQ_DIM
+from .merge import BlockState, acc_dtype, add_sink, sink_grad
+from .sharding import chunks_of_rank, thd_natural_index
+
+# The head-group count when cp.attention(cp_a2a_head_groups=None) (DotProductAttention passes None).
+HEAD_GROUPS_ENV = "ATTN_DISPATCH_CP_A2A_HEAD_GROUPS"
+DEFAULT_GROUP_CHOICES = (4, 2)
+# Below this many elements per rank and group, an all-to-all's fixed cost (tens of microseconds per NCCL call)
+# is comparable to its transfer, so the default stays at one group. A guess, not a measurement: time
+# benchmarks/bench_cp.py --a2a-head-groups 1,2,4 on the machine to choose.
+MIN_GROUP_ELEMENTS = 1 << 20
+
+
+def head_groups_from_env() -> int | None:
+    raw = os.environ.get(HEAD_GROUPS_ENV)
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"environment variable {HEAD_GROUPS_ENV}={raw!r} is not accepted; use a positive integer "
+                         "(1 = no pipelining) or leave it unset for the default")
+    return int(raw)
+
+
+def resolve_head_groups(requested: int | None, num_heads: int, num_kv_heads: int, size: int,
+                        elements_per_head: int) -> int:
+    """The head-group count for an a2a call: `requested` (else the environment), which must divide
+    num_heads / size and num_gqa_groups / size; by default the largest of DEFAULT_GROUP_CHOICES that divides both
+    and leaves each group's exchange at least MIN_GROUP_ELEMENTS, else 1. elements_per_head: local tokens x
+    head dim (one head's share of q on this rank)."""
+    per_rank = math.gcd(num_heads // size, num_kv_heads // size)
+    if requested is None:
+        requested = head_groups_from_env()
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"cp_a2a_head_groups={requested!r} must be a positive integer (1 = no pipelining)")
+        if per_rank % requested:
+            allowed = [g for g in range(1, per_rank + 1) if per_rank % g == 0]
+            raise ValueError(f"cp_a2a_head_groups={requested}: each rank's num_heads / cp_size = {num_heads // size} "
+                             f"and num_gqa_groups / cp_size = {num_kv_heads // size} must split into {requested} "
+                             f"equal groups; allowed: {allowed}")
+        return requested
+    for groups in DEFAULT_GROUP_CHOICES:
+        if per_rank % groups == 0 and elements_per_head * num_heads // groups >= MIN_GROUP_ELEMENTS:
+            return groups
+    return 1
+
+
+class SeqOrder:
+    """Where each whole-sequence token sits among the shards an all-to-all delivers (rank p's local token i), and
+    back. Load-balanced bshd/sbhd: rank p holds chunks p and 2P-1-p; thd: each sequence so; otherwise rank order is
+    natural order and both directions are reshapes."""
+
+    def __init__(self, fmt: str, size: int, local_len: int, device: torch.device, balanced: bool,
+                 thd_lengths: list[int] | None = None):
+        self.fmt, self.size, self.local_len, self.sd = fmt, size, local_len, SEQ_DIM[fmt]
+        self.identity = fmt != "thd" and not balanced
+        if self.identity:
+            return
+        if fmt == "thd":
+            slot = thd_natural_index(thd_lengths, size)  # natural token n is token slot[n] of the rank-order concat
+        else:
+            chunk = local_len // 2
+            start = {c: p * local_len + half * chunk
+                     for p in range(size) for half, c in enumerate(chunks_of_rank(size, p))}
+            slot = torch.cat([torch.arange(start[c], start[c] + chunk) for c in range(2 * size)])
+        natural = torch.empty_like(slot)
+        natural[slot] = torch.arange(slot.numel())
+        self.src_rank = (slot // local_len).to(device)
+        self.src_pos = (slot % local_len).to(device)
+        self.natural_of = natural.view(size, local_len).to(device)  # natural position of rank p's token i
+
+    def to_whole(self, parts: torch.Tensor) -> torch.Tensor:
+        """[P, *local shape] (any strides; slice p from rank p) -> the whole sequence in natural order, contiguous."""
+        if self.identity:
+            return parts.movedim(0, self.sd).flatten(self.sd, self.sd + 1).contiguous()
+        if self.sd == 0:
+            return parts[self.src_rank, self.src_pos]
+        return parts.transpose(0, 1)[:, self.src_rank, self.src_pos]
+
+    def to_parts(self, whole: torch.Tensor) -> torch.Tensor:
+        """The inverse: the whole sequence -> contiguous [P, *local shape], slice p for rank p."""
+        if self.identity:
+            parts = whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0)
+        elif self.sd == 0:
+            parts = whole[self.natural_of]
+        else:
+            parts = whole[:, self.natural_of].transpose(0, 1)
+        return parts.contiguous()
+
+
+class A2AAttention:
+    """cp_comm_type='a2a': the engine sees whole sequences (natural order) for num_heads / (P * G) heads at a time."""
+
+    def __init__(self, engine: Engine, cfg: AttnConfig, aux: AttnAux, fmt: str, info: GroupInfo, order: SeqOrder,
+                 groups: int):
+        self.engine, self.fmt, self.info, self.order, self.groups = engine, fmt, info, order, groups
+        self.cfg = dataclasses.replace(cfg, softmax_type="vanilla", return_max_logit=False)
+        self.aux = aux
+        self.hd = HEAD_DIM[fmt]
+        self.local = None  # (shape, dtype) of q, k, v on this rank, for the gradients
+
+    def group_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h, d] (this rank's tokens, every head) as a view [G, P, ..., h / (P G), d]: the heads rank p attends
+        to in group g are [G, P][g, p]."""
+        hd, p, g = self.hd, self.info.size, self.groups
+        return x.unflatten(hd, (p, g, x.shape[hd] // (p * g))).movedim(hd + 1, 0).movedim(hd + 1, 1)
+
+    def _pack(self, tensors) -> tuple[torch.Tensor, list]:
+        """One contiguous [G, P, n] buffer holding every tensor's group-g heads for rank p at [g, p]."""
+        views = [self.group_heads(t) for t in tensors]
+        sizes = [v[0, 0].numel() for v in views]
+        buf = torch.empty(self.groups, self.info.size, sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)
+        layout, offset = [], 0
+        for view, n in zip(views, sizes):
+            buf[:, :, offset:offset + n].unflatten(-1, view.shape[2:]).copy_(view)
+            layout.append((offset, n, view.shape[2:]))
+            offset += n
+        return buf, layout
+
+    def _unpack(self, recv: torch.Tensor, layout) -> list[torch.Tensor]:
+        return [self.order.to_whole(recv[:, offset:offset + n].unflatten(-1, shape)) for offset, n, shape in layout]
+
+    def _place(self, dest: torch.Tensor, recv: torch.Tensor, group: int) -> None:
+        """dest's heads of `group` (for every rank p) <- recv [P, ...], slice p from rank p (this rank's tokens)."""
+        view = self.group_heads(dest)[group]
+        view.copy_(recv.view(view.shape))
+
+    def _sink(self, sink: torch.Tensor | None, group: int) -> torch.Tensor | None:
+        if sink is None:
+            return None
+        n = sink.numel() // (self.info.size * self.groups)
+        first = (self.info.rank * self.groups + group) * n
+        return sink[first:first + n]
+
+    def forward(self, q, k, v, sink):
+        info, last = self.info, self.groups - 1
+        self.local = [(t.shape, t.dtype) for t in (q, k, v)]
+        buf, layout = self._pack((q, k, v))
+        pending = AllToAll(buf[0], info, "fwd_qkv:0")
+        outgoing, saved, states = [], [], []
+        for g in range(self.groups):
+            following = AllToAll(buf[g + 1], info, f"fwd_qkv:{g + 1}") if g < last else None
+            qh, kh, vh = self._unpack(pending.wait(), layout)
+            with torch.profiler.record_function(f"cp_attend:fwd:{g}"):
+                res = self.engine.forward(qh, kh, vh, self.aux, self.cfg)
+                out_h, lse = res.out, res.lse.to(acc_dtype(q))
+                sink_g = self._sink(sink, g)
+                if sink_g is not None:
+                    out_h, lse = add_sink(out_h.to(acc_dtype(q)), lse, sink_g, self.fmt)
+                    out_h = out_h.to(q.dtype)
+            outgoing.append(AllToAll(self.order.to_parts(out_h), info, f"fwd_out:{g}"))
+            saved += [qh, kh, vh, out_h, lse]
+            states.append(BlockState(res.state, res.out))
+            pending = following
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        for g, transfer in enumerate(outgoing):
+            self._place(out, transfer.wait(), g)
+        return out, tuple(saved), states
+
+    def backward(self, dout, saved, states, sink):
+        info, last = self.info, self.groups - 1
+        buf, layout = self._pack((dout,))
+        pending = AllToAll(buf[0], info, "bwd_dout:0")
+        dsink = torch.zeros_like(sink) if sink is not None else None
+        outgoing = []
+        for g in range(self.groups):
+            following = AllToAll(buf[g + 1], info, f"bwd_dout:{g + 1}") if g < last else None
+            (dout_h,) = self._unpack(pending.wait(), layout)
+            qh, kh, vh, out_h, lse = saved[5 * g:5 * g + 5]
+            with torch.profiler.record_function(f"cp_attend:bwd:{g}"):
+                grads = self.engine.backward(dout_h, qh, kh, vh, out_h, lse, states[g].state, self.aux, self.cfg)
+                sink_g = self._sink(sink, g)
+                if sink_g is not None:
+                    n = sink_g.numel()
+                    first = (info.rank * self.groups + g) * n
+                    dsink[first:first + n] = sink_grad(dout_h, out_h, lse, sink_g, self.fmt)
+            outgoing.append([AllToAll(self.order.to_parts(t), info, f"bwd_{name}:{g}")
+                             for name, t in (("dq", grads.dq), ("dk", grads.dk), ("dv", grads.dv))])
+            pending = following
+        grads_local = [torch.empty(shape, dtype=dtype, device=dout.device) for shape, dtype in self.local]
+        for g, transfers in enumerate(outgoing):
+            for dest, transfer in zip(grads_local, transfers):
+                self._place(dest, transfer.wait(), g)
+        return (*grads_local, dsink)
+
