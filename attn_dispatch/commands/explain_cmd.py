@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..context_parallel.efficiency import explain_lines as cp_efficiency_lines
 from ..env import EnvFlags
 from ..inputs import plain_params
 from ..selection import explain
@@ -24,4 +25,6 @@ def run(args: argparse.Namespace) -> int:
     params, notes = plain_params(params_from(args, platform))  # as the module reads the call
     decision = explain(params, platform, EnvFlags.from_environ(), force=args.force).with_notes(*notes)
     print(decision.model_dump_json(indent=2) if args.json else decision.summary())
+    if params.cp_size > 1 and not args.json:
+        print("\n".join(["", *cp_efficiency_lines(params)]))
     return 0 if decision.ok else 1

@@ -1,0 +1,147 @@
+"""Predicted context-parallel efficiency: a step's fwd+bwd time on P GPUs against one GPU on the whole sequence,
+from measured compute and transfer rates, so a comm type can be picked without a trial run. Pure arithmetic.
+
+The model (per comm type, one rank; t(bytes) = bytes / link rate):
+- p2p: P ring steps of equal work (load-balanced); step i's K/V transfer hides under step i-1's compute:
+  forward = c + (P-1) (max(c, t(kv)) + step); backward likewise with c_bwd, where the travelling float32 dK/dV
+  triples the bytes for P > 2, then one exposed hop of dK/dV. With a window, only the steps the window reaches.
+- a2a: q, k, v (then out) cross all-to-alls around whole-sequence attention on heads / P; with G head groups the
+  exchanges overlap attention except 1/G of them: max(c, comm) (G-1)/G + (c + comm)/G, and the same backward.
+- all_gather: the K/V it needs gathered before, the float32 dK/dV reduce-scattered after; nothing overlaps.
+Every call adds `call_ms` (host work, checks) and every merged block `step_ms`.
+One GPU: compute alone at the same rates. FLOPs: 4 b h d per (query, key) pair forward, 2.5x that backward
+(five matrix products against two, FlashAttention-2's accounting).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..constraints.cp_bands import steps_needed
+from .head_groups import resolve_head_groups
+
+BWD_FLOPS_RATIO = 2.5
+
+
+@dataclass(frozen=True)
+class Rates:
+    machine: str
+    fwd_tflops: float   # attention forward, measured
+    bwd_tflops: float   # attention backward, measured (FLOPs = BWD_FLOPS_RATIO x forward's)
+    link_gbps: float    # one rank's transfer rate as the CP code achieves it (fitted)
+    call_ms: float      # fixed cost of each CP forward or backward call (fitted)
+    step_ms: float      # cost of each ring step or merged block beyond its compute (fitted)
+    source: str
+
+
+# fwd/bwd rates: the one-GPU rows (flash_attn_4:cute, bf16, b1 h16 d128, causal, 32k and 128k) of both files,
+# 676-683 TFLOP/s forward and 620-628 backward. The three fitted values minimise the squared efficiency error over
+# the 2-GPU rows of cp_h100x2.json (tests/test_cp_efficiency.py refits them); cp_h100x4.json's 4-GPU rows were not
+# used in the fit and check it.
+H100_NVLINK = Rates(
+    "H100 80GB HBM3 SXM, NVLink (NV18)", fwd_tflops=680.0, bwd_tflops=624.0, link_gbps=110.0, call_ms=0.2,
+    step_ms=0.74,
+    source="benchmarks/results/cp/cp_h100x2.json and benchmarks/results/cp/cp_h100x4.json (bench_cp.py, torch "
+           "2.11, NCCL 2.28.9, 2026-11-26)")
+RATES = {"h100": H100_NVLINK}
+MODELLED = ("p2p", "a2a", "all_gather")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One CP call: total sequence length (all ranks), heads, head dim, batch, mask and window, bytes per element."""
+    cp_size: int
+    seqlen: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int = 1
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    elem_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class Prediction:
+    comm: str
+    fwd_ms: float
+    fwd_bwd_ms: float
+    one_gpu_fwd_bwd_ms: float
+    efficiency: float
+
+
+def pairs(seqlen: int, causal: bool, window) -> float:
+    """(query, key) pairs attended over one sequence."""
+    left, right = window if window else (-1, 0 if causal else -1)
+    right = 0 if causal else right
+    total = 0.0
+    for width in (left, right):  # keys on each side of the diagonal
+        w = seqlen - 1 if width < 0 else min(width, seqlen - 1)
+        total += w * seqlen - w * (w + 1) / 2
+    return total + seqlen
+
+
+def one_gpu_ms(call: Call, rates: Rates) -> tuple[float, float]:
+    flops = 4 * call.batch * call.heads * call.head_dim * pairs(call.seqlen, call.causal, call.window)
+    return flops / (rates.fwd_tflops * 1e9), BWD_FLOPS_RATIO * flops / (rates.bwd_tflops * 1e9)
+
+
+def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: int = 1) -> Prediction:
+    if comm not in MODELLED:
+        raise ValueError(f"comm={comm!r} has no efficiency model; modelled: {', '.join(MODELLED)}")
+    p = call.cp_size
+    fwd1, bwd1 = one_gpu_ms(call, rates)
+    local = call.batch * call.seqlen / p  # tokens per rank
+    kv = 2 * local * call.kv_heads * call.head_dim * call.elem_bytes
+    q = local * call.heads * call.head_dim * call.elem_bytes
+    t = lambda n: n / (rates.link_gbps * 1e6)  # noqa: E731 - ms
+    step = rates.step_ms
+    if comm == "p2p":
+        steps = p
+        if call.window:
+            steps = steps_needed(p, call.seqlen // (2 * p), call.window)
+        cf, cb = fwd1 / p / steps, bwd1 / p / steps
+        travel = t(kv) if p == 2 else 3 * t(kv)
+        fwd = cf + (steps - 1) * (max(cf, t(kv)) + step)
+        bwd = cb + (steps - 1) * (max(cb, travel) + step) + (t(kv) if steps > 1 else 0.0)
+    elif comm == "a2a":
+        share, g = (p - 1) / p, a2a_head_groups
+        cf, cb = fwd1 / p, bwd1 / p
+        comm_f = t((2 * q + kv + q) * share)      # q, k, v in; out back
+        comm_b = t((q + q + kv) * share)          # dout in; dq, dk, dv back
+        fwd = max(cf, comm_f) * (g - 1) / g + (cf + comm_f) / g
+        bwd = max(cb, comm_b) * (g - 1) / g + (cb + comm_b) / g
+    else:
+        moved = (p - 1) * kv
+        if call.window:  # each of the rank's two query chunks fetches at most the window's keys
+            moved = min(moved, 2 * kv * (call.window[0] + max(call.window[1], 0)) / (call.seqlen / p))
+        blocks = 2 if call.causal or call.window else 1
+        fwd = t(moved) + fwd1 / p + blocks * step
+        bwd = bwd1 / p + 2 * t(moved) + blocks * step
+    fwd, bwd = fwd + rates.call_ms, bwd + rates.call_ms
+    return Prediction(comm, fwd, fwd + bwd, fwd1 + bwd1, (fwd1 + bwd1) / (p * (fwd + bwd)))
+
+
+def explain_lines(params, a2a_head_groups: int | None = None, rates: Rates = H100_NVLINK) -> list[str]:
+    """What `attn-dispatch explain --cp-size N` prints under the decision: each comm type's predicted efficiency.
+    params: AttentionParams with max_seqlen_q the LOCAL length (the CP convention)."""
+    window = tuple(params.window_size) if params.has_sliding_window else None
+    call = Call(params.cp_size, params.max_seqlen_q * params.cp_size, params.num_heads, params.num_gqa_groups,
+                params.head_dim_qk, params.batch_size, params.is_causal, window,
+                elem_bytes=4 if str(params.dtype) in ("fp32", "float32") else 2)
+    lines = [f"predicted CP efficiency on {params.cp_size} GPUs: fwd+bwd against one GPU on the whole sequence "
+             f"({call.seqlen} tokens = --seqlen x --cp-size)",
+             f"  rates of {rates.machine}: {rates.source}; model: attn_dispatch/context_parallel/efficiency.py"]
+    for comm in MODELLED:
+        note, groups = "", 1
+        if comm == "a2a":
+            if params.num_heads % call.cp_size or params.num_gqa_groups % call.cp_size:
+                lines.append(f"  {comm:<10}    n/a  heads {params.num_heads}/{params.num_gqa_groups} are not divisible "
+                             f"by {call.cp_size}")
+                continue
+            groups = resolve_head_groups(a2a_head_groups, params.num_heads, params.num_gqa_groups, call.cp_size,
+                                         call.batch * params.max_seqlen_q * params.head_dim_qk)
+            note = f"  ({groups} head groups; 1 group: {100 * predict(comm, call, rates, 1).efficiency:.1f}%)"
+        pred = predict(comm, call, rates, groups)
+        lines.append(f"  {comm:<10} {100 * pred.efficiency:5.1f}%  {pred.fwd_bwd_ms:8.2f} ms fwd+bwd per rank "
+                     f"(one GPU {pred.one_gpu_fwd_bwd_ms:.2f} ms){note}")
+    return lines
