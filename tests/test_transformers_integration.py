@@ -3,13 +3,19 @@ models (float32, CPU): logits, loss and parameter gradients on padded and packed
 refusals."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attn_dispatch import sdpa  # noqa: E402
+from attn_dispatch import sdpa, selection  # noqa: E402
+from attn_dispatch.integrations import transformers as glue  # noqa: E402
 from attn_dispatch.integrations.transformers import register  # noqa: E402
+from attn_dispatch.params import AttentionParams  # noqa: E402
+from attn_dispatch.platform import Platform  # noqa: E402
+from attn_dispatch.sdpa import explain_sdpa  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, head_dim=16)
@@ -130,23 +136,149 @@ def test_padded_batches_reach_padding_mask_types_not_arbitrary(name, batch):
             assert {window for _, window in used} == {(5, 0)}, used  # sliding_window=6: the query and 5 before
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
-def test_greedy_generation_matches_sdpa(name):
-    model = build(name).eval()
+def left_padded_prompts():
     g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, 97, (2, 7), generator=g)
+    prompt = torch.randint(0, 97, (3, 7), generator=g)
     mask = torch.ones_like(prompt)
     mask[0, :2] = 0
+    mask[2, :5] = 0
+    return prompt, mask
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_greedy_generation_matches_sdpa_and_eager(name):
+    model = build(name).eval()
+    prompt, mask = left_padded_prompts()
     outs = []
     sdpa._MODULES.clear()
-    for impl in ("sdpa", "attn_dispatch"):
+    for impl in ("eager", "sdpa", "attn_dispatch"):
         model.set_attn_implementation(impl)
         outs.append(model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                    min_new_tokens=20, pad_token_id=0))
-    assert outs[0].shape[1] == 27 and torch.equal(outs[0], outs[1])
-    if name == "llama":  # the last decode step over the left-padded cache: key padding, not an arbitrary mask
+    assert outs[0].shape[1] == 27 and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    if name == "llama":  # on the CPU both readings of a decode step's mask run unfused: the mask stays as given
         last = {m.last_decision.params["attn_mask_type"] for m in sdpa._MODULES.values() if m.last_decision}
-        assert last == {"padding"}, last
+        assert last == {"arbitrary"}, last
+
+
+def decode_step(dtype=torch.bfloat16, batch=8, heads=16, kv_heads=8, prompt=512, step=5):
+    """q, k, v and the bool mask transformers hands a decode step over a left-padded cache."""
+    skv = prompt + step
+    q = torch.zeros(batch, heads, 1, 128, dtype=dtype)
+    k = torch.zeros(batch, kv_heads, skv, 128, dtype=dtype)
+    mask = torch.ones(batch, 1, 1, skv, dtype=torch.bool)
+    for b in range(batch):
+        mask[b, ..., :b * prompt // (2 * batch)] = False  # row b left-padded by b/16 of the prompt
+    return q, k, k, mask
+
+
+def on_platform(decision, spec: str):
+    """The decision for the same call on a described machine (the call's tensors on its GPU)."""
+    params = AttentionParams(**decision.params).replace(device_type="cuda")
+    return selection.explain(params, Platform.parse(spec))
+
+
+@pytest.mark.parametrize("spec, reads_mask", [("h100-cudnn9", True),
+                                              ("h100-cudnn9,no-cudnn-frontend,no-flash-attn-4", False),
+                                              ("h200-cudnn9,no-cudnn-frontend,no-flash-attn-4", False)],
+                         ids=["h100_full_stack", "h100_stock_torch", "h200_stock_torch"])
+def test_decode_steps_over_a_left_padded_cache_run_fused_on_a_gpu(spec, reads_mask):
+    """The integration asks selection about both readings of a decode step's mask and reads it as a padding pattern
+    only where that pick is better: with cuDNN (full stack) the padded thd call; on stock torch, where only
+    FlexAttention (as a document mask) or unfused take that one, the mask as given. Neither runs unfused."""
+    q, k, v, mask = decode_step()
+    as_padding = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), spec)
+    as_given = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True, recognize_masks=False), spec)
+    assert as_padding.params["qkv_format"] == "thd" and as_padding.params["attn_mask_type"] == "padding"
+    assert as_given.params["attn_mask_type"] == "arbitrary"
+    assert glue.prefer_padding_reading(as_padding, as_given) is reads_mask
+    picked = as_padding if reads_mask else as_given
+    assert picked.chosen is not None and picked.backend != "unfused", picked.policy_reason
+    if reads_mask:
+        assert picked.backend == "cudnn_fused" and picked.estimates[picked.chosen] > 0
+
+
+def test_preferring_a_reading_ranks_no_engine_then_unfused_then_predicted_time():
+    q, k, v, mask = decode_step()
+    full, stock = "h100-cudnn9", "h100-cudnn9,no-cudnn-frontend,no-flash-attn-4"
+    cudnn = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), full)
+    flex = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True, recognize_masks=False), stock)
+    unfused = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), "h100-cudnn9,no-cudnn-frontend,"
+                          "no-flash-attn-4,no-triton")
+    nothing = cudnn.model_copy(update={"chosen": None})
+    assert unfused.chosen == "unfused:pytorch"
+    assert glue.prefer_padding_reading(flex, unfused) and not glue.prefer_padding_reading(unfused, flex)
+    assert glue.prefer_padding_reading(unfused, nothing) and not glue.prefer_padding_reading(nothing, unfused)
+    assert glue.prefer_padding_reading(cudnn, flex) and not glue.prefer_padding_reading(flex, flex)
+    slower = cudnn.model_copy(update={"estimates": {cudnn.chosen: cudnn.estimates[cudnn.chosen] * 2}})
+    assert glue.prefer_padding_reading(cudnn, slower) and not glue.prefer_padding_reading(slower, cudnn)
+
+
+SYNCING = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy")
+
+
+def syncs_per_forward(monkeypatch, model, **generate):
+    """Host reads of tensor values made by attn_dispatch's code (each one a device sync on a GPU), per forward
+    of the model during generate()."""
+    counts, active = [], [False]
+
+    def counting(original, name):
+        def read(*args, **kwargs):
+            if active[0] and any("attn_dispatch" in f.f_code.co_filename for f in _frames(2)):
+                counts[-1][name] = counts[-1].get(name, 0) + 1
+            return original(*args, **kwargs)
+        return read
+    for name in SYNCING:
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), name))
+    monkeypatch.setattr(torch, "equal", counting(torch.equal, "equal"))
+    forward = model.model.forward
+
+    def counted(*args, **kwargs):
+        counts.append({})
+        active[0] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            active[0] = False
+    monkeypatch.setattr(model.model, "forward", counted)
+    model.generate(**generate)
+    return [sum(c.values()) for c in counts]
+
+
+def _frames(skip: int):
+    frame = sys._getframe(skip)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+@pytest.mark.parametrize("reading", ["as_given", "as_padding"])
+def test_decode_steps_sync_the_host_per_step_not_per_layer(monkeypatch, reading):
+    """Each decode step gets a new mask tensor. Given as it is, attn_dispatch reads nothing of it (after the first
+    step, where selection is asked about both readings); read as a padding pattern, once per step (the layers share
+    the mask tensor, and what is read from it), whatever the number of layers."""
+    if reading == "as_padding":
+        monkeypatch.setattr(glue, "prefer_padding_reading", lambda as_padding, as_given: True)
+    prompt, mask = left_padded_prompts()
+    per_layers = {}
+    for layers in (2, 4):
+        glue._DECODE_READING.clear()
+        config, cls = families()["llama"]
+        config.num_hidden_layers = layers
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        model.set_attn_implementation("attn_dispatch")
+        with monkeypatch.context() as patch:
+            per_layers[layers] = syncs_per_forward(patch, model, input_ids=prompt, attention_mask=mask,
+                                                   max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                                   pad_token_id=0)
+    glue._DECODE_READING.clear()
+    steps = {layers: counts[2:] for layers, counts in per_layers.items()}  # after the prefill and first decode step
+    assert len(steps[2]) == 4 and steps[2] == steps[4], per_layers
+    if reading == "as_given":
+        assert steps[2] == [0, 0, 0, 0], per_layers
+    else:
+        assert all(0 < n <= 10 for n in steps[2]), per_layers
 
 
 def test_softcapping_runs_and_matches_eager():
@@ -193,8 +325,6 @@ def test_a_packed_row_equals_its_sequences_run_apart(name, how):
 def test_register_packed_positions_off_skips_reading_positions():
     """register(packed_positions=False): a batch-1 call with no mask does not read position_ids (a meta tensor
     cannot be read); cu_seq_lens still give a packed row. The default reads them and finds the packed row."""
-    from attn_dispatch.integrations import transformers as glue
-
     q = torch.randn(1, 2, 6, 8)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
     assert glue._packed_offsets(q, q, None, {"position_ids": positions}).tolist() == [0, 3, 6]

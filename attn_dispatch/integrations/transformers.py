@@ -18,10 +18,15 @@ reason (attention weights as output, position_bias).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-from ..sdpa import scaled_dot_product_attention
+
+from ..decision import Decision
+from ..env import EnvFlags
+from ..platform import Platform
+from ..sdpa import explain_sdpa, scaled_dot_product_attention
 from ..sdpa import varlen_attention
 from ..tensor_cache import cached_on
 
@@ -54,10 +59,53 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if is_causal and key.shape[2] > q_len:  # SDPA's top-left causal with more keys: only the first q_len count
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     gqa = key.shape[1] != query.shape[1]
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                       dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
-                                       scale=scaling, enable_gqa=gqa, softcap=softcap)
+    dropout_p = dropout if module.training else 0.0
+    recognize = True
+    if q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool:
+        recognize = _recognise_decode_masks(query, key, value, attention_mask, dropout_p, scaling, gqa, softcap)
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout_p,
+                                       is_causal=is_causal, scale=scaling, enable_gqa=gqa, softcap=softcap,
+                                       recognize_masks=recognize)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _recognise_decode_masks(query, key, value, mask, dropout_p, scale, gqa, softcap) -> bool:
+    """Whether a one-query step's bool mask is read as a padding pattern (transformers builds a new mask every
+    decode step, so reading it costs a device sync and its offsets every step) or handed on as it is ('arbitrary').
+    Selection answers both descriptions once for the generation's shapes (and the live platform and environment),
+    and the mask is read only where the pick for the padding pattern beats the pick for the mask as given."""
+    training = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    memo_key = (query.shape[0], query.shape[1], key.shape[1], query.shape[3], value.shape[3], query.dtype,
+                query.device, tuple(mask.shape[:2]), scale, softcap, dropout_p, training, Platform.detect(),
+                EnvFlags.from_environ())
+    known = _DECODE_READING.get(memo_key)
+    if known is None:
+        asked = dict(dropout_p=dropout_p, scale=scale, enable_gqa=gqa, softcap=softcap)
+        as_given = explain_sdpa(query, key, value, mask, recognize_masks=False, **asked)
+        as_padding = explain_sdpa(query, key, value, mask, recognize_masks=True, **asked)
+        known = prefer_padding_reading(as_padding, as_given)
+        if len(_DECODE_READING) >= 64:
+            _DECODE_READING.clear()
+        _DECODE_READING[memo_key] = known
+    return known
+
+
+def prefer_padding_reading(as_padding: Decision, as_given: Decision) -> bool:
+    """True when selection's pick for the mask read as a padding pattern is better than its pick for the mask as
+    given: an engine where the other has none, a fused engine where the other runs only unfused on a GPU, or a
+    predicted time where the other has none or a longer one. Otherwise (ties included) the mask stays as given,
+    which needs no reading."""
+    def rank(decision: Decision) -> tuple[bool, bool, float]:
+        chosen = decision.chosen
+        last_resort = decision.backend == "unfused" and decision.params.get("device_type") == "cuda"
+        return chosen is None, last_resort, decision.estimates.get(chosen, math.inf) if chosen else math.inf
+
+    return rank(as_padding) < rank(as_given)
+
+
+# (shapes, dtype, device, mask broadcast, scale, softcap, dropout, training, platform, environment) -> whether a
+# one-query step's mask is read as a padding pattern
+_DECODE_READING: dict[tuple, bool] = {}
 
 
 def _packed_offsets(query, key, attention_mask, kwargs) -> torch.Tensor | None:
