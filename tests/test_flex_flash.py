@@ -93,17 +93,36 @@ def test_a_refused_compile_is_recorded_and_selection_moves_on(flash_engine, monk
     assert other == []
 
 
-def test_the_call_s_own_errors_are_not_recorded_as_refusals(flash_engine, monkeypatch):
+def test_a_lowering_error_of_any_type_moves_selection_on(flash_engine, monkeypatch):
+    """The CuTe DSL raised ValueError ('Expected TensorSSA, but got int') for a mask_mod indexing with a literal."""
     monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
 
-    def bad_input(*args):
-        raise ValueError("attention_mask has dtype torch.float32; it must be torch.bool")
+    def lowering(*args):
+        raise ValueError("Expected TensorSSA, but got <class 'int'>")
 
     q = torch.randn(1, 2, 16, 64)
-    with pytest.raises(ValueError, match="must be torch.bool"):
-        flash_engine._launch(bad_input, q, q, q, _Call(), AttnConfig(attn_mask_type="arbitrary"), None,
+    with pytest.raises(EngineRefused, match="TensorSSA"):
+        flash_engine._launch(lowering, q, q, q, _Call(), AttnConfig(attn_mask_type="arbitrary"), None,
                              (False, "arbitrary", (-1, -1), "no_bias", False, False, False))
-    assert not runtime_facts.current().rejections
+    assert len(runtime_facts.current().rejections) == 1
+
+
+def test_broadcast_mask_dims_are_read_with_tensor_indices():
+    from attn_dispatch.backends._flex_masks import reader
+
+    mask = torch.rand(1, 1, 8, 8) < 0.5
+    seen = []
+
+    class Index(int):  # records how the reader indexes each dim
+        def __sub__(self, other):
+            seen.append("tensor zero")
+            return Index(0)
+
+    read = reader(mask)
+    read(Index(0), Index(1), Index(3), Index(5))
+    assert seen == ["tensor zero", "tensor zero"]
+    b, h, q, kv = (torch.tensor(i) for i in (0, 1, 3, 5))
+    assert read(b, h, q, kv) == mask[0, 0, 3, 5]
 
 
 def test_the_kernel_is_asked_for_flash_attn_4(flash_engine):

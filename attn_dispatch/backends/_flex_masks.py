@@ -131,11 +131,14 @@ def as_4d(name: str, x: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torc
 
 
 def reader(x4: torch.Tensor) -> Callable:
-    """(b, h, q, kv) -> x4's element, indexing 0 on its broadcast dims (so a bias gradient keeps x4's shape)."""
+    """(b, h, q, kv) -> x4's element, indexing 0 on its broadcast dims (so a bias gradient keeps x4's shape). The
+    0 is the index minus itself: flash-attn-4's lowering of a mask_mod takes tensor indices only ('Expected
+    TensorSSA, but got int' for a literal, seen on the H200 with torch 2.11)."""
     pick = tuple(n > 1 for n in x4.shape)
 
     def read(b, h, q, kv):
-        return x4[b if pick[0] else 0, h if pick[1] else 0, q if pick[2] else 0, kv if pick[3] else 0]
+        return x4[b if pick[0] else b - b, h if pick[1] else h - h, q if pick[2] else q - q,
+                  kv if pick[3] else kv - kv]
     return read
 
 

@@ -140,9 +140,10 @@ class FlexFlashEngine(FlexAttentionEngine):
     def _launch(self, kernel, q4, k4, v4, call, cfg: AttnConfig, aux_request, kind: tuple):
         try:
             return super()._launch(kernel, q4, k4, v4, call, cfg, aux_request, kind)
-        except (ValueError, TypeError, torch.cuda.OutOfMemoryError):
-            raise  # the call's own inputs, or memory: not a refusal of this kind of call
-        except Exception as exc:  # noqa: BLE001 - dynamo/inductor wrap the lowering's refusals in several types
+        except torch.cuda.OutOfMemoryError:
+            raise  # memory, not a refusal of this kind of call
+        except Exception as exc:  # noqa: BLE001 - the call's inputs were checked before (plan); what the lowering
+            # raises comes in many types (ValueError from the CuTe DSL, NotImplementedError, dynamo's wrappers)
             training = torch.is_grad_enabled() and any(x.requires_grad for x in (q4, k4, v4))
             signature = flash_kind(kind[0], cfg.attn_mask_type, cfg.window_size, cfg.bias_type, bool(cfg.softcap),
                                    kind[5], kind[6], training, (q4.shape[-1], v4.shape[-1]),
