@@ -20,6 +20,13 @@ JSON goes to --out; the table is printed last. --device cpu runs the same code o
   # 2 GPUs in under 8 minutes: windows checked, every comm type at 32k and 128k, all_gather windowed
   python3 benchmarks/bench_cp.py --out $OUT/cp_2gpu.json --world-size 1,2 --comm p2p,all_gather,a2a \
       --window 4096 --budget-s 4 --iters 8
+  # 2 GPUs in about 5 minutes: p2p and a2a (1 and 4 head groups) at 32k and 128k, both windowed (4096, 0) at 128k,
+  # with a per-rank profile of each timed point (attention, NCCL and merge kernels, idle gaps on the compute stream)
+  python3 benchmarks/bench_cp.py --out $OUT/cp_h200x2.json --world-size 1,2 --comm p2p,a2a --a2a-head-groups 1,4 \
+      --window 4096 --window-comm p2p,a2a --unchecked-comm '' --budget-s 3 --iters 8 --profile
+--a2a-head-groups: cp_a2a_head_groups for a2a (comma list; 'default' = the package's choice); --a2a-size: the a2a
+group size of a2a+p2p. --profile: after each timed point, two more fwd+bwd steps under torch.profiler; each rank's
+kernel time by kind, the compute stream's idle time and the NCCL time not hidden under compute go into the row.
 """
 from __future__ import annotations
 
@@ -33,8 +40,10 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -44,12 +53,17 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from attn_dispatch import AttentionParams, context_parallel as cp, explain, select  # noqa: E402
+from attn_dispatch import AttentionParams, Platform, context_parallel as cp, explain, select  # noqa: E402
+from attn_dispatch._version import __version__ as attn_dispatch_version  # noqa: E402
 from attn_dispatch.backends import AttnAux, AttnConfig, get_engine  # noqa: E402
 
-TARGETS = [{"comm": "p2p", "world_size": 2, "seqlen": 32768, "window": None, "efficiency": 0.90},
-           {"comm": "p2p", "world_size": 2, "seqlen": 131072, "window": None, "efficiency": 0.95},
-           {"comm": "p2p", "world_size": 4, "seqlen": 131072, "window": None, "efficiency": 0.85}]
+# What long-context training needs of CP (fwd+bwd against one GPU); each is met by the best row that matches it.
+TARGETS = [{"comm": c, "world_size": w, "seqlen": s, "window": win, "efficiency": e} for c, w, s, win, e in (
+    ("p2p", 2, 32768, None, 0.92), ("a2a", 2, 32768, None, 0.90),
+    ("p2p", 2, 131072, None, 0.96), ("a2a", 2, 131072, None, 0.96),
+    ("p2p", 4, 32768, None, 0.80), ("p2p", 4, 131072, None, 0.93), ("a2a", 4, 32768, None, 0.85),
+    ("p2p", 2, 131072, [4096, 0], 0.85), ("a2a", 2, 131072, [4096, 0], 0.85),
+    ("p2p", 4, 131072, [4096, 0], 0.85), ("a2a", 4, 131072, [4096, 0], 0.85))]
 BF16_TOL, FP32_TOL = 2e-2, 1e-5
 
 
@@ -76,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--unchecked-comm", default="p2p",
                     help="comm types timed once more with ATTN_DISPATCH_CP_CHECKS=0 (no per-call agreement check: "
                          "one small all-gather and a host sync), to show that check's share (comma list)")
+    ap.add_argument("--a2a-head-groups", default="default",
+                    help="cp_a2a_head_groups values timed for a2a (comma list of integers or 'default')")
+    ap.add_argument("--a2a-size", type=int, default=2, help="a2a+p2p: ranks per a2a group (consecutive ranks)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile two more fwd+bwd steps of each timed CP point; per-rank summaries go into the JSON")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--timeout-s", type=int, default=120, help="collective timeout (a failed rank cannot hang us)")
     args = ap.parse_args(argv)
@@ -84,6 +103,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.comm = [c for c in args.comm.split(",") if c]
     args.window_comm = [c for c in args.window_comm.split(",") if c and c in args.comm]
     args.unchecked_comm = [c for c in args.unchecked_comm.split(",") if c and c in args.comm]
+    try:
+        args.a2a_head_groups = [None if g == "default" else int(g) for g in args.a2a_head_groups.split(",") if g]
+    except ValueError:
+        ap.error(f"--a2a-head-groups {args.a2a_head_groups!r}: expected a comma list of integers or 'default'")
+    if args.a2a_size < 2:
+        ap.error(f"--a2a-size {args.a2a_size}: an a2a group needs at least 2 ranks")
     for c in args.comm:
         if c not in cp.COMM_TYPES:
             ap.error(f"--comm {c!r}: expected some of {', '.join(cp.COMM_TYPES)}")
@@ -129,7 +154,7 @@ def make_params(args, seqlen_local: int, mask: str, cp_size: int, comm: str, sof
         dtype=dtype or dtype_for(args), qkv_format="bshd", batch_size=args.batch, num_heads=args.heads,
         num_gqa_groups=args.kv_heads, head_dim_qk=args.head_dim, max_seqlen_q=seqlen_local,
         attn_mask_type=mask, window_size=window, softmax_type=softmax, cp_size=cp_size, cp_comm_type=comm,
-        cp_a2a_size=2 if comm == "a2a+p2p" else None, device_type=args.device)
+        cp_a2a_size=args.a2a_size if comm == "a2a+p2p" else None, device_type=args.device)
 
 
 def whole_engine(args, seqlen: int, window=None) -> str:
@@ -165,15 +190,16 @@ def config(mask: str, softmax: str, d: int, window=None) -> AttnConfig:
 _GROUPS: dict = {}
 
 
-def groups_for(comm: str, world: int, rank: int):
-    """cp_group for the comm type; a2a+p2p: a2a groups of 2 consecutive ranks, p2p groups across them
+def groups_for(comm: str, world: int, rank: int, a2a_size: int = 2):
+    """cp_group for the comm type; a2a+p2p: a2a groups of a2a_size consecutive ranks, p2p groups across them
     (created once: new_group is collective, every rank creates every group in the same order)."""
     if comm != "a2a+p2p":
         return dist.group.WORLD
     if "a2a+p2p" not in _GROUPS:
-        a2a = [dist.new_group([2 * g, 2 * g + 1]) for g in range(world // 2)]
-        p2p = [dist.new_group(list(range(a, world, 2))) for a in range(2)]
-        _GROUPS["a2a+p2p"] = [a2a[rank // 2], p2p[rank % 2]]
+        n = a2a_size
+        a2a = [dist.new_group(list(range(n * g, n * g + n))) for g in range(world // n)]
+        p2p = [dist.new_group(list(range(a, world, n))) for a in range(n)]
+        _GROUPS["a2a+p2p"] = [a2a[rank // n], p2p[rank % n]]
     return _GROUPS["a2a+p2p"]
 
 
@@ -232,7 +258,7 @@ def whole_sequence(engine, q, k, v, dout, cfg: AttnConfig, sink):
 
 
 def check_point(args, comm: str, mask: str, softmax: str, dtype: torch.dtype, engine, world: int, rank: int,
-                device: str, window=None) -> dict:
+                device: str, window=None, head_groups=None) -> dict:
     s, b, h, hkv, d = args.check_seqlen, args.batch, args.heads, args.kv_heads, args.head_dim
     gen = torch.Generator().manual_seed(1234)
     q, k, v, dout = (torch.randn(b, s, n, d, generator=gen) for n in (h, hkv, hkv, h))
@@ -240,14 +266,16 @@ def check_point(args, comm: str, mask: str, softmax: str, dtype: torch.dtype, en
     q, k, v, dout = (t.to(device=device, dtype=dtype) for t in (q, k, v, dout))
     sink = sink.to(device) if sink is not None else None
     cfg = config(mask, softmax, d, window)
-    group = groups_for(comm, world, rank)
+    group = groups_for(comm, world, rank, args.a2a_size)
     size, cp_rank = cp.cp_size_of(group), cp.cp_rank_of(group)
     leaves = [cp.shard(t, "bshd", size, cp_rank).requires_grad_() for t in (q, k, v)]
     sink_leaf = sink.clone().requires_grad_() if sink is not None else None
-    out = cp.attention(engine, *leaves, AttnAux(softmax_offset=sink_leaf), cfg, cp_group=group, cp_comm_type=comm)
+    out = cp.attention(engine, *leaves, AttnAux(softmax_offset=sink_leaf), cfg, cp_group=group, cp_comm_type=comm,
+                       cp_a2a_head_groups=head_groups)
     out.backward(cp.shard(dout, "bshd", size, cp_rank))
     row = {"comm": comm, "mask": mask, "softmax": softmax, "window": list(window) if window else None,
-           "dtype": str(dtype).removeprefix("torch."), "engine": engine_label(engine), "seqlen": s}
+           "dtype": str(dtype).removeprefix("torch."), "engine": engine_label(engine), "seqlen": s,
+           "a2a_head_groups": head_groups}
     refs = {"fp32_unfused": ("unfused:pytorch", torch.float32)}
     if dtype != torch.float32:
         whole = explain(make_params(args, s, mask, 1, "p2p", softmax, dtype, window), force=args.engine).chosen
@@ -296,20 +324,122 @@ def baseline_point(args, seqlen: int, provider: str, device: str, window=None) -
             "peak_mem_gb": peak_mem(device)}
 
 
-def cp_point(args, seqlen: int, comm: str, engine, world: int, rank: int, device: str, stream, window=None) -> dict:
+def cp_point(args, seqlen: int, comm: str, engine, world: int, rank: int, device: str, stream, window=None,
+             head_groups=None) -> dict:
     b, h, hkv, d, dt = args.batch, args.heads, args.kv_heads, args.head_dim, dtype_for(args)
     local = seqlen // world
-    group = groups_for(comm, world, rank)
+    group = groups_for(comm, world, rank, args.a2a_size)
     q, k, v = (torch.randn(b, local, n, d, device=device, dtype=dt, requires_grad=True) for n in (h, hkv, hkv))
     dout = torch.randn(b, local, h, d, device=device, dtype=dt)
     cfg = config("causal", "vanilla", d, window)
-    kwargs = dict(cp_group=group, cp_comm_type=comm, cp_stream=stream)
+    kwargs = dict(cp_group=group, cp_comm_type=comm, cp_stream=stream, cp_a2a_head_groups=head_groups)
     fwd = lambda: cp.attention(engine, q, k, v, AttnAux(), cfg, **kwargs)  # noqa: E731
     ms_f = timed_ms(lambda: torch.no_grad()(fwd)(), args, device)
     ms_fb = timed_ms(lambda: fwd().backward(dout), args, device, grads=(q, k, v))
-    return {"world_size": world, "seqlen": seqlen, "comm": comm, "window": list(window) if window else None,
-            "engine": engine_label(engine), "fwd_ms": ms_f, "fwd_bwd_ms": ms_fb,
-            "tokens_per_s": b * seqlen / (ms_fb * 1e-3), "peak_mem_gb": peak_mem(device)}
+    row = {"world_size": world, "seqlen": seqlen, "comm": comm, "window": list(window) if window else None,
+           "a2a_head_groups": head_groups, "engine": engine_label(engine), "fwd_ms": ms_f, "fwd_bwd_ms": ms_fb,
+           "tokens_per_s": b * seqlen / (ms_fb * 1e-3), "peak_mem_gb": peak_mem(device)}
+    if args.profile:
+        mine = profile_steps(lambda: fwd().backward(dout), (q, k, v), device)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        row["profile"] = everyone
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile: where a rank's step goes
+# ----------------------------------------------------------------------------------------------
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|attn|sdpa|cudnn|fprop|bprop|dgrad|softmax", re.I)
+PROFILED_STEPS = 2
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(xs, ys) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarise_trace(events: list[dict]) -> dict:
+    """Kernel time by kind on this rank (ms over the profiled steps, divided by the step count), from a Chrome trace's
+    events: attention kernels, NCCL kernels, the CP merge kernel, everything else; the compute stream (the one with
+    the most non-NCCL kernel time), its idle time between its first and last kernel, and the NCCL time that no
+    compute-stream kernel overlaps (transfers not hidden). Host ranges of the CP all-to-all waits too."""
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    by_kind = {"attention_ms": 0.0, "nccl_ms": 0.0, "merge_ms": 0.0, "other_kernels_ms": 0.0}
+    per_stream: dict = {}
+    nccl = []
+    for e in kernels:
+        name, start, dur = e.get("name", ""), float(e["ts"]), float(e["dur"])
+        stream = (e.get("args") or {}).get("stream")
+        if "nccl" in name.lower():
+            kind = "nccl_ms"
+            nccl.append((start, start + dur))
+        elif "merge_kernel" in name:
+            kind = "merge_ms"
+        elif ATTENTION_KERNEL.search(name):
+            kind = "attention_ms"
+        else:
+            kind = "other_kernels_ms"
+        by_kind[kind] += dur / 1e3
+        if kind != "nccl_ms":
+            per_stream.setdefault(stream, []).append((start, start + dur))
+    summary = {k: v / PROFILED_STEPS for k, v in by_kind.items()}
+    summary["kernels"] = len(kernels)
+    if per_stream:
+        stream, busy = max(per_stream.items(), key=lambda kv: _length(kv[1]))
+        busy = _union(busy)
+        span = busy[-1][1] - busy[0][0]
+        summary.update(compute_stream=stream, compute_span_ms=span / 1e3 / PROFILED_STEPS,
+                       compute_busy_ms=_length(busy) / 1e3 / PROFILED_STEPS,
+                       compute_idle_ms=(span - _length(busy)) / 1e3 / PROFILED_STEPS)
+        nccl_union = _union(nccl)
+        summary["nccl_not_hidden_ms"] = (_length(nccl_union) - _overlap(nccl_union, busy)) / 1e3 / PROFILED_STEPS
+    waits = [float(e["dur"]) for e in events if str(e.get("name", "")).startswith("cp_a2a_wait") and "dur" in e]
+    summary["host_a2a_wait_ms"] = sum(waits) / 1e3 / PROFILED_STEPS
+    return summary
+
+
+def profile_steps(step, grads, device: str) -> dict:
+    """PROFILED_STEPS more calls of step() under torch.profiler, summarised (summarise_trace)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            for t in grads:
+                t.grad = None
+            step()
+        sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    return summarise_trace(events)
 
 
 def peak_mem(device: str) -> float | None:
@@ -317,11 +447,12 @@ def peak_mem(device: str) -> float | None:
 
 
 def comms_for(args, world: int) -> list[str]:
-    return [c for c in args.comm if c != "a2a+p2p" or (world >= 4 and world % 2 == 0)]
+    n = args.a2a_size
+    return [c for c in args.comm if c != "a2a+p2p" or (world >= 2 * n and world % n == 0)]
 
 
 def heads_ok(args, comm: str, world: int) -> bool:
-    split = 2 if comm == "a2a+p2p" else world if comm == "a2a" else 1
+    split = args.a2a_size if comm == "a2a+p2p" else world if comm == "a2a" else 1
     return args.heads % split == 0 and args.kv_heads % split == 0
 
 
@@ -357,14 +488,15 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
 
-    def cp_row(what, comm, seqlen, window, checks=True):
+    def cp_row(what, comm, seqlen, window, checks=True, groups=None):
         engine, why = cp_engine(args, make_params(args, seqlen // world, "causal", world, comm, window=window))
         if engine is None:
             result["errors"].append({"what": what, "error": why})
             return
         os.environ["ATTN_DISPATCH_CP_CHECKS"] = "1" if checks else "0"
         try:
-            row = attempt(what, lambda: cp_point(args, seqlen, comm, engine, world, rank, device, stream, window))
+            row = attempt(what, lambda: cp_point(args, seqlen, comm, engine, world, rank, device, stream, window,
+                                                 groups))
         finally:
             os.environ["ATTN_DISPATCH_CP_CHECKS"] = "1"
         if row:
@@ -393,28 +525,31 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
                 checks = [("causal", "vanilla", None), ("no_mask", "vanilla", None), ("causal", "learnable", None)]
                 if window:
                     checks.append(("causal", "vanilla", window))
-                for mask, softmax, win in checks:
-                    what = f"check {comm} {mask} {softmax}" + (f" window={win}" if win else "")
-                    engine, why = cp_engine(args, make_params(args, local, mask, world, comm, softmax, window=win))
-                    if engine is None:
-                        result["errors"].append({"what": what, "error": why})
-                        continue
-                    row = attempt(what, lambda: check_point(args, comm, mask, softmax, dtype_for(args), engine,
-                                                            world, rank, device, win))
-                    if row:
-                        result["checks"].append(row)
-                for win in ([None, window] if window else [None]):
-                    row = attempt(f"check {comm} fp32 unfused window={win}", lambda: check_point(
-                        args, comm, "causal", "vanilla", torch.float32, get_engine("unfused:pytorch"), world, rank,
-                        device, win))
-                    if row:
-                        result["checks"].append(row)
-                for seqlen in args.seqlens:
-                    cp_row(f"S={seqlen} {comm}", comm, seqlen, None)
-                    if comm in args.unchecked_comm:
-                        cp_row(f"S={seqlen} {comm} checks off", comm, seqlen, None, checks=False)
-                if window and comm in args.window_comm:
-                    cp_row(f"S={max(args.seqlens)} {comm} window={window}", comm, max(args.seqlens), window)
+                for groups in (args.a2a_head_groups if comm == "a2a" else [None]):
+                    label = f"{comm}" + (f" G={groups}" if groups else "")
+                    for mask, softmax, win in checks:
+                        what = f"check {label} {mask} {softmax}" + (f" window={win}" if win else "")
+                        engine, why = cp_engine(args, make_params(args, local, mask, world, comm, softmax, window=win))
+                        if engine is None:
+                            result["errors"].append({"what": what, "error": why})
+                            continue
+                        row = attempt(what, lambda: check_point(args, comm, mask, softmax, dtype_for(args), engine,
+                                                                world, rank, device, win, groups))
+                        if row:
+                            result["checks"].append(row)
+                    for win in ([None, window] if window else [None]):
+                        row = attempt(f"check {label} fp32 unfused window={win}", lambda: check_point(
+                            args, comm, "causal", "vanilla", torch.float32, get_engine("unfused:pytorch"), world, rank,
+                            device, win, groups))
+                        if row:
+                            result["checks"].append(row)
+                    for seqlen in args.seqlens:
+                        cp_row(f"S={seqlen} {label}", comm, seqlen, None, groups=groups)
+                        if comm in args.unchecked_comm:
+                            cp_row(f"S={seqlen} {label} checks off", comm, seqlen, None, checks=False, groups=groups)
+                    if window and comm in args.window_comm:
+                        cp_row(f"S={max(args.seqlens)} {label} window={window}", comm, max(args.seqlens), window,
+                               groups=groups)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
@@ -432,7 +567,10 @@ def free_port() -> int:
 
 
 def machine(args) -> dict:
-    info = {"torch": torch.__version__, "python": sys.version.split()[0], "hostname": socket.gethostname(),
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "attn_dispatch": attn_dispatch_version, "packages": {pkg.name: pkg.version or pkg.error
+                                                                 for pkg in Platform.detect().packages},
+            "torch": torch.__version__, "python": sys.version.split()[0], "hostname": socket.gethostname(),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                    "NVSHMEM_DISABLE_NVLS", "ATTN_DISPATCH_POLICY")}}
     if args.device == "cuda":
@@ -471,7 +609,9 @@ def targets(summary: list[dict]) -> list[dict]:
                and r["seqlen"] == t["seqlen"] and r.get("window") == t["window"] and r["efficiency"] is not None
                and r.get("cp_checks", True)]
         if hit:
-            out.append(dict(t, measured=hit[0]["efficiency"], met=hit[0]["efficiency"] >= t["efficiency"]))
+            best = max(hit, key=lambda r: r["efficiency"])
+            out.append(dict(t, measured=best["efficiency"], met=best["efficiency"] >= t["efficiency"],
+                            a2a_head_groups=best.get("a2a_head_groups")))
     return out
 
 
@@ -481,7 +621,8 @@ def table(rows: list[dict], checks: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r["seqlen"], str(r.get("window")), r["world_size"], r["comm"])):
         eff = f"{100 * r['efficiency']:.1f}%" if r.get("efficiency") is not None else "n/a"
         win = tuple(r["window"]) if r.get("window") else "-"
-        comm = r["comm"] + ("" if r.get("cp_checks", True) else " (checks off)")
+        comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "")
+        comm += "" if r.get("cp_checks", True) else " (checks off)"
         lines.append(f"| {r['world_size']} | {r['seqlen']} | {comm} | {win} | {r['engine']} | {r['fwd_ms']:.2f} | "
                      f"{r['fwd_bwd_ms']:.2f} | {r['tokens_per_s']:.4g} | {eff} |")
     lines += ["", "| GPUs | check | dtype | engine | max rel err vs fp32 unfused | vs whole sequence | ok |",
@@ -490,8 +631,21 @@ def table(rows: list[dict], checks: list[dict]) -> str:
         truth, same = c.get("vs_fp32_unfused"), c.get("vs_whole_sequence")
         fmt = lambda x: f"{x['max_rel_err_all_ranks']:.2e}" if isinstance(x, dict) else (x or "-")[:40]  # noqa: E731
         win = f" window={tuple(c['window'])}" if c.get("window") else ""
-        lines.append(f"| {c['world_size']} | {c['comm']} {c['mask']} {c['softmax']}{win} | {c['dtype']} | "
+        groups = f" G={c['a2a_head_groups']}" if c.get("a2a_head_groups") else ""
+        lines.append(f"| {c['world_size']} | {c['comm']}{groups} {c['mask']} {c['softmax']}{win} | {c['dtype']} | "
                      f"{c['engine']} | {fmt(truth)} | {fmt(same)} | {'yes' if c['ok'] else 'NO'} |")
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        lines += ["", "| GPUs | S | comm | window | rank | attention ms | NCCL ms | merge ms | other kernels ms | "
+                  "compute idle ms | NCCL not hidden ms | host a2a wait ms |", "|---" * 12 + "|"]
+        for r in profiled:
+            comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "")
+            for rank, p in enumerate(r["profile"]):
+                cells = [f"{p.get(k, 0.0):.2f}" for k in ("attention_ms", "nccl_ms", "merge_ms", "other_kernels_ms",
+                                                         "compute_idle_ms", "nccl_not_hidden_ms", "host_a2a_wait_ms")]
+                win = tuple(r["window"]) if r.get("window") else "-"
+                head = f"| {r['world_size']} | {r['seqlen']} | {comm} | {win} | {rank} | "
+                lines.append(head + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -562,13 +562,18 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     out = tmp_path / "cp.json"
     proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", str(out), "--world-size", "2",
                            "--seqlens", "256", "--comm", "p2p,a2a", "--iters", "2", "--warmup", "1",
-                           "--check-seqlen", "128"], capture_output=True, text=True, timeout=180)
+                           "--check-seqlen", "128", "--a2a-head-groups", "1,2", "--window", "0", "--profile"],
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["checks_ok"] is True
-    assert {(p["world_size"], p["comm"]) for p in report["summary"]} == {(1, "none"), (2, "p2p"), (2, "a2a")}
+    assert {(p["world_size"], p["comm"], p.get("a2a_head_groups")) for p in report["summary"]} == \
+        {(1, "none", None), (2, "p2p", None), (2, "a2a", 1), (2, "a2a", 2)}
     assert all(p["efficiency"] is not None for p in report["summary"])
-    assert "| GPUs | S | comm |" in proc.stdout
+    assert {c["a2a_head_groups"] for c in report["runs"][1]["checks"] if c["comm"] == "a2a"} == {1, 2}
+    assert all(len(p["profile"]) == 2 for p in report["summary"] if p["world_size"] == 2)
+    assert report["machine"]["date"] and report["machine"]["attn_dispatch"]
+    assert "| GPUs | S | comm |" in proc.stdout and "compute idle ms" in proc.stdout
 
 
 def test_window_blocks_declared_for_selection():
