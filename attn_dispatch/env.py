@@ -22,6 +22,7 @@ ENV_VARS = (
     "NVTE_UNFUSED_ATTN",
     "NVTE_FUSED_ATTN_BACKEND",
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    "NVTE_FP8_DPA_BWD",
     "NVTE_DEBUG",
     "NVTE_DEBUG_LEVEL",
     "ATTN_DISPATCH_BACKEND",
@@ -53,6 +54,10 @@ class EnvFlags:
     unfused_attn: bool = True        # NVTE_UNFUSED_ATTN: 0 disables the unfused PyTorch engine
     fused_attn_backend: str | None = None  # NVTE_FUSED_ATTN_BACKEND pins a cuDNN sub-backend
     allow_nondeterministic: bool = True    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 demands deterministic kernels
+    # NVTE_FP8_DPA_BWD: with fp8_dpa, 1 runs the backward in FP8 too; 0 runs an FP8 forward and the F16/BF16 fused
+    # backward on the high-precision q, k, v and O (Transformer Engine pytorch/attention/dot_product_attention/
+    # backends.py FusedAttnFunc: is_bwd_fp8 = fp8 and int(os.getenv("NVTE_FP8_DPA_BWD", "1")))
+    fp8_dpa_bwd: bool = True
     debug: bool = False               # NVTE_DEBUG
     debug_level: int = 0              # NVTE_DEBUG_LEVEL: 0, 1 (chosen backend) or 2 (every verdict)
     forced_backend: str | None = None  # ATTN_DISPATCH_BACKEND: 'family' or 'family:provider'
@@ -63,7 +68,8 @@ class EnvFlags:
 
     def __post_init__(self) -> None:  # the decision cache hashes this on every call: once is enough
         object.__setattr__(self, "_hash", hash((self.flash_attn, self.fused_attn, self.unfused_attn,
-                                                self.fused_attn_backend, self.allow_nondeterministic, self.debug,
+                                                self.fused_attn_backend, self.allow_nondeterministic,
+                                                self.fp8_dpa_bwd, self.debug,
                                                 self.debug_level, self.forced_backend, self.policy,
                                                 self.allow_untested_versions)))
 
@@ -153,6 +159,7 @@ def _parse(values: dict[str, str | None]) -> EnvFlags:
         fused_attn_backend=sub_backend,
         allow_nondeterministic=_flag("NVTE_ALLOW_NONDETERMINISTIC_ALGO",
                                      values["NVTE_ALLOW_NONDETERMINISTIC_ALGO"], True),
+        fp8_dpa_bwd=_flag("NVTE_FP8_DPA_BWD", values["NVTE_FP8_DPA_BWD"], True),
         debug=_flag("NVTE_DEBUG", values["NVTE_DEBUG"], False),
         debug_level=int(level_raw) if level_raw else 0,
         forced_backend=forced,

@@ -21,6 +21,26 @@ def test_transformer_engine_meanings():
     assert not f.allow_nondeterministic and f.debug and f.debug_level == 2
 
 
+def test_fp8_dpa_bwd_defaults_to_an_fp8_backward_and_zero_asks_for_a_high_precision_one():
+    assert EnvFlags.from_environ({}).fp8_dpa_bwd and EnvFlags.from_environ({"NVTE_FP8_DPA_BWD": "1"}).fp8_dpa_bwd
+    off = EnvFlags.from_environ({"NVTE_FP8_DPA_BWD": "0"})
+    assert not off.fp8_dpa_bwd and off != EnvFlags.from_environ({}) and hash(off) != hash(EnvFlags.from_environ({}))
+
+
+def test_fp8_dpa_bwd_is_part_of_what_a_plan_is_stamped_with(monkeypatch):
+    """A plan made under one value is stale under the other (freshness reads the decision's variables)."""
+    from attn_dispatch import freshness
+    from attn_dispatch.env import DECISION_ENV_VARS
+
+    assert "NVTE_FP8_DPA_BWD" in DECISION_ENV_VARS
+    monkeypatch.delenv("NVTE_FP8_DPA_BWD", raising=False)
+    before = freshness.current_stamp()
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    assert freshness.current_stamp() != before
+    monkeypatch.delenv("NVTE_FP8_DPA_BWD")
+    assert freshness.current_stamp() == before
+
+
 def test_forced_backend_family_and_provider():
     f = EnvFlags.from_environ({"ATTN_DISPATCH_BACKEND": "flash_attn_2:torch"})
     assert (f.forced_family, f.forced_provider) == ("flash_attn_2", "torch")
@@ -31,6 +51,7 @@ def test_forced_backend_family_and_provider():
     ("NVTE_FLASH_ATTN", "yes", "0 or 1"),
     ("NVTE_FUSED_ATTN_BACKEND", "3", "F16_arbitrary_seqlen"),
     ("NVTE_DEBUG_LEVEL", "5", "0, 1 or 2"),
+    ("NVTE_FP8_DPA_BWD", "2", "0 or 1"),
     ("ATTN_DISPATCH_BACKEND", "flash", "cudnn_fused"),
     ("ATTN_DISPATCH_POLICY", "fastest", "measured"),
 ])
