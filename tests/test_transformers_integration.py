@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attn_dispatch import sdpa, selection  # noqa: E402
+from attn_dispatch import sdpa, selection, tensor_cache  # noqa: E402
 from attn_dispatch.integrations import transformers as glue  # noqa: E402
 from attn_dispatch.integrations.transformers import register  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
@@ -263,6 +263,7 @@ def test_decode_steps_sync_the_host_per_step_not_per_layer(monkeypatch, reading)
     per_layers = {}
     for layers in (2, 4):
         glue._DECODE_READING.clear()
+        tensor_cache.clear()  # a cache filled by earlier tests would be emptied mid-step, and read again
         config, cls = families()["llama"]
         config.num_hidden_layers = layers
         torch.manual_seed(0)
