@@ -5,6 +5,7 @@ Frozen and hashable with a precomputed hash, so that it can key the decision cac
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,12 @@ class AttentionParams:
     # padding/thd: some sequence has a different number of query and key tokens (read from cu_seqlens), so a
     # top-left diagonal differs from a bottom-right one even where max_seqlen_q == max_seqlen_kv
     seqlens_differ: bool = False
+    # thd, where the host read the lengths (cu_seqlens): the score tiles (PACKED_TILE square, the mask's causal half)
+    # of the call's own sequences over batch_size x those of the longest, and its tokens over batch_size x the
+    # longest, each rounded to a quarter octave (packed_fill_bucket) so that a training run whose lengths change
+    # every step reuses its decisions. None: not known (the profile then assumes its measured packs' spread).
+    packed_fill: float | None = None
+    packed_token_fill: float | None = None
     inference_kv_cache: bool = False  # attends a KV cache (InferenceParams): q is the step's new tokens
     kv_cache_paged: bool = False      # the cache is a page pool with a page table
     kv_page_size: int | None = None   # tokens per page (paged) or per row (contiguous: max_sequence_length)
@@ -179,6 +186,11 @@ class AttentionParams:
             raise ValueError("kv_cache_paged / kv_page_size describe a KV cache: set inference_kv_cache=True")
         if self.kv_page_size is not None:
             _positive("kv_page_size", self.kv_page_size)
+        for name in ("packed_fill", "packed_token_fill"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not 0.0 < value <= 1.0):
+                raise ValueError(f"{name}={value!r} must be None (not known) or a fraction in (0, 1]")
         if self.num_heads % self.num_gqa_groups:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_gqa_groups}; "
@@ -285,6 +297,8 @@ class AttentionParams:
         if self.inference_kv_cache:
             extras.append(("paged" if self.kv_cache_paged else "contiguous") + " kv-cache"
                           + (f"(page={self.kv_page_size})" if self.kv_page_size else ""))
+        if self.packed_fill is not None:
+            extras.append(f"packed-fill={self.packed_fill:.3g}/tokens={self.packed_token_fill or 1.0:.3g}")
         extras.append("training" if self.is_training else "inference")
         return f"{self.dtype} {self.qkv_format} {shape} {dims} {self.device_type} " + " ".join(extras)
 
@@ -305,3 +319,41 @@ def keyless_rows(mask_type: str, window: tuple[int, int], min_kv_minus_q: int, q
     if mask_type in TOP_LEFT_MASKS:
         return left >= 0 and min_kv_minus_q + left < 0
     return right >= 0 and min_kv_minus_q + right < 0
+
+
+# Packed (thd) work is counted in square tiles of the score matrix, as tiled kernels compute it (a sequence of 33
+# tokens costs one whole tile); the profile's model counts dense calls the same way (CostModel.tile).
+PACKED_TILE = 128
+# Fills are rounded to a quarter octave (2^(-k/4)), never below this.
+MIN_PACKED_FILL = 2.0 ** -12
+
+
+def packed_fill_bucket(fraction: float) -> float:
+    """fraction in (0, 1] rounded to the nearest 2^(-k/4) (at most 9% off): many packs share one decision."""
+    if fraction >= 1.0:
+        return 1.0
+    steps = round(-4.0 * math.log2(max(fraction, MIN_PACKED_FILL)))
+    return 2.0 ** (-steps / 4.0)
+
+
+def score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int) -> int:
+    """Score tiles a tiled kernel visits for one sequence of n_q queries and n_kv keys under the mask (no window)."""
+    rows, cols = -(-n_q // tile), -(-n_kv // tile)
+    if not causal or rows == 0 or cols == 0:
+        return rows * cols
+    if n_q == n_kv:  # either alignment: the tiles on and below the diagonal
+        return rows * (rows + 1) // 2
+    # query tile i sees key tiles up to (i * tile + tile - 1 + offset) // tile
+    offset = n_kv - n_q if bottom_right else 0
+    return sum(max(0, min(cols, (i * tile + tile - 1 + offset) // tile + 1)) for i in range(rows))
+
+
+def packed_fills(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int, mask_type: str,
+                 tile: int = PACKED_TILE) -> tuple[float, float]:
+    """(packed_fill, packed_token_fill) of a packed call, bucketed (see AttentionParams.packed_fill)."""
+    causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
+    batch = len(lengths_q)
+    full = batch * score_tiles(max_q, max_kv, causal, bottom_right, tile)
+    own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile) for n_q, n_kv in zip(lengths_q, lengths_kv))
+    tokens = sum(lengths_q) / (batch * max_q)
+    return packed_fill_bucket(own / full if full else 1.0), packed_fill_bucket(tokens if tokens > 0 else 1.0)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backends.base import PackedFacts
-from .params import SeqLengths, has_padding, keyless_rows
+from .params import SeqLengths, has_padding, keyless_rows, packed_fills
 from .tensor_cache import cached_on, same_values
 from .validation import positive_int, show_values
 
@@ -38,10 +38,14 @@ class SeqInfo:
     min_kv_minus_q: int = 0
     queries_without_keys: bool = False
     facts: dict = field(default_factory=dict)  # (mask type, window) -> PackedFacts, made once (packed_facts)
+    # thd: AttentionParams.packed_fill and packed_token_fill (bucketed), from the lengths read above; None elsewhere
+    fill: float | None = None
+    token_fill: float | None = None
 
     def plan_key(self) -> tuple:
         """The sequence facts a decision reads (build_params puts exactly these into AttentionParams)."""
-        return self.batch, self.max_q, self.max_kv, self.pad_between_seqs, self.lengths_differ
+        return self.batch, self.max_q, self.max_kv, self.pad_between_seqs, self.lengths_differ, self.fill, \
+            self.token_fill
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,12 +233,14 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
     if pad_between_seqs is None:
         pad_between_seqs = gaps
     with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
+    # what the profile predicts a packed call's work from; computed here, once per cu_seqlens tensor and version
+    fill, token_fill = packed_fills(tuple(lens_q), tuple(lens_kv), limits[0], limits[1], mask_type)
     return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs),
                    _lengths_differ(cu_q, cu_kv), end_q=None if gaps else sum(lens_q),
                    end_kv=None if gaps else sum(lens_kv),
                    min_kv_minus_q=min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
                    queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries),
-                   lengths=(tuple(lens_q), tuple(lens_kv)))
+                   lengths=(tuple(lens_q), tuple(lens_kv)), fill=fill, token_fill=token_fill)
 
 
 def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:

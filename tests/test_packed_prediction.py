@@ -47,3 +47,122 @@ def test_a_case_refuses_lengths_that_do_not_fit_it():
     else:
         raise AssertionError("seqlens accepted on a bshd case")
     assert Case(b=2, s=100, h=8, d=64, mask="padding", fmt="thd", seqlens=[100, 7]).seqlens == (100, 7)
+
+
+# --- the fills a packed call carries --------------------------------------------------------------------------------
+import math  # noqa: E402
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attn_dispatch.call_args import CallArgs  # noqa: E402
+from attn_dispatch.params import AttentionParams, packed_fill_bucket, packed_fills, score_tiles  # noqa: E402
+from attn_dispatch.policy.profile import CostModel, measured_pack_fills, packed_share, work  # noqa: E402
+from attn_dispatch.sequences import sequence_info  # noqa: E402
+
+
+def brute_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int) -> int:
+    """Tiles holding at least one attended (query, key) pair, by visiting every pair."""
+    offset = n_kv - n_q if bottom_right else 0
+    seen = {(i // tile, j // tile) for i in range(n_q) for j in range(n_kv) if not causal or j <= i + offset}
+    return len(seen)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), st.booleans(), st.booleans(), st.sampled_from([1, 4, 8]))
+def test_score_tiles_counts_the_tiles_that_hold_an_attended_pair(n_q, n_kv, causal, bottom_right, tile):
+    assert score_tiles(n_q, n_kv, causal, bottom_right, tile) == brute_tiles(n_q, n_kv, causal, bottom_right, tile)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=6), st.sampled_from(["padding", "padding_causal"]))
+def test_packed_fills_are_the_bucketed_share_of_the_full_length_tiles_and_tokens(lengths, mask):
+    causal = mask == "padding_causal"
+    longest = max(lengths)
+    fill, tokens = packed_fills(tuple(lengths), tuple(lengths), longest, longest, mask, tile=8)
+    own = sum(brute_tiles(n, n, causal, False, 8) for n in lengths)
+    exact = own / (len(lengths) * brute_tiles(longest, longest, causal, False, 8))
+    assert abs(math.log2(fill) - math.log2(exact)) <= 0.125 + 1e-12  # the nearest quarter octave
+    assert abs(math.log2(tokens) - math.log2(sum(lengths) / (len(lengths) * longest))) <= 0.125 + 1e-12
+
+
+def test_the_bucket_is_a_quarter_octave_and_stable_inside_it():
+    for x in (1.0, 0.9, 0.5, 0.3, 0.01, 1e-9):
+        b = packed_fill_bucket(x)
+        assert b == packed_fill_bucket(b) and 0 < b <= 1
+        assert x < 2 ** -12 or abs(math.log2(b) - math.log2(x)) <= 0.125 + 1e-12
+    assert packed_fill_bucket(0.26) == packed_fill_bucket(0.24) == 0.25
+
+
+def thd_info(lengths: list[int], mask: str = "padding_causal"):
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    q = torch.zeros(int(cu[-1]), 2, 8)
+    return sequence_info("thd", mask, q, q, CallArgs(cu_seqlens_q=cu, cu_seqlens_kv=cu))
+
+
+def test_a_packed_call_reads_its_fills_from_its_lengths_and_keys_its_plan_on_the_buckets():
+    ragged = thd_info([7000, 33, 500, 1200, 3000, 80, 2000, 4000])
+    assert (ragged.fill, ragged.token_fill) == packed_fills(*ragged.lengths, 7000, 7000, "padding_causal")
+    assert ragged.fill < 0.25 and ragged.token_fill < 0.35
+    # another pack of the same count and longest, lengths a little different: the same bucket, the same plan
+    nearby = thd_info([7000, 40, 480, 1250, 3000, 90, 2010, 3990])
+    assert nearby.plan_key() == ragged.plan_key()
+    uniform = thd_info([7000] * 8)
+    assert uniform.fill == uniform.token_fill == 1.0 and uniform.plan_key() != ragged.plan_key()
+
+
+def test_fills_are_validated_with_the_field_named():
+    for bad in (0.0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match="packed_fill"):
+            AttentionParams(qkv_format="thd", packed_fill=bad, packed_token_fill=0.5)
+    assert "packed-fill=0.25" in AttentionParams(qkv_format="thd", packed_fill=0.25, packed_token_fill=0.5).describe()
+
+
+# --- the profile's work of a packed call ------------------------------------------------------------------------------
+def thd(**kw) -> AttentionParams:
+    base = dict(dtype="bf16", qkv_format="thd", batch_size=8, num_heads=32, num_gqa_groups=8, head_dim_qk=128,
+                max_seqlen_q=7000, attn_mask_type="padding_causal", is_training=True)
+    return AttentionParams(**{**base, **kw})
+
+
+def test_packed_work_is_the_full_length_work_times_the_fill():
+    full = work(thd(), CostModel(packed_lengths=False))
+    assert work(thd(packed_fill=0.25, packed_token_fill=0.5)) == pytest.approx(0.25 * full, rel=1e-12)
+    assert work(thd(packed_fill=1.0, packed_token_fill=1.0)) == pytest.approx(full, rel=1e-12)
+    dense = thd(qkv_format="bshd", attn_mask_type="causal", packed_fill=None)
+    assert work(dense) == work(dense, CostModel(packed_lengths=False))  # dense calls are unchanged
+
+
+def test_a_windowed_pack_counts_at_most_its_tokens_share_of_the_band():
+    # one 7000-token sequence and seven of 2000 under a 256-token window: the band is ~linear in the length, so the
+    # tokens' share bounds it, well above the pairs' share
+    lengths = [7000] + [2000] * 7
+    fill, tokens = packed_fills(tuple(lengths), tuple(lengths), 7000, 7000, "padding_causal")
+    p = thd(window_size=(256, 0), packed_fill=fill, packed_token_fill=tokens)
+    share = packed_share(p)
+    assert share == pytest.approx(tokens, rel=1e-12) and share > 1.5 * fill
+    # the exact windowed tiles of these sequences, against the share the model takes
+    exact = sum(_band_tiles(n, 256) for n in lengths) / (8 * _band_tiles(7000, 256))
+    assert 0.8 < share / exact < 1.35
+
+
+def _band_tiles(n: int, left: int, tile: int = 128) -> int:
+    rows = -(-n // tile)
+    return sum(min(i, (i * tile + tile - 1) // tile) - max(0, (i * tile - left) // tile) + 1 for i in range(rows))
+
+
+def test_unknown_lengths_take_the_measured_packs_expected_fill():
+    rng = random.Random(7)
+    for batch, longest, mask in ((8, 4096, "padding_causal"), (2, 16384, "padding_causal"), (32, 1024, "padding")):
+        draws = []
+        for _ in range(400):  # the harness's draw: the first sequence the longest, the others in [max/2, max]
+            lengths = [longest] + [rng.randint(longest // 2, longest) for _ in range(batch - 1)]
+            causal = mask == "padding_causal"
+            own = sum(score_tiles(n, n, causal, False, 128) for n in lengths)
+            draws.append(own / (batch * score_tiles(longest, longest, causal, False, 128)))
+        expected, _ = measured_pack_fills(batch, longest, longest, mask, 128)
+        assert expected == pytest.approx(sum(draws) / len(draws), rel=0.02)
+    assert packed_share(thd()) == pytest.approx(measured_pack_fills(8, 7000, 7000, "padding_causal", 128)[0])

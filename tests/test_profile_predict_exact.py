@@ -12,8 +12,10 @@ from dataclasses import replace
 import pytest
 
 from attn_dispatch import AttentionParams
+from attn_dispatch.params import packed_fills
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
-from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, CostModel, Profile, features, tiled_pairs
+from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, features, measured_pack_fills,
+                                          tiled_pairs)
 from attn_dispatch.policy.timing import attended_pairs, attention_flops, mode_of
 
 FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
@@ -21,7 +23,11 @@ MACHINES = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H800", None)
 
 
 def params_of(case: Case) -> AttentionParams:
-    return AttentionParams(dtype="bfloat16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
+    fills = {}
+    if case.seqlens:  # a packed case's own lengths, as the module reads them
+        fill, tokens = packed_fills(case.seqlens, case.seqlens, case.s, case.skv, case.mask)
+        fills = dict(packed_fill=fill, packed_token_fill=tokens)
+    return AttentionParams(**fills, dtype="bfloat16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
                            num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
                            max_seqlen_kv=case.skv, attn_mask_type=case.mask, window_size=case.window,
                            is_training=case.train)
@@ -42,7 +48,19 @@ def every_grid_call() -> list[AttentionParams]:
 
 def plain_work(p: AttentionParams, model: CostModel) -> float:
     flops = attention_flops(p, mode_of(p))
-    return flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p)) if model.tile else flops
+    nominal = flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p)) if model.tile else flops
+    if p.qkv_format != "thd" or not model.packed_lengths:
+        return nominal
+    # a pack's share of the full-length work: its fills, or the measured packs' expected ones
+    fill, tokens = p.packed_fill, p.packed_token_fill
+    if fill is None or tokens is None:
+        fill, tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
+                                           model.tile or 128)
+    if not p.has_sliding_window:
+        return nominal * min(fill, tokens)
+    unbounded = replace(model, packed_lengths=False)
+    full = plain_work(p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1)), unbounded)
+    return nominal * (min(full * fill, nominal * tokens) / nominal)
 
 
 def plain_amount(provider: str, windowed: float, unwindowed: float, model: CostModel) -> float:

@@ -15,14 +15,19 @@ import pytest
 
 from attn_dispatch import selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS
-from attn_dispatch.params import AttentionParams, normalize_window
+from attn_dispatch.params import AttentionParams, normalize_window, packed_fills
 from attn_dispatch.platform import Platform
 
 RECORDED = pathlib.Path(__file__).parent / "data" / "shipped_picks.json.gz"
 
 
 def params_of(case) -> AttentionParams:
-    return AttentionParams(dtype="bf16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
+    """The call's params as the module builds them (a packed case with its own lengths carries their fills)."""
+    fills = {}
+    if case.seqlens:
+        fill, tokens = packed_fills(case.seqlens, case.seqlens, case.s, case.skv, case.mask)
+        fills = dict(packed_fill=fill, packed_token_fill=tokens)
+    return AttentionParams(**fills, dtype="bf16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
                            num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
                            max_seqlen_kv=case.skv, attn_mask_type=case.mask,
                            window_size=normalize_window(case.window, case.mask), is_training=case.train,

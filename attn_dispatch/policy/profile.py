@@ -41,7 +41,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from ..params import TOP_LEFT_MASKS, AttentionParams
+from ..params import PACKED_TILE, TOP_LEFT_MASKS, AttentionParams, is_bottom_right, is_causal, score_tiles
 from ..platform import Platform
 from .timing import BACKWARD_FLOP_FACTOR, attended_pairs, attention_flops, band_sum, mode_of
 
@@ -90,6 +90,13 @@ class CostModel:
     # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
     # (1.1-1.25x flash-attn-4's GPU time at every cover). benchmarks/results/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
+    # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; a window's band is at most
+    # packed_token_fill of the longest's per sequence), for every engine alike: over the 1598 packed rows of the
+    # profile's runs (lengths drawn in [max/2, max]), each engine's split GPU time, within a shape and a run, grew as
+    # the own tiles' fraction to the power 0.87-0.89 (cuDNN 0.89, FA2 0.87, flash-attn-4 0.88), and over its dense
+    # twin's GPU time it was 1.22x / 1.12x / 1.11x that fraction in training: none costs batch x the longest.
+    # Calls without known lengths (and the profile's own entries) are taken at the measured packs' expected fill.
+    packed_lengths: bool = True
 
 
 COST_MODEL = CostModel()
@@ -115,14 +122,59 @@ def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, 
 
 
 def work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
-    """The call's nominal matmul flops (full-length sequences, also for thd): the unit rates are kept in. With
-    model.tile, the score matrix is counted in tile x tile blocks that hold an attended pair (what a tiled kernel
-    computes: a 257-key band costs 3 key tiles of 128 per query tile)."""
+    """The call's matmul flops: the unit rates are kept in. With model.tile, the score matrix is counted in
+    tile x tile blocks that hold an attended pair (what a tiled kernel computes: a 257-key band costs 3 key tiles
+    of 128 per query tile). A packed call counts its own sequences' share of the full-length work (packed_share)."""
+    nominal = _nominal_work(p, model)
+    if p.qkv_format != "thd" or not model.packed_lengths:
+        return nominal
+    return nominal * packed_share(p, model)
+
+
+def _nominal_work(p: AttentionParams, model: CostModel) -> float:
+    """work() at full length: every sequence max_seqlen long."""
     pairs = attended_pairs(p)
     flops = attention_flops(p, mode_of(p), pairs)
     if not model.tile:
         return flops
     return flops * tiled_pairs(p, model.tile) / max(1, pairs)
+
+
+def packed_share(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+    """The share of a packed call's full-length work its own sequences make: packed_fill, and under a window at
+    most packed_token_fill of the windowed work (a band costs per token what the longest's does, or less). Without
+    known lengths, the expected fills of the packs the profile measured (measured_pack_fills)."""
+    fill, tokens = p.packed_fill, p.packed_token_fill
+    if fill is None or tokens is None:
+        fill, tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
+                                           model.tile or PACKED_TILE)
+    if not p.has_sliding_window:
+        return min(fill, tokens)
+    windowed = _nominal_work(p, model)
+    full = _nominal_work(p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1)), model)
+    return min(full * fill, windowed * tokens) / windowed
+
+
+@lru_cache(maxsize=4096)
+def measured_pack_fills(batch: int, max_q: int, max_kv: int, mask_type: str, tile: int) -> tuple[float, float]:
+    """(packed_fill, packed_token_fill) expected of the packs the profile's runs measured (bench_user_step.py: the
+    first sequence max_q long, each other uniform in [max_q // 2, max_q], keys as many as queries): not bucketed."""
+    causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
+    low = max(1, max_q // 2)
+
+    def tiles(n_q: int) -> int:
+        return score_tiles(n_q, max(1, round(n_q * max_kv / max_q)), causal, bottom_right, tile)
+
+    # the mean tiles of a length uniform in [low, max_q]: lengths in one tile count share it
+    total, count = 0, 0
+    for n in range(-(-low // tile), -(-max_q // tile) + 1):
+        first, last = max(low, (n - 1) * tile + 1), min(max_q, n * tile)
+        total += (last - first + 1) * tiles(last)
+        count += last - first + 1
+    longest = tiles(max_q)
+    fill = (longest + (batch - 1) * total / count) / (batch * longest)
+    tokens = (max_q + (batch - 1) * (low + max_q) / 2) / (batch * max_q)
+    return fill, tokens
 
 
 def two_sided_training(p: AttentionParams) -> bool:
