@@ -5,6 +5,10 @@ exp(S - rowmax) are quantized with scale_s (E4M3) and dequantized with descale_s
 written as FP8 with scale_o; amax_s and amax_o are those of the probabilities and of O before quantization.
 Backward recomputes P from the stats, quantizes the softmax gradient dS with scale_dP, and writes dQ, dK, dV in
 the output type with their scales; the amaxes are those before quantization. Everything in float64 on the CPU.
+
+It also runs the bf16 graph the FP8 engine hands its backward to under NVTE_FP8_DPA_BWD=0 (cudnn-frontend
+`sdpa_backward`, as the bf16 engine declares it: a top-left diagonal band for causal masks, sequence lengths for
+padding, ragged offsets for thd): P recomputed from the given stats, no quantization anywhere.
 """
 from __future__ import annotations
 
@@ -74,7 +78,8 @@ def quant(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 class Graph:
     builds = 0
     executions = 0
-    refuse: set = set()  # phases ('fwd' / 'bwd') the stand-in refuses at check_support
+    refuse: set = set()  # phases the stand-in refuses at check_support: FP8 'fwd' / 'bwd', bf16 'bwd16'
+    ran: list = []       # the phases executed, in order
 
     def __init__(self, io_data_type=None, intermediate_data_type=None, compute_data_type=None, handle=None):
         self.node = None
@@ -90,6 +95,11 @@ class Graph:
     def sdpa_fp8_backward(self, q, k, v, o, dO, stats, **kw):
         self.node = ("bwd", dict(kw, q=q, k=k, v=v, o=o, dO=dO, stats=stats))
         self.outs = [T(n) for n in ("dq", "dk", "dv", "amax_dq", "amax_dk", "amax_dv", "amax_dp")]
+        return self.outs
+
+    def sdpa_backward(self, q, k, v, o, dO, stats, **kw):
+        self.node = ("bwd16", dict(kw, q=q, k=k, v=v, o=o, dO=dO, stats=stats))
+        self.outs = [T(n) for n in ("dq", "dk", "dv")]
         return self.outs
 
     def validate(self):
@@ -117,6 +127,7 @@ class Graph:
         Graph.executions += 1
         by = {id(t): b for t, b in buffers.items()}
         phase, kw = self.node
+        Graph.ran.append(phase)
 
         def element_index(t, b, rows):
             """Flat element indices of batch b's first `rows` rows of a [b, h, S, d] tensor (ragged: from its
@@ -142,9 +153,11 @@ class Graph:
             return out
 
         def scalar(name):
+            if phase == "bwd16":  # the bf16 graph has no scales
+                return 1.0
             return float(by[id(kw[name])].reshape(-1)[0])
 
-        def write(t, value):
+        def write(t, value, lens_name="seq_len_q"):
             buf = by[id(t)]
             assert buf.dtype == TORCH_OF[t.data_type], f"{t.name}: buffer {buf.dtype}, graph {t.data_type}"
             if buf.dtype in FP8_MAX:
@@ -152,7 +165,7 @@ class Graph:
             if t.ragged is None:
                 torch.as_strided(buf, t.dim, t.stride, buf.storage_offset()).copy_(value.to(buf.dtype))
                 return
-            lens = by[id(kw["seq_len_q"])].reshape(-1)  # ragged outputs are q-side: a sequence's own rows only
+            lens = by[id(kw[lens_name])].reshape(-1)  # a sequence's own rows only
             raw = buf.view(torch.uint8) if buf.dtype in FP8_MAX else buf
             flat = raw.reshape(-1)
             for b in range(t.dim[0]):
@@ -172,6 +185,13 @@ class Graph:
         mask = torch.zeros(b, 1, sq, skv, dtype=torch.bool)
         if kw.get("use_causal_mask"):
             mask |= torch.ones(sq, skv, dtype=torch.bool).triu(1)
+        if "diagonal_alignment" in kw:  # the bf16 graph's band: keys j with i - left_bound < j <= i + right_bound
+            assert kw["diagonal_alignment"] == Align.TOP_LEFT, "the FP8 masks are top-left"
+            i, j = torch.arange(sq).view(sq, 1), torch.arange(skv).view(1, skv)
+            if kw.get("diagonal_band_right_bound") is not None:
+                mask |= j > i + kw["diagonal_band_right_bound"]
+            if kw.get("diagonal_band_left_bound") is not None:
+                mask |= j <= i - kw["diagonal_band_left_bound"]
         rows_pad = torch.zeros(b, 1, sq, 1, dtype=torch.bool)
         if kw.get("use_padding_mask"):
             lq = by[id(kw["seq_len_q"])].reshape(-1).long()
@@ -200,6 +220,13 @@ class Graph:
         dp = torch.einsum("bhqd,bhkd->bhqk", do, v)
         delta = (do * o).sum(-1, keepdim=True)
         ds = p * (dp - delta)
+        if phase == "bwd16":
+            dq = torch.einsum("bhqk,bhkd->bhqd", ds, k) * kw["attn_scale"]
+            dk = torch.einsum("bhqk,bhqd->bhkd", ds, q).unflatten(1, (hkv, h // hkv)).sum(2) * kw["attn_scale"]
+            dv = torch.einsum("bhqk,bhqd->bhkd", p, do).unflatten(1, (hkv, h // hkv)).sum(2)
+            for t, g in zip(self.outs, (dq, dk, dv)):
+                write(t, g, "seq_len_q" if t is self.outs[0] else "seq_len_kv")
+            return
         bwd_dtype = TORCH_OF[kw["dO"].data_type]
         dsq = quant(ds, scalar("scale_dP"), bwd_dtype) * scalar("descale_dP")
         pq = quant(p, scalar("scale_s"), torch.float8_e4m3fn) * scalar("descale_s")

@@ -412,6 +412,162 @@ def test_a_graph_cudnn_refuses_is_recorded_and_leaves_the_state_alone(engine, mo
 
 
 # --------------------------------------------------------------------------------------------
+# NVTE_FP8_DPA_BWD=0: FP8 forward, the bf16 engine's backward
+# --------------------------------------------------------------------------------------------
+def _backward_columns(state):
+    cols = [INDEX[n] for n in BACKWARD]
+    return state.scale[cols].clone(), state.amax_history[:, cols].clone()
+
+
+@pytest.mark.parametrize("fmt, mask, hkv", [("bshd", "causal", 4), ("sbhd", "no_mask", 4), ("bshd", "causal", 2)])
+def test_f16_backward_against_float64_leaves_the_backward_scaling_alone(engine, monkeypatch, fmt, mask, hkv):
+    """With NVTE_FP8_DPA_BWD=0 the output is the FP8 forward's and the gradients come from the bf16 graph on the
+    caller's q, k, v, the dequantized O and the FP8 forward's stats: within FP8's error of float64 (their only FP8
+    inputs are O and the stats), closer than the FP8 backward's, and no backward scale or amax is touched."""
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    monkeypatch.setattr(fake.Graph, "ran", [])
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", amax_history_len=8, fp8_dpa=True))
+    untouched = _backward_columns(state)
+    for step in range(3):
+        q, k, v = _inputs(fmt, hkv=hkv, seed=step)
+        out, _, _ = _call(engine, q, k, v, state, mask, fmt)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(100 + step)).to(torch.bfloat16)
+        out.backward(dout)
+    assert fake.Graph.ran == ["fwd", "bwd16"] * 3  # the FP8 backward graph never ran
+    assert not any(key.phase == "bwd" for key in engine._graphs)  # nor was it built
+    ref, q64, k64, v64 = _ref(q, k, v, mask, fmt, dout)
+    assert _rel(out, ref) < FWD_TOL
+    f16_errors = []
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        f16_errors.append(_rel(got, want))
+    assert max(f16_errors) < BWD_TOL
+    after = _backward_columns(state)
+    assert torch.equal(after[0], untouched[0]) and torch.equal(after[1], untouched[1])
+    assert state.steps == 3 and float(state.amax_history[-1, INDEX["q"]]) > 0  # the forward's columns did roll
+    # the same inputs through the FP8 backward, with the scales the forward fitted: its gradients are further off
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "1")
+    for _ in range(2):
+        qf, kf, vf = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out8, _, _ = _call(engine, qf, kf, vf, state, mask, fmt)
+        out8.backward(dout)
+    fp8_errors = [_rel(g, w) for g, w in ((qf.grad, q64.grad), (kf.grad, k64.grad), (vf.grad, v64.grad))]
+    assert sum(f16_errors) < sum(fp8_errors), (f16_errors, fp8_errors)
+
+
+def test_f16_backward_flag_travels_with_the_call_and_keeps_no_fp8_copies(engine):
+    """FP8Call.backward_fp8 overrides the environment (a module can pin what its plan said); a flag-0 forward
+    hands backward the stats alone (q, k, v and O go through autograd's saved tensors)."""
+    from attn_dispatch.backends.cudnn_fused_fp8 import FP8Call
+
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", fp8_dpa=True))
+    q, k, v = _inputs()
+    aux = AttnAux()
+    aux.extra["fp8"] = FP8Call(state, backward_fp8=False)
+    cfg = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=0.25)
+    with torch.no_grad():
+        result = engine._forward(q, k, v, aux, cfg, training=True)
+    kept = vars(result.state)
+    assert not any(isinstance(t, torch.Tensor) and t.dtype in (E4M3, E5M2) for t in kept.values())
+    dout = torch.randn(result.out.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    grads = engine.backward(dout, q.detach(), k.detach(), v.detach(), result.out, result.lse, result.state, aux, cfg)
+    ref, q64, k64, v64 = _ref(q, k, v, "causal", dout=dout, softmax_scale=0.25)
+    for got, want in zip(grads[:3], (q64.grad, k64.grad, v64.grad)):
+        assert _rel(got, want) < BWD_TOL
+
+
+def test_f16_backward_trains_padded_and_packed_calls(engine, monkeypatch):
+    """thd in training, refused with the FP8 backward, runs with NVTE_FP8_DPA_BWD=0: the bf16 backward reads the FP8
+    forward's ragged [t, h] stats through the same offsets; the gaps between sequences get zero gradients."""
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    state = FP8ScalingState(DelayedScaling(fp8_format="E4M3", fp8_dpa=True))
+    lens = [24, 13, 7]
+    cu = torch.tensor([0, 24, 37, 44], dtype=torch.int32)
+    cu_pad = torch.tensor([0, 26, 41, 50], dtype=torch.int32)
+    t = int(cu_pad[-1])
+    g = torch.Generator().manual_seed(7)
+    rows = torch.cat([torch.arange(int(a), int(a) + n) for a, n in zip(cu_pad[:-1], lens)])
+    hole = torch.ones(t, dtype=torch.bool)
+    hole[rows] = False
+    for step in range(2):  # the second step runs on scales fitted to these tensors
+        q, k, v = (torch.randn(t, n, 16, generator=g).to(torch.bfloat16).requires_grad_() for n in (4, 2, 2))
+        aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                      max_seqlen_q=24, max_seqlen_kv=24)
+        out, _, _ = _call(engine, q, k, v, state, "padding_causal", fmt="thd", aux=aux)
+        dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+        out.backward(dout)
+    ref, q64, k64, v64 = _ref(q, k, v, "padding_causal", fmt="thd", dout=dout, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                              cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+    assert _rel(out[rows], ref[rows]) < FWD_TOL
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert _rel(got[rows], want[rows]) < BWD_TOL
+        assert float(got[hole].float().abs().max()) == 0.0
+
+    lens_b = torch.tensor([24, 13], dtype=torch.int32)  # bshd with a padding mask: padded rows get no gradient
+    cu_b = torch.cat([torch.zeros(1, dtype=torch.int32), lens_b.cumsum(0).to(torch.int32)])
+    for step in range(2):
+        q, k, v = _inputs(seed=10 + step)
+        out, _, _ = _call(engine, q, k, v, state, "padding_causal", aux=AttnAux(cu_seqlens_q=cu_b, cu_seqlens_kv=cu_b))
+        dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+        out.backward(dout)
+    ref, q64, k64, v64 = _ref(q, k, v, "padding_causal", dout=dout, cu_seqlens_q=cu_b, cu_seqlens_kv=cu_b)
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert _rel(got[0], want[0]) < BWD_TOL and _rel(got[1, :13], want[1, :13]) < BWD_TOL
+        assert float(got[1, 13:].float().abs().max()) == 0.0
+
+
+def test_f16_backward_graph_refused_is_reported_by_the_forward_and_corrupts_nothing(engine, monkeypatch):
+    from attn_dispatch.backends._cudnn_graph import CudnnGraphError
+
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    monkeypatch.setattr(runtime_facts, "_CURRENT", [runtime_facts.RuntimeFacts()])
+    monkeypatch.setattr(fake.Graph, "refuse", {"bwd16"})
+    monkeypatch.setattr(fake.Graph, "ran", [])
+    state = FP8ScalingState(DelayedScaling(fp8_dpa=True))
+    before = state.snapshot()
+    q, k, v = _inputs()
+    with pytest.raises(CudnnGraphError, match="stand-in refuses the FP8 bwd16 graph"):
+        _call(engine, q, k, v, state)
+    assert fake.Graph.ran == []  # nothing ran, nothing was quantized or recorded
+    assert torch.equal(state.scale, before[0]) and torch.equal(state.amax_history, before[1])
+    assert state.steps == before[2] and q.grad is None
+    phases = {sig[-1] for sig in runtime_facts.current().rejections}
+    assert phases == {"bwd"}  # recorded as the bf16 engine's backward, which the FP8 table reads under the flag
+    with torch.no_grad():  # inference needs no backward: it still runs
+        out, _, _ = _call(engine, q, k, v, state)
+    assert fake.Graph.ran == ["fwd"] and out.dtype == torch.bfloat16
+
+
+def test_table_with_the_bf16_backward(monkeypatch):
+    """NVTE_FP8_DPA_BWD=0 lifts the FP8 backward's limits (d = 128, no thd) and applies the bf16 backward's."""
+    from attn_dispatch.env import EnvFlags
+
+    off, on = EnvFlags.from_environ({"NVTE_FP8_DPA_BWD": "0"}), EnvFlags.from_environ({})
+
+    def fp8_verdict(env, **kw):
+        d = explain(fp8_params(**kw), H100, env)
+        return next(v for v in d.verdicts if v.id == "cudnn_fused:fp8")
+
+    for change, code in ((dict(head_dim_qk=64), "cudnn_fused.fp8_head_dim"),
+                         (dict(qkv_format="thd", attn_mask_type="padding_causal"), "cudnn_fused.fp8_format")):
+        assert fp8_verdict(on, **change).has(code)
+        v = fp8_verdict(off, **change)
+        assert v.eligible, [r.message for r in v.reasons]
+        assert v.detail["backward"] == "bf16 cuDNN fused on the saved high-precision tensors (NVTE_FP8_DPA_BWD=0)"
+    assert fp8_verdict(on).detail["backward"] == "cuDNN FP8 (NVTE_FP8_DPA_BWD=1)"
+    assert "backward" not in fp8_verdict(off, is_training=False).detail
+    v = fp8_verdict(off, max_seqlen_q=1, max_seqlen_kv=1)  # the bf16 backward takes no s_q = s_kv = 1
+    reason = next(r for r in v.reasons if r.code == "cudnn_fused.fp8_f16_backward")
+    assert "NVTE_FP8_DPA_BWD=0" in reason.message and "s_q = s_kv = 1" in reason.message and reason.source
+    assert not fp8_verdict(on, max_seqlen_q=1, max_seqlen_kv=1).has("cudnn_fused.fp8_f16_backward")
+    v = fp8_verdict(off, head_dim_qk=256, is_training=False)  # inference: the flag changes nothing
+    assert v.eligible
+    v = fp8_verdict(off, cp_size=2, cp_comm_type="a2a")
+    assert v.has("cudnn_fused.fp8_f16_backward_context_parallel") and fp8_verdict(on, cp_size=2,
+                                                                                  cp_comm_type="a2a").eligible
+
+
+# --------------------------------------------------------------------------------------------
 # The module
 # --------------------------------------------------------------------------------------------
 def test_module_fp8_call_on_cpu_is_refused_with_every_reason_and_creates_no_state():

@@ -10,6 +10,12 @@ A call (inside `fp8_autocast` with `fp8_dpa=True`; the module passes its FP8 sca
 - backward: dO is quantized (E5M2 under HYBRID, E4M3 under E4M3); cuDNN computes dQ, dK, dV in that dtype from the
   saved FP8 q, k, v, O and softmax stats, reporting the amaxes of dQ, dK, dV and of the softmax gradient dP; the
   gradients come back dequantized. Then the backward scales are updated.
+- backward with NVTE_FP8_DPA_BWD=0 (Transformer Engine's meaning: FusedAttnFunc runs its F16 fused backward then):
+  the bf16 cuDNN engine (cudnn_fused.CudnnFrontendEngine) runs the backward on the caller's own q, k, v, the
+  dequantized O and the FP8 forward's softmax stats (the same log-sum-exp of the scaled scores, in the layout the
+  bf16 forward writes: [b, h, s, 1], thd ragged [t, h]). dO is not quantized and the backward scaling columns (do,
+  dp, dq, dk, dv) are left alone. What autograd keeps is then q, k, v (held by the graph that made them anyway), O
+  and the stats; no FP8 copies.
 On Hopper cuDNN 9.19 writes O and dQ, dK, dV only in FP8 (a bf16 output is Blackwell-only: "sdpa fp8 forward with
 HALF/BFLOAT16 output is only supported on Blackwell", seen on the H100), hence the dequantization passes. What
 the autograd graph keeps for backward is the FP8 q, k, v and O (half the bytes of bf16) and the stats.
@@ -24,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..env import EnvFlags
 from ..fp8 import quantize as fp8q
 from ..fp8.output import Float8Output
 from ..runtime_facts import record_rejection
@@ -55,6 +62,12 @@ class FP8Call:
     output_fp8: bool = False   # return O as a Float8Output
     # context parallelism: the group FP8 data is exchanged over (current scaling agrees on q, k, v, dO scales there)
     exchange_group: Any = None
+    # the backward in FP8 (True) or on the bf16 engine (False); None: NVTE_FP8_DPA_BWD as set at the forward, which
+    # is when Transformer Engine reads it
+    backward_fp8: bool | None = None
+
+    def fp8_backward(self) -> bool:
+        return EnvFlags.from_environ().fp8_dpa_bwd if self.backward_fp8 is None else self.backward_fp8
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,15 @@ class _Saved:
     descales: torch.Tensor
     dtype: torch.dtype         # q's dtype: what the gradients are returned in
     fp8: FP8Call
+
+
+@dataclass
+class _F16Saved:
+    """What a backward on the bf16 engine needs from an FP8 forward (NVTE_FP8_DPA_BWD=0); q, k, v and O travel
+    through autograd's saved tensors."""
+    call: Any                  # cudnn_fused._Call
+    stats: torch.Tensor        # the FP8 forward's softmax stats ([b, h, s, 1]; thd: ragged [t, h])
+    device: int
 
 
 def _bhsd_strides(layout: str, b: int, s: int, h: int, d: int) -> list[int]:
@@ -168,6 +190,13 @@ class CudnnFP8Engine(Engine):
         self._devices: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.stats = {"builds": 0, "hits": 0, "build_seconds": 0.0}
+        self._f16: _cd.CudnnFrontendEngine | None = None
+
+    def f16_engine(self) -> _cd.CudnnFrontendEngine:
+        """The bf16 cuDNN engine that runs the backward under NVTE_FP8_DPA_BWD=0 (made on first use)."""
+        if self._f16 is None:
+            self._f16 = _cd.CudnnFrontendEngine()
+        return self._f16
 
     # --- graphs -----------------------------------------------------------------------------------------
     def _device(self, index: int):
@@ -339,6 +368,8 @@ class CudnnFP8Engine(Engine):
         out = Float8Output(o8, o_descale) if fp8.output_fp8 else fp8q.dequantize(o8, o_descale, q.dtype)
         call = saved.call
         lse = saved.stats.t() if call.fmt == "thd" else saved.stats.view(call.b, call.h, call.sq)  # thd: [h, t]
+        if training and not fp8.fp8_backward():  # the FP8 copies are not needed by a bf16 backward
+            return FwdResult(out, lse, _F16Saved(call, saved.stats, saved.key.device), None)
         return FwdResult(out, lse, saved, None)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, fp8: FP8Call,
@@ -346,15 +377,33 @@ class CudnnFP8Engine(Engine):
         """(call, forward key, forward graph) of a call on q, k, v (`dtype` ones, or their FP8 data); with
         `training`, the backward graph is built (or found) too. Nothing is recorded in the scaling state."""
         call = _cd._prepare(q, k, v, aux, cfg, io_dtypes=(dtype, E4M3))
-        if call.fmt == "thd" and training:
+        f16_backward = training and not fp8.fp8_backward()
+        if f16_backward and q.dtype == E4M3:
+            raise ValueError("NVTE_FP8_DPA_BWD=0 with inputs quantized before the call (context parallelism): the "
+                             "FP8 a2a path runs cuDNN's FP8 backward; unset NVTE_FP8_DPA_BWD or run in bf16")
+        if call.fmt == "thd" and training and not f16_backward:
             raise ValueError("cudnn_fused:fp8 runs thd in inference only (cuDNN's FP8 backward takes no ragged "
-                             "tensors on Hopper; its table says so)")
+                             "tensors on Hopper; its table says so); NVTE_FP8_DPA_BWD=0 trains it with a bf16 "
+                             "backward")
         dev = q.device.index if q.device.index is not None else _cd._current_device()
         key = self._key("fwd", call, cfg, dev, fp8)
         built = self.graph(key, self._signature(call, cfg, dtype, "fwd", fp8))
-        if training:
+        if f16_backward:
+            self._prebuild_f16_backward(key, call, q, k, v, aux, cfg, dtype, dev)
+        elif training:
             self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, dtype, "bwd", fp8))
         return call, key, built
+
+    def _prebuild_f16_backward(self, key: _Key, call: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               aux: AttnAux, cfg: AttnConfig, dtype: torch.dtype, dev: int) -> None:
+        """The bf16 backward graph this call's backward will ask for (dO laid out like O, which the dequantization
+        writes contiguous in the call's layout), built now so that a refusal is reported before anything runs."""
+        f16 = self.f16_engine()
+        out_shape = (call.t_q, call.h, call.dv) if call.fmt == "thd" else (
+            (call.b, call.sq, call.h, call.dv) if call.fmt == "bshd" else (call.sq, call.b, call.h, call.dv))
+        out = torch.empty(out_shape, dtype=dtype, device="meta")
+        f16._prebuild_backward(key, call, cfg, q, k, v, out, dev, None, False, False, None, aux,
+                               lambda phase: f16._signature(call, cfg, dtype, phase, None))
 
     def attend(self, plan: tuple, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, fp8: FP8Call,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, _Saved]:
@@ -385,9 +434,28 @@ class CudnnFP8Engine(Engine):
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, state: Any, aux: AttnAux, cfg: AttnConfig) -> BwdResult:
+        if isinstance(state, _F16Saved):
+            return BwdResult(*self._backward_f16(state, dout, q, k, v, out, aux, cfg))
         if not isinstance(state, _Saved):
             raise ValueError("cudnn_fused:fp8 backward needs the state its forward returned (FP8 q, k, v, O)")
         return BwdResult(*self._backward(state, dout, cfg))
+
+    def _backward_f16(self, saved: _F16Saved, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> tuple[torch.Tensor, ...]:
+        """NVTE_FP8_DPA_BWD=0: the bf16 engine's backward on q, k, v, the dequantized O and the FP8 forward's
+        stats. The scaling state is not read or written."""
+        f16, call = self.f16_engine(), saved.call
+        thd = call.fmt == "thd"
+        lse = saved.stats.t() if thd else saved.stats.view(call.b, call.h, call.sq)
+        dout = dout.reshape(out.shape)
+        if not dout.is_contiguous():  # the graph was built for dO laid out like O
+            dout = dout.contiguous()
+        stats_stride = (call.h * call.sq, 1, call.h, 1) if thd else (call.h * call.sq, call.sq, 1, 1)
+        key = f16._key("fwd", call, cfg, q.dtype, saved.device, {"q": q, "k": k, "v": v, "o": out}, None, False,
+                       False, None, stats_stride, False)
+        state = _cd._FwdState(key, call, None, False, None, None)
+        grads = f16.backward(dout, q, k, v, out, lse, state, aux, cfg)
+        return grads.dq, grads.dk, grads.dv
 
     def _backward(self, saved: _Saved, dout: torch.Tensor, cfg: AttnConfig):
         built = self.backward_graph(saved, cfg)
@@ -443,7 +511,9 @@ class _FP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: CudnnFP8Engine, aux: AttnAux, cfg: AttnConfig, flatten_heads: bool, q, k, v):
         out, lse, saved, _ = engine._forward(q, k, v, aux, cfg, training=True)  # grad mode is off in here
-        ctx.engine, ctx.cfg, ctx.saved = engine, cfg, saved
+        ctx.engine, ctx.cfg, ctx.aux, ctx.saved = engine, cfg, aux, saved
+        if isinstance(saved, _F16Saved):  # through autograd's saved tensors: O is an output (no reference cycle)
+            ctx.save_for_backward(q, k, v, out)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return (out.flatten(-2) if flatten_heads else out), lse
@@ -456,5 +526,9 @@ class _FP8Function(torch.autograd.Function):
         if saved is None:
             raise RuntimeError("cudnn_fused:fp8 backward ran twice through the same graph; pass retain_graph=False "
                                "or run the forward again")
-        dq, dk, dv = ctx.engine._backward(saved, dout, ctx.cfg)
+        if isinstance(saved, _F16Saved):
+            q, k, v, out = ctx.saved_tensors
+            dq, dk, dv = ctx.engine._backward_f16(saved, dout, q, k, v, out, ctx.aux, ctx.cfg)
+        else:
+            dq, dk, dv = ctx.engine._backward(saved, dout, ctx.cfg)
         return None, None, None, None, dq, dk, dv

@@ -6,8 +6,14 @@ The rules mirror Transformer Engine's FP8 clause of `nvte_get_fused_attn_backend
 filters of `get_attention_backend` (pytorch/attention/dot_product_attention/utils.py), narrowed where our probe
 of cuDNN 9.19 on an H100 (benchmarks/results/fp8/probe_h100.json) saw cuDNN itself refuse, and where
 attn-dispatch's graphs do not carry a feature.
+
+With NVTE_FP8_DPA_BWD=0 (Transformer Engine's meaning) a training call runs the FP8 forward and the bf16 cuDNN fused
+backward: the FP8 backward's own limits (d = 128 on Hopper, no thd, its determinism clause) give way to the bf16
+engine's backward rules, which this table takes from constraints/cudnn_fused.py.
 """
 from __future__ import annotations
+
+import functools
 
 from ..env import EnvFlags
 from ..params import AttentionParams
@@ -15,7 +21,9 @@ from ..platform import Platform
 from . import common
 from .base import Check, Failure, Table, fail
 from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD
-from .cudnn_fused import _cudnn_text, cudnn_int, deterministic_demanded, rejected_in_this_process, version_text
+from .cudnn_fused import (FE_VALIDATE, TE_CPP, _cudnn_text, _thd_ragged_stats, cudnn_int, deterministic_demanded,
+                          rejected_in_this_process, rule_backward_single_token, rule_determinism, rule_head_dim_limit,
+                          rule_hopper_mla_bwd_bug, rule_mask_type, rule_qkv_format, version_text)
 from .context_parallel import fp8_failures
 
 TE_FP8 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (FP8 clause)"
@@ -27,7 +35,22 @@ FE_THD = ("cudnn-frontend 1.32 include/cudnn_frontend/node/sdpa_support_surface.
           "is not supported on Hopper architecture'); probe on H100, cuDNN 9.19.0, 2026-11-24 "
           "(benchmarks/results/fp8/check_fp8_cp_thd_h100.json): the ragged FP8 forward ran on 6 cases within the "
           "dense calls' error, the ragged backward graph was refused on every case")
+TE_BWD_FLAG = ("Transformer Engine pytorch/attention/dot_product_attention/backends.py FusedAttnFunc (is_bwd_fp8 = "
+               "fp8 and int(os.getenv('NVTE_FP8_DPA_BWD', '1')); when 0, forward saves the f16 q, k, v, O and backward "
+               "runs fused_attention_backend F16_arbitrary_seqlen on them with the FP8 forward's softmax stats)")
 FP8_MASKS = ("no_mask", "causal", "padding", "padding_causal")
+
+
+def fp8_backward(p: AttentionParams, env: EnvFlags) -> bool:
+    """Whether this call's backward runs in FP8 (training with NVTE_FP8_DPA_BWD unset or 1)."""
+    return p.is_training and env.fp8_dpa_bwd
+
+
+def backward_text(env: EnvFlags) -> str:
+    """Which backward an FP8 training call runs, in words (the Decision's verdict detail and notes)."""
+    if env.fp8_dpa_bwd:
+        return "cuDNN FP8 (NVTE_FP8_DPA_BWD=1)"
+    return "bf16 cuDNN fused on the saved high-precision tensors (NVTE_FP8_DPA_BWD=0)"
 
 
 def _fp8_call(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
@@ -81,10 +104,11 @@ def _head_dims(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | N
             return fail(f"head dims {dqk}/{dv}: FP8 SDPA on Blackwell takes <= 128 (cuDNN < 9.21; 9.21 adds "
                         "d_qk 192 / d_v 128, not declared here)", "use head dims <= 128, or bf16 attention")
         return None
-    if p.is_training and (dqk, dv) != (128, 128):
+    if fp8_backward(p, env) and (dqk, dv) != (128, 128):
         return fail(f"head dims {dqk}/{dv} in training: cuDNN's FP8 backward on Hopper takes head dim 128 only "
                     "(cuDNN 9.19: 'hidden_dim should be equal to 128')",
-                    "use head_dim 128, run this layer in bf16 (fp8_dpa=False), or run inference (eval mode)")
+                    "use head_dim 128, set NVTE_FP8_DPA_BWD=0 (FP8 forward, bf16 backward), run this layer in bf16 "
+                    "(fp8_dpa=False), or run inference (eval mode)")
     if dqk > 256 or dv > 256:
         return fail(f"head dims {dqk}/{dv}: FP8 SDPA forward on Hopper takes <= 256", "use head dims <= 256")
     return None
@@ -106,15 +130,16 @@ def _masks(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
 def _format(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if p.qkv_format != "thd":
         return None
-    if p.is_training:
+    if fp8_backward(p, env):
         if plat.sm < 100:
             return fail("qkv_format='thd' in training: cuDNN's FP8 backward takes no ragged (thd) tensors on Hopper "
                         "(cudnn-frontend 1.32 sdpa_fp8_bwd.h: 'sdpa fp8 backward with THD is not supported on Hopper "
-                        "architecture')", "train on bshd with a padding mask (cu_seqlens), or run packed sequences "
-                        "in bf16; FP8 thd runs in inference (eval mode)")
+                        "architecture')", "set NVTE_FP8_DPA_BWD=0 (FP8 forward, bf16 backward), train on bshd with a "
+                        "padding mask (cu_seqlens), or run packed sequences in bf16; FP8 thd runs in inference")
         return fail("qkv_format='thd' in training on Blackwell: cudnn-frontend allows a ragged FP8 backward there, "
                     "but Transformer Engine's FP8 clause has no thd and attn-dispatch has not run it",
-                    "train on bshd with a padding mask (cu_seqlens), or run packed sequences in bf16")
+                    "set NVTE_FP8_DPA_BWD=0 (FP8 forward, bf16 backward), train on bshd with a padding mask "
+                    "(cu_seqlens), or run packed sequences in bf16")
     return None
 
 
@@ -140,7 +165,7 @@ def _softmax(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | Non
 
 
 def _determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    if not (p.is_training and deterministic_demanded(p, env)):
+    if not (fp8_backward(p, env) and deterministic_demanded(p, env)):
         return None
     c = cudnn_int(plat) or 0
     if plat.sm < 90 or c < 91900:
@@ -173,9 +198,36 @@ def _fp8_output_training(p: AttentionParams, plat: Platform, env: EnvFlags) -> F
     return None
 
 
+# The bf16 engine's rules that bound its backward, as its own table declares them (constraints/cudnn_fused.py);
+# the FP8 forward's own limits (masks, bias, window, head dims <= 256 on Hopper) are narrower than the bf16 forward's.
+_F16_BACKWARD_RULES = (rule_head_dim_limit, functools.partial(rule_hopper_mla_bwd_bug, provider="frontend"),
+                       rule_qkv_format, _thd_ragged_stats, rule_mask_type, rule_determinism,
+                       rule_backward_single_token)
+
+
+def _f16_backward(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if not p.is_training or env.fp8_dpa_bwd:
+        return None
+    failures = [f for f in (rule(p, plat, env) for rule in _F16_BACKWARD_RULES) if f is not None]
+    if not failures:
+        return None
+    return fail("NVTE_FP8_DPA_BWD=0 runs the backward on the bf16 cuDNN fused engine, which cannot run it here: "
+                + "; ".join(f.message for f in failures), next((f.fix for f in failures if f.fix), None))
+
+
+def _f16_backward_context_parallel(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.is_training and not env.fp8_dpa_bwd and p.cp_size > 1:
+        return fail(f"NVTE_FP8_DPA_BWD=0 under context parallelism (cp_size={p.cp_size}): the FP8 a2a path sends dO "
+                    "and the gradients across ranks in FP8 and runs cuDNN's FP8 backward; a bf16 backward there is "
+                    "not implemented", "unset NVTE_FP8_DPA_BWD (or set it to 1), or run this layer in bf16")
+    return None
+
+
 def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    return rejected_in_this_process(p, plat, env, ("fp8_fwd", "fp8_bwd"), "FP8 configuration",
-                                    "run this call in bf16 (it is excluded for this signature from now on)")
+    # with NVTE_FP8_DPA_BWD=0 the backward graph is the bf16 engine's, recorded under its own phase name
+    return rejected_in_this_process(p, plat, env, ("fp8_fwd", "fp8_bwd" if env.fp8_dpa_bwd else "bwd"),
+                                    "FP8 configuration", "run this call in bf16 (it is excluded for this signature "
+                                    "from now on)")
 
 
 def _context_parallel(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
@@ -195,7 +247,8 @@ def _sub_backend_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failu
 
 FP8_TABLE = Table("cudnn_fused", "fp8",
                   "cuDNN per-tensor FP8 SDPA (E4M3 forward; E5M2 or E4M3 backward) through cudnn-frontend graphs",
-                  detail=lambda p, plat, env: {"sub_backend": "FP8"})
+                  detail=lambda p, plat, env: {"sub_backend": "FP8", "backward": backward_text(env)}
+                  if p.is_training else {"sub_backend": "FP8"})
 FP8_TABLE.add(
     common.env_enabled(FP8_TABLE),
     common.on_cuda(FP8_TABLE, min_sm=90, source=TE_FP8 + " (sm_arch_ >= 90)"),
@@ -210,18 +263,18 @@ _CHECKS = (
      _arch),
     ("fp8_cudnn", "cuDNN >= 9.2.1 (d 128, seqlens % 128, no_mask/causal); >= 9.7 otherwise; not 9.10.0", "package",
      TE_FP8 + " ('9.2.1', '9.7', '9.10.0: known bugs with SDPA FP8')", _cudnn_version),
-    ("fp8_head_dim", "multiples of 16; sm90: training d = 128, inference <= 256; Blackwell <= 128", "head_dim",
+    ("fp8_head_dim", "multiples of 16; sm90: FP8 backward d = 128, forward <= 256; Blackwell <= 128", "head_dim",
      TE_FP8 + " ('sm90: fwd d<=256, bwd d=128 only'); " + PROBE, _head_dims),
     ("fp8_mask", f"attn_mask_type in {', '.join(FP8_MASKS)}; no single-query inference step", "mask",
      TE_FP8 + " (mask clause); " + PROBE + " (bottom-right and s_q = 1 refused)", _masks),
-    ("fp8_format", "qkv_format bshd or sbhd; thd in inference only", "format",
+    ("fp8_format", "qkv_format bshd or sbhd; thd not with the FP8 backward", "format",
      TE_FP8 + " ('{bshd, sbhd}'); " + FE_THD, _format),
     ("fp8_window", "no sliding window", "window",
      TE_FP8_PY + " ('does not support sliding window attention for FP8')", _no_window),
     ("fp8_bias", "no bias", "bias", TE_FP8 + " (bias_type == NVTE_NO_BIAS)", _no_bias),
     ("fp8_softmax", "vanilla softmax (sinks: Blackwell, cuDNN >= 9.21)", "softmax",
      TE_FP8_PY + " ('softmax_type = %s in FP8 on sm < 100 with cuDNN version < 9.21')", _softmax),
-    ("fp8_determinism", "deterministic backward: sm90+, cuDNN >= 9.19 (Blackwell 9.18)", "determinism",
+    ("fp8_determinism", "deterministic FP8 backward: sm90+, cuDNN >= 9.19 (Blackwell 9.18)", "determinism",
      TE_FP8_PY + " ('determinism reasons with FP8 on arch < sm90 or cuDNN < 9.19.0')", _determinism),
     ("fp8_recipe", "DelayedScaling or Float8CurrentScaling", "dtype", OURS, _recipe),
     ("fp8_kv_cache", "no KV cache", "inference", common.TE_KV_FILTER + " ('Disabling FusedAttention for FP8 KV "
@@ -229,6 +282,13 @@ _CHECKS = (
     ("fp8_output_training", "an FP8 output only in inference", "dtype", OURS, _fp8_output_training),
     ("fp8_context_parallel", "context parallelism: cp_comm_type='a2a' on bshd/sbhd, bf16 output", "context_parallel",
      CP_FP8_SOURCE + "; " + TE_CP_FP8_THD, _context_parallel),
+    ("fp8_f16_backward", "NVTE_FP8_DPA_BWD=0 in training: the bf16 cuDNN fused backward's limits (head dims, "
+     "format, masks, determinism)", "environment",
+     TE_BWD_FLAG + "; " + TE_CPP + " (head-dim, format, mask and determinism clauses); " + FE_VALIDATE
+     + "; " + OURS + " (the FP8 forward's graph is the inference one, with stats: d <= 256 on sm90 per " + PROBE
+     + "; Transformer Engine keeps the FP8 clause's training limits whatever the flag)", _f16_backward),
+    ("fp8_f16_backward_context_parallel", "NVTE_FP8_DPA_BWD=0 in training: no context parallelism", "context_parallel",
+     OURS + " (the FP8 a2a path's backward is cuDNN's FP8 one)", _f16_backward_context_parallel),
     ("sub_backend_pin", "NVTE_FUSED_ATTN_BACKEND unset or 2 (FP8)", "environment",
      "Transformer Engine env override 'NVTE_FUSED_ATTN_BACKEND'", _sub_backend_pin),
     ("cudnn_rejected", "cuDNN's own support check accepted this configuration", "platform",
@@ -239,4 +299,4 @@ for _name, _requires, _topic, _source, _fn in _CHECKS:
 FP8_TABLE.add(common.no_dropout(FP8_TABLE, source=OURS + " (the FP8 graphs are built without dropout)"),
               common.no_return_max_logit(FP8_TABLE, source=TE_FP8 + " (!return_max_logit)"))
 
-__all__ = ["FP8_TABLE", "FP8_MASKS", "version_text"]
+__all__ = ["FP8_TABLE", "FP8_MASKS", "backward_text", "fp8_backward", "version_text"]
