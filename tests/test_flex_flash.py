@@ -82,7 +82,7 @@ def test_a_refused_compile_is_recorded_and_selection_moves_on(flash_engine, monk
     kind = (False, "arbitrary", (-1, -1), "no_bias", False, False, False)
     with pytest.raises(EngineRefused, match="BACKEND='FLASH' refused"):
         flash_engine._launch(refusing_kernel, q, q, q, _Call(), cfg, None, kind)
-    params = AttentionParams(attn_mask_type="arbitrary", batch_size=2, num_heads=4, max_seqlen_q=64)
+    params = AttentionParams(attn_mask_type="arbitrary", batch_size=2, num_heads=4, max_seqlen_q=640)
     assert runtime_facts.current().rejections.get(flash_kind_of(params), "").startswith("NotImplementedError")
     live = dataclasses.replace(H100, facts=runtime_facts.current())  # a described H100 that saw the refusal
     decision, codes = _verdict(params, live)

@@ -10,6 +10,7 @@ from .base import Choice
 # After every engine Transformer Engine knows: FlexAttention (any mask as a block-sparse BlockMask, modifiers), then
 # torch's memory-efficient kernels (an additive mask/bias read in full), then unfused, the last resort on a GPU.
 MASKED_FAMILIES = ("flex_attention", "mem_efficient")
+ONE_QUERY_TILE = 128  # FlexAttention's BlockMask tile (constraints/flex_attention.py BLOCK_SIZE)
 
 
 def preference_order(params: AttentionParams, platform: Platform) -> tuple[tuple[str, ...], str]:
@@ -22,11 +23,16 @@ def preference_order(params: AttentionParams, platform: Platform) -> tuple[tuple
     if params.device_type == "cpu" or platform.device_type == "cpu":
         return (("unfused", "flex_attention"),
                 "on the CPU the unfused engine runs; FlexAttention (eager) only where unfused cannot")
+    masked = MASKED_FAMILIES
+    if params.attn_mask_type == "arbitrary" and params.max_seqlen_q <= ONE_QUERY_TILE:
+        # one query tile (decode steps): a BlockMask can skip only key blocks every query masks, and it is built per
+        # mask tensor, which such callers make anew each step; the memory-efficient kernel reads the mask as it is
+        masked = tuple(reversed(MASKED_FAMILIES))
     if platform.sm >= 90:
-        return (("cudnn_fused", "flash_attn_4", "flash_attn_3", "flash_attn_2") + MASKED_FAMILIES + ("unfused",),
+        return (("cudnn_fused", "flash_attn_4", "flash_attn_3", "flash_attn_2") + masked + ("unfused",),
                 f"sm{platform.sm} (Hopper or newer): Transformer Engine prefers cuDNN fused attention, then "
                 "FlashAttention; FlexAttention and the memory-efficient kernels before unfused")
-    return (("flash_attn_2", "cudnn_fused", "flash_attn_4", "flash_attn_3") + MASKED_FAMILIES + ("unfused",),
+    return (("flash_attn_2", "cudnn_fused", "flash_attn_4", "flash_attn_3") + masked + ("unfused",),
             f"sm{platform.sm}: Transformer Engine prefers FlashAttention 2, then cuDNN fused attention; FlexAttention "
             "and the memory-efficient kernels before unfused")
 
