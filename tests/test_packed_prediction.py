@@ -166,3 +166,22 @@ def test_unknown_lengths_take_the_measured_packs_expected_fill():
         expected, _ = measured_pack_fills(batch, longest, longest, mask, 128)
         assert expected == pytest.approx(sum(draws) / len(draws), rel=0.02)
     assert packed_share(thd()) == pytest.approx(measured_pack_fills(8, 7000, 7000, "padding_causal", 128)[0])
+
+
+def test_the_module_s_decision_carries_the_pack_s_fills():
+    """What the module decides on (and explain() answers) is the pack's own fill, not the expected one."""
+    from attn_dispatch import DotProductAttention
+
+    lens = [33, 700, 90, 512]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    t = int(cu[-1])
+    q, k, v = (torch.randn(t, 4, 32) for _ in range(3))
+    module = DotProductAttention(4, 32, qkv_format="thd", attn_mask_type="padding_causal").eval()
+    with torch.no_grad():
+        module(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=700, max_seqlen_kv=700)
+    params = module.last_decision.params
+    want = packed_fills(tuple(lens), tuple(lens), 700, 700, "padding_causal")
+    assert (params["packed_fill"], params["packed_token_fill"]) == want
+    assert want[0] < 0.5  # a ragged pack: far from the batch x max it used to be counted as
+    explained = module.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=700, max_seqlen_kv=700)
+    assert explained.params == module.last_decision.params
