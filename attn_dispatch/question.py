@@ -13,11 +13,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import selection
 from .call_args import CallArgs
+from .constraints.cudnn_fused_fp8 import backward_text
 from .context_parallel import module_glue
+from .env import EnvFlags
+from .fp8 import speed
 from .inputs import plain_params
 from .kv_cache import attend
 from .params import AttentionParams
+from .platform import Platform
+from .policy.profile import profile_for
 
 if TYPE_CHECKING:
     from .module import DotProductAttention
@@ -64,4 +70,40 @@ def ask(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torc
     else:
         params = module._describe(q, k, v, args, fp8)[0]
     params, notes = plain_params(params)
+    if fp8 is not None:
+        notes += fp8_notes(params, Platform.detect(), EnvFlags.from_environ())
     return Question(mode, params, notes, fp8)
+
+
+BF16_BASELINE = "cudnn_fused:frontend"  # what the FP8 measurement timed against (fp8/speed.py)
+
+
+def fp8_notes(params: AttentionParams, platform: Platform, env: EnvFlags) -> tuple[str, ...]:
+    """An FP8 call's notes: which backward runs (training), and the predicted FP8 and bf16 times (fp8/speed.py)."""
+    if not params.fp8:
+        return ()
+    notes = ("backward: " + backward_text(env),) if params.is_training else ()
+    return notes + (_fp8_speed(params, platform, env),)
+
+
+def _fp8_speed(params: AttentionParams, platform: Platform, env: EnvFlags) -> str:
+    if platform.device_type != "cuda" or platform.sm != speed.MEASURED_SM:
+        return (f"FP8 speed: measured on sm{speed.MEASURED_SM} only ({speed.MEASURED_ON}, {speed.SOURCE}); no "
+                "prediction for this platform")
+    if params.cp_size > 1:
+        return "FP8 speed: no prediction under context parallelism (the measurement is of one GPU's calls)"
+    bf16 = params.replace(fp8=False, fp8_recipe=None, fp8_output=False)
+    profile = profile_for(platform)
+    times = profile.predict(bf16, machine=platform.device_name).times_ms if profile is not None else {}
+    bf16_ms = times.get(BF16_BASELINE)
+    if not bf16_ms:
+        return f"FP8 speed: the profile has no bf16 {BF16_BASELINE} prediction for this call, hence none for FP8"
+    e = speed.estimate(bf16_ms, causal="causal" in params.attn_mask_type, seqlen=params.max_seqlen_q,
+                       training=params.is_training)
+    # cuDNN's FP8 backward on Hopper: head dim 128, no thd (the FP8 table's fp8_head_dim and fp8_format)
+    fp8_backward_possible = (params.head_dim_qk, params.head_dim_v) == (128, 128) and params.qkv_format != "thd"
+    text = "FP8 speed: " + speed.describe(e, env.fp8_dpa_bwd, fp8_backward_possible)
+    pick = selection.explain(bf16, platform, env).chosen
+    if pick and pick != BF16_BASELINE and times.get(pick, bf16_ms) < bf16_ms:
+        text += f"; in bf16 this call would run {pick}, predicted at {times[pick]:.3f} ms"
+    return text

@@ -568,6 +568,82 @@ def test_table_with_the_bf16_backward(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
+# Saying when FP8 costs time
+# --------------------------------------------------------------------------------------------
+def test_speed_table_is_the_recorded_measurement():
+    import json
+    from pathlib import Path
+
+    from attn_dispatch.fp8 import speed
+
+    rows = json.loads((Path(__file__).parents[1] / speed.SOURCE).read_text())["speed"]
+    assert len(rows) == len(speed.KERNEL_MS) // 2 == len(speed.MODULE_SPEEDUP) // 2
+    for r in rows:
+        assert (r["h"], r["d"]) == (16, 128) and r["s"] in speed.BANDS
+        for pass_ in ("fwd", "bwd"):
+            assert speed.KERNEL_MS[(r["causal"], pass_, r["s"])] == (r[f"fp8_{pass_}_ms"], r[f"bf16_{pass_}_ms"])
+        assert speed.MODULE_SPEEDUP[(r["causal"], "fwd", r["s"])] == r["module_fwd_speedup"]
+        assert speed.MODULE_SPEEDUP[(r["causal"], "step", r["s"])] == r["module_step_speedup"]
+
+
+def test_speed_estimate_reproduces_the_measured_rows_and_picks_the_nearest_length():
+    from attn_dispatch.fp8 import speed
+
+    assert [speed.band(n) for n in (1, 4096, 5700, 6000, 11000, 12000, 1 << 20)] == [4096, 4096, 4096, 8192, 8192,
+                                                                                    16384, 16384]
+    with pytest.raises(ValueError, match="seqlen=0"):
+        speed.band(0)
+    with pytest.raises(ValueError, match="bf16_ms=0"):
+        speed.estimate(0.0, causal=True, seqlen=4096, training=True)
+    for (causal, pass_, s), (fp8_ms, bf16_ms) in speed.KERNEL_MS.items():
+        if pass_ != "fwd":
+            continue
+        fp8_bwd, bf16_bwd = speed.KERNEL_MS[(causal, "bwd", s)]
+        e = speed.estimate(bf16_ms + bf16_bwd, causal=causal, seqlen=s, training=True)
+        assert e.fp8_ms == pytest.approx(fp8_ms + fp8_bwd) and e.fp8_f16_backward_ms == pytest.approx(fp8_ms + bf16_bwd)
+        assert e.fwd_speedup == pytest.approx(bf16_ms / fp8_ms)
+        e = speed.estimate(bf16_ms, causal=causal, seqlen=s, training=False)
+        assert e.fp8_ms == pytest.approx(fp8_ms) and not e.training
+
+
+def test_explain_says_which_backward_runs_and_when_fp8_costs_time(capsys, monkeypatch):
+    """On the H100 a causal 8k training call is slower in FP8 (cuDNN's FP8 causal backward), and explain says so,
+    with the bf16 prediction it scaled and the way out; with NVTE_FP8_DPA_BWD=0 it says the backward is bf16's."""
+    import re
+
+    from attn_dispatch.cli import main
+    from attn_dispatch.env import EnvFlags
+    from attn_dispatch.fp8 import speed
+    from attn_dispatch.policy.profile import profile_for
+    from attn_dispatch.question import fp8_notes
+
+    p = fp8_params(batch_size=8, max_seqlen_q=8192)
+    bf16_ms = profile_for(H100).predict(p.replace(fp8=False, fp8_recipe=None), machine=H100.device_name).times_ms[
+        "cudnn_fused:frontend"]
+    want = speed.estimate(bf16_ms, causal=True, seqlen=8192, training=True)
+    assert want.speedup < 1 < want.f16_backward_speedup
+    backward, speed_note = fp8_notes(p, H100, EnvFlags.from_environ({}))
+    assert backward == "backward: cuDNN FP8 (NVTE_FP8_DPA_BWD=1)"
+    assert "FP8 costs time here" in speed_note and "set NVTE_FP8_DPA_BWD=0" in speed_note
+    assert f"~{want.speedup:.2f}x bf16 ({want.fp8_ms:.3f} ms vs {bf16_ms:.3f} ms" in speed_note
+    assert speed.SOURCE in speed_note and "predicted" in speed_note
+    backward, speed_note = fp8_notes(p, H100, EnvFlags.from_environ({"NVTE_FP8_DPA_BWD": "0"}))
+    assert "bf16 cuDNN fused on the saved high-precision tensors (NVTE_FP8_DPA_BWD=0)" in backward
+    assert f"~{want.f16_backward_speedup:.2f}x bf16 ({want.fp8_f16_backward_ms:.3f} ms" in speed_note
+    assert "FP8 saves time here" in speed_note
+    inference = fp8_notes(p.replace(is_training=False, attn_mask_type="no_mask"), H100, EnvFlags.from_environ({}))
+    assert len(inference) == 1 and "FP8 forward ~1.39x bf16" in inference[0]
+    assert "no prediction" in fp8_notes(p, Platform.parse("sm100,cudnn=9.19.0"), EnvFlags.from_environ({}))[-1]
+    assert fp8_notes(p.replace(fp8=False, fp8_recipe=None), H100, EnvFlags.from_environ({})) == ()
+
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    assert main(["explain", "--fp8", "--mask", "causal", "--seqlen", "8192", "--batch", "8", "--platform",
+                 "h100-cudnn9"]) == 0
+    out = re.sub(r"\s+", " ", capsys.readouterr().out)
+    assert "chosen: cudnn_fused:fp8" in out and "(NVTE_FP8_DPA_BWD=0)" in out and "FP8 speed:" in out
+
+
+# --------------------------------------------------------------------------------------------
 # The module
 # --------------------------------------------------------------------------------------------
 def test_module_fp8_call_on_cpu_is_refused_with_every_reason_and_creates_no_state():

@@ -8,6 +8,7 @@ import argparse
 from ..context_parallel.efficiency import explain_lines as cp_efficiency_lines
 from ..env import EnvFlags
 from ..inputs import plain_params
+from ..question import fp8_notes
 from ..selection import explain
 from .common import add_call_arguments, add_platform_argument, params_from, platform_from
 
@@ -23,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     platform = platform_from(args)
     params, notes = plain_params(params_from(args, platform))  # as the module reads the call
-    decision = explain(params, platform, EnvFlags.from_environ(), force=args.force).with_notes(*notes)
+    env = EnvFlags.from_environ()
+    # --fp8: which backward runs and the predicted FP8 and bf16 times, as the module's explain() says them
+    decision = explain(params, platform, env, force=args.force).with_notes(*notes, *fp8_notes(params, platform, env))
     print(decision.model_dump_json(indent=2) if args.json else decision.summary())
     if params.cp_size > 1 and not args.json:
         print("\n".join(["", *cp_efficiency_lines(params)]))
