@@ -12,13 +12,19 @@
 2. speed: D=128, S=4k/8k/16k, causal and not, interleaved call by call (CUDA events): the FP8 cuDNN kernel alone
    (inputs already FP8, as an fp8_mha pipeline hands them over) against the bf16 cuDNN kernel; and the module's
    forward and forward+backward (quantization and dequantization included) in FP8 against the module with
-   cudnn_fused:frontend forced in bf16. TFLOP/s count 4*B*H*S^2*D (half when causal), 2.5x that for backward.
+   cudnn_fused:frontend forced in bf16; and, interleaved with those, the module's step with an FP8 forward and the
+   bf16 backward (NVTE_FP8_DPA_BWD=0's meaning; the module pins it per instance so that the modes alternate call
+   by call without re-planning on an environment change). TFLOP/s count 4*B*H*S^2*D (half when causal), 2.5x that
+   for backward. The accuracy cases in training run a second time with NVTE_FP8_DPA_BWD=0 (recipe
+   'delayed_hybrid', rows marked "fp8_dpa_bwd": 0), d64 training among them (the FP8 backward takes d128 only).
 3. training: a small causal transformer on a synthetic copy task, bf16 attention vs FP8 attention (same init, same
    batches), losses per step; JSON and a PNG of the curves.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -84,7 +90,48 @@ ACCURACY = [  # (name, b, h, hkv, s, d, mask, fmt, train)
 ]
 
 
-def accuracy_case(name, b, h, hkv, s, d, mask, fmt, train, recipe_name, steps=3):
+# training cases only the bf16 backward can run (NVTE_FP8_DPA_BWD=0): cuDNN's FP8 backward on Hopper is d128 only
+F16_BACKWARD_ONLY = [("training d64 causal s2048", 2, 16, 16, 2048, 64, "causal", "bshd", True)]
+
+
+@contextlib.contextmanager
+def fp8_dpa_bwd(value: str | None):
+    """NVTE_FP8_DPA_BWD set to value (None: unset) inside the block, restored after."""
+    before = os.environ.get("NVTE_FP8_DPA_BWD")
+    if value is None:
+        os.environ.pop("NVTE_FP8_DPA_BWD", None)
+    else:
+        os.environ["NVTE_FP8_DPA_BWD"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("NVTE_FP8_DPA_BWD", None)
+        else:
+            os.environ["NVTE_FP8_DPA_BWD"] = before
+
+
+class PinnedBackward(DotProductAttention):
+    """The module with its FP8 backward pinned (backward_fp8=False: NVTE_FP8_DPA_BWD=0's bf16 backward) whatever the
+    environment says, so that FP8-backward and bf16-backward modules can be timed call by call."""
+
+    def __init__(self, *args, backward_fp8: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pinned_backward_fp8 = backward_fp8
+
+    def _fp8_call(self, fp8, device):
+        return dataclasses.replace(super()._fp8_call(fp8, device), backward_fp8=self._pinned_backward_fp8)
+
+
+def accuracy_case(name, b, h, hkv, s, d, mask, fmt, train, recipe_name, steps=3, bwd_fp8=True):
+    with fp8_dpa_bwd(None if bwd_fp8 else "0"):
+        res = _accuracy_case(name, b, h, hkv, s, d, mask, fmt, train, recipe_name, steps)
+    if not bwd_fp8:
+        res["fp8_dpa_bwd"] = 0
+    return res
+
+
+def _accuracy_case(name, b, h, hkv, s, d, mask, fmt, train, recipe_name, steps=3):
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(abs(hash((name, recipe_name))) % 2**31)
     module = DotProductAttention(h, d, num_gqa_groups=hkv, qkv_format=fmt, attn_mask_type=mask).to(dev)
@@ -142,6 +189,8 @@ def accuracy_case(name, b, h, hkv, s, d, mask, fmt, train, recipe_name, steps=3)
             res[f"{n}_vs_bf16_inputs"] = metrics(grad, r.grad)
             res[f"{n}_vs_fp8_inputs"] = metrics(grad, rd.grad)
         res["bwd_scales"] = {n: float(mid[INDEX[n]]) for n in ("do", "dp", "dq", "dk", "dv")}
+        res["bwd_scales_untouched"] = bool(torch.equal(
+            mid[INDEX["do"]:], module.fp8_state.scale[INDEX["do"]:]))  # expected under NVTE_FP8_DPA_BWD=0
     res["fwd_scales"] = {n: float(before[INDEX[n]]) for n in ("q", "k", "v", "s", "o")}
     res["pass"] = all(m["te_pass"] for key, m in res.items() if isinstance(m, dict) and "te_pass" in m)
     return res
@@ -163,7 +212,8 @@ def speed_case(s, causal):
                                rounds=20, inner=3)
     # modules, as a user calls them
     mask = "causal" if causal else "no_mask"
-    m8 = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask).to(dev)
+    m8 = PinnedBackward(h, d, qkv_format="bshd", attn_mask_type=mask, backward_fp8=True).to(dev)
+    m8f = PinnedBackward(h, d, qkv_format="bshd", attn_mask_type=mask, backward_fp8=False).to(dev)
     m16 = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask, backend="cudnn_fused:frontend").to(dev)
     q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(b, s, h * d, device=dev, dtype=torch.bfloat16)
@@ -182,11 +232,19 @@ def speed_case(s, causal):
             out = m8(q, k, v)
         out.backward(dout)
 
+    def step8f():  # FP8 forward, bf16 backward (NVTE_FP8_DPA_BWD=0)
+        with fp8_autocast(recipe=recipe):
+            out = m8f(q, k, v)
+        out.backward(dout)
+
     def step16():
         m16(q, k, v).backward(dout)
 
     modules = time_interleaved({"fp8_module_fwd": fwd8, "bf16_module_fwd": fwd16, "fp8_module_step": step8,
-                                "bf16_module_step": step16}, rounds=16, inner=3)
+                                "fp8_f16bwd_module_step": step8f, "bf16_module_step": step16}, rounds=16, inner=3)
+    from attn_dispatch.backends import get_engine
+
+    row["f16bwd_ran_bf16_backward"] = get_engine("cudnn_fused:fp8").f16_engine().stats["builds"] > 0
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     times = {**kernels, **modules}
     row.update({f"{k}_ms": round(t, 4) for k, t in times.items()})
@@ -198,6 +256,7 @@ def speed_case(s, causal):
                                                / (times["fp8_fwd"] + times["fp8_bwd"]), 3),
                 "module_fwd_speedup": round(times["bf16_module_fwd"] / times["fp8_module_fwd"], 3),
                 "module_step_speedup": round(times["bf16_module_step"] / times["fp8_module_step"], 3),
+                "module_step_f16bwd_speedup": round(times["bf16_module_step"] / times["fp8_f16bwd_module_step"], 3),
                 "fp8_module_fwd_tflops": tf(times["fp8_module_fwd"]),
                 "fp8_module_step_tflops": tf(times["fp8_module_step"], 3.5)})
     return row
@@ -293,6 +352,14 @@ def main():
                     row = {"case": case[0], "recipe": recipe, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 result["accuracy"].append(row)
                 print(json.dumps(row), flush=True)
+        for case in [c for c in ACCURACY if c[-1]] + F16_BACKWARD_ONLY:  # NVTE_FP8_DPA_BWD=0
+            try:
+                row = accuracy_case(*case, "delayed_hybrid", bwd_fp8=False)
+            except Exception as exc:  # noqa: BLE001
+                row = {"case": case[0], "recipe": "delayed_hybrid", "fp8_dpa_bwd": 0,
+                       "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            result["accuracy"].append(row)
+            print(json.dumps(row), flush=True)
     if "speed" not in skip:
         for s in (4096, 8192, 16384):
             for causal in (True, False):
@@ -330,11 +397,12 @@ def main():
     print("\n== FP8 accuracy (rel L2 | RMSE/range; vs bf16 inputs, vs FP8 inputs dequantized)")
     for r in result["accuracy"]:
         if "error" in r:
-            print(f"{r['case']:<24} {r['recipe']:<15} ERROR {r['error'][:120]}")
+            print(f"{r['case']:<24} {r['recipe']:<24} ERROR {r['error'][:120]}")
             continue
         parts = [f"{n} {r[n + '_vs_bf16_inputs']['rel_l2']:.3f}|{r[n + '_vs_fp8_inputs']['rel_l2']:.3f}"
                  for n in ("fwd", "dq", "dk", "dv") if n + "_vs_bf16_inputs" in r]
-        print(f"{r['case']:<24} {r['recipe']:<15} {'ok ' if r['pass'] else 'BAD'} " + "  ".join(parts))
+        bwd = " bf16-bwd" if r.get("fp8_dpa_bwd") == 0 else ""
+        print(f"{r['case']:<24} {r['recipe'] + bwd:<24} {'ok ' if r['pass'] else 'BAD'} " + "  ".join(parts))
     print("\n== speed (ms; TFLOP/s)")
     for r in result["speed"]:
         if "error" in r:
@@ -342,7 +410,8 @@ def main():
             continue
         print(f"s={r['s']:<6} causal={r['causal']!s:<5} kernel fwd fp8 {r['fp8_fwd_ms']:.3f} ({r['fp8_fwd_tflops']}) "
               f"bf16 {r['bf16_fwd_ms']:.3f} ({r['bf16_fwd_tflops']}) x{r['kernel_fwd_speedup']}; fwd+bwd "
-              f"x{r['kernel_fwdbwd_speedup']} | module fwd x{r['module_fwd_speedup']} step x{r['module_step_speedup']}")
+              f"x{r['kernel_fwdbwd_speedup']} | module fwd x{r['module_fwd_speedup']} step x{r['module_step_speedup']}"
+              f" step with NVTE_FP8_DPA_BWD=0 x{r['module_step_f16bwd_speedup']}")
     if result["train"]:
         t = result["train"]
         for name in ("bf16", "fp8"):
