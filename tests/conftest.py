@@ -1,8 +1,17 @@
 """Shared test setup: GPU tests skip cleanly without CUDA; decisions start from a clean cache."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One intra-op thread per test process: the tests' tensors are small and CI runs one pytest worker per core
+# (pytest -n), where a second thread per process only busy-waits on a core another worker needs. Set before torch
+# starts its pool, and in the environment so that spawned ranks and subprocesses start with it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
