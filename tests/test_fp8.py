@@ -730,3 +730,38 @@ def test_amax_reduction_over_a_group_keeps_ranks_in_step(tmp_path):
     ranks = json.loads(out.read_text())
     assert ranks[0]["True"] == ranks[1]["True"] == [448.0 / 8.0, 448.0 / 4.0]  # the max over both ranks
     assert ranks[0]["False"] == [448.0 / 2.0, 448.0 / 4.0] and ranks[1]["False"] == [448.0 / 8.0, 448.0 / 2.0]
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU: NVTE_FP8_DPA_BWD=0 through the module, against float32 attention
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, mask", [(128, "causal"), (64, "causal"), (128, "no_mask")])
+def test_gpu_module_f16_backward_within_fp8_criterion(monkeypatch, d, mask):
+    """d64 trains only this way (cuDNN's FP8 backward on Hopper is d128 only). Three steps so the delayed scales
+    settle; the last is compared with float32 attention on the same bf16 inputs (Transformer Engine's FP8
+    criterion, asserted in _rel), the backward scales never move, and the bf16 engine ran the backward."""
+    from attn_dispatch import DotProductAttention
+    from attn_dispatch.backends import get_engine
+
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    b, s, h = 2, 1024, 16
+    m = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask).cuda()
+    g = torch.Generator(device="cuda").manual_seed(d)
+    for _ in range(3):
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+                   for _ in range(3))
+        with fp8_autocast(recipe=DelayedScaling(fp8_dpa=True)):
+            out = m(q, k, v)
+        dout = torch.randn(out.shape, device="cuda", generator=g).to(torch.bfloat16)
+        out.backward(dout)
+    assert m.last_decision.chosen == "cudnn_fused:fp8"
+    assert torch.equal(m.fp8_state.scale[INDEX["do"]:].cpu(), torch.ones(5))
+    assert get_engine("cudnn_fused:fp8").f16_engine().stats["builds"] > 0
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref, _ = reference_attention(qf, kf, vf, qkv_format="bshd", attn_mask_type=mask,
+                                 window_size=(-1, 0) if mask == "causal" else (-1, -1))
+    ref.backward(dout.float().view(ref.shape))
+    assert _rel(out.view(ref.shape), ref) < FWD_TOL
+    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
+        assert _rel(got, want) < BWD_TOL
