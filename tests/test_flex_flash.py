@@ -24,9 +24,15 @@ def _verdict(params, platform=H100):
     return decision, [r.code for r in verdict.reasons]
 
 
-def test_an_arbitrary_mask_in_training_runs_on_flash_attn_4_first():
-    decision, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", max_seqlen_q=4096))
+def test_an_arbitrary_mask_in_inference_runs_on_flash_attn_4_first():
+    decision, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", max_seqlen_q=4096, is_training=False))
     assert codes == [] and decision.chosen == FLASH
+
+
+def test_training_stays_on_flex_s_triton_kernels():
+    """The FLASH backward refused the engine's LSE-returning call on the H200 (dLSE), at backward time."""
+    decision, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", max_seqlen_q=4096))
+    assert codes == ["flex_attention.training"] and decision.chosen == "flex_attention:torch"
 
 
 @pytest.mark.parametrize("change, platform, code", [
@@ -40,6 +46,7 @@ def test_an_arbitrary_mask_in_training_runs_on_flash_attn_4_first():
     (dict(bias_type="post_scale_bias", bias_shape="1hss"), H100, "flex_attention.score_mod_grad"),
     (dict(score_mod=True), H100, "flex_attention.score_mod_grad"),
     (dict(deterministic=True), H100, "flex_attention.deterministic"),
+    (dict(), H100, "flex_attention.training"),
     (dict(dropout=0.1), H100, "flex_attention.dropout"),
 ])
 def test_refusals_name_their_check(change, platform, code):
@@ -56,7 +63,8 @@ def test_score_mods_run_in_inference():
 
 
 def test_deterministic_training_is_accepted_on_blackwell():
-    _, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", deterministic=True), PROFILES["b200-cudnn9"])
+    _, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", deterministic=True, is_training=True),
+                        PROFILES["b200-cudnn9"])
     assert "flex_attention.deterministic" not in codes
 
 
@@ -77,19 +85,20 @@ def test_a_refused_compile_is_recorded_and_selection_moves_on(flash_engine, monk
     def refusing_kernel(*args):
         raise NotImplementedError("Flash attention with block mask but without full blocks is not supported yet")
 
-    q = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16)
     cfg = AttnConfig(attn_mask_type="arbitrary")
     kind = (False, "arbitrary", (-1, -1), "no_bias", False, False, False)
     with pytest.raises(EngineRefused, match="BACKEND='FLASH' refused"):
         flash_engine._launch(refusing_kernel, q, q, q, _Call(), cfg, None, kind)
-    params = AttentionParams(attn_mask_type="arbitrary", batch_size=2, num_heads=4, max_seqlen_q=640)
+    params = AttentionParams(attn_mask_type="arbitrary", batch_size=2, num_heads=4, max_seqlen_q=640,
+                             is_training=False)
     assert runtime_facts.current().rejections.get(flash_kind_of(params), "").startswith("NotImplementedError")
     live = dataclasses.replace(H100, facts=runtime_facts.current())  # a described H100 that saw the refusal
     decision, codes = _verdict(params, live)
     assert codes == ["flex_attention.compile_refused"]
     assert decision.chosen == "flex_attention:torch"
-    # another kind of call (inference) is not refused by it
-    _, other = _verdict(params.replace(is_training=False), live)
+    # another kind of call (another head dim) is not refused by it
+    _, other = _verdict(params.replace(head_dim_qk=64, head_dim_v=64), live)
     assert other == []
 
 

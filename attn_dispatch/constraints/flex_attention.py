@@ -231,6 +231,15 @@ def _flash_head_dims(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failu
     return None
 
 
+def _flash_training(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.is_training:
+        return fail("training: FlexAttention's FLASH backward refused the engine's call on the H200 ('FLASH backend "
+                    "backward does not support differentiating through logsumexp (dLSE)': the engine asks flex for "
+                    "the LSE); attn-dispatch runs this provider in inference until an LSE-free training call is "
+                    "checked on a GPU", "flex_attention:torch trains the same call (Triton)")
+    return None
+
+
 def _flash_score_mod_grad(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if not p.is_training:
         return None
@@ -282,6 +291,10 @@ F.add(
                         "blocks, which the FLASH lowering requires"),
     common.bias_types(F, ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi"),
                       source="attn_dispatch.backends.flex_attention score_mod (inference; see score_mod_grad)"),
+    check(F, "training", "inference only", "platform",
+          "benchmarks/results/masks/bench_masks_h200_full_flash.json (every training check of a "
+          "bool mask through the module: 'FLASH backend backward does not support differentiating through "
+          "logsumexp (dLSE)'); " + FLASH_LOWERING, _flash_training),
     check(F, "score_mod_grad", "training: no score_mod (bias, ALiBi, softcap, a user's)", "bias",
           FLASH_LOWERING + " is_trivial_score_graph ('Backwards currently doesn't support score_mods'); "
           "_can_use_flex_flash_attention ('Input buffers require gradients (not supported by flash attention)')",
@@ -313,7 +326,7 @@ F.add(
 F.note(_new_structure_cost)
 
 # flash-attn-4's lowering first: on the H200 it ran a prefix-LM bool mask (S=8k) 1.69x faster than flex's Triton
-# kernels forward and 1.71x forward+backward, and a document mask (S=16k) within 1.1x either way (FLASH_MEASURED)
+# kernels forward, and a document mask (S=16k) within 1.1x (FLASH_MEASURED)
 TABLES = [FLASH_TABLE, TABLE]
 
 
