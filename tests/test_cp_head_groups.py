@@ -285,8 +285,12 @@ def test_bad_head_group_counts_raise_on_every_rank(tmp_path_factory):
 # Single process: the default count and the token order
 # ----------------------------------------------------------------------------------------------
 def test_default_head_groups(monkeypatch):
+    """Unpipelined unless asked: the schedule is not timed on GPUs yet. A count the default may take must divide
+    each rank's heads and leave each group's exchange big enough to pay for its own all-to-all."""
     monkeypatch.delenv(head_groups.HEAD_GROUPS_ENV, raising=False)
     big = 16384 * 128  # 16k local tokens x d 128
+    assert head_groups.resolve_head_groups(None, 16, 16, 2, big) == 1
+    monkeypatch.setattr(head_groups, "DEFAULT_GROUP_CHOICES", (4, 2))
     assert head_groups.resolve_head_groups(None, 16, 16, 2, big) == 4
     assert head_groups.resolve_head_groups(None, 16, 4, 2, big) == 2  # 2 kv heads per rank
     assert head_groups.resolve_head_groups(None, 16, 2, 2, big) == 1  # 1 kv head per rank: nothing to split

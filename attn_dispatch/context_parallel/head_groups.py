@@ -29,7 +29,9 @@ from .sharding import chunks_of_rank, thd_natural_index
 
 # The head-group count when cp.attention(cp_a2a_head_groups=None) (DotProductAttention passes None).
 HEAD_GROUPS_ENV = "ATTN_DISPATCH_CP_A2A_HEAD_GROUPS"
-DEFAULT_GROUP_CHOICES = (4, 2)
+# Counts the default may take. None yet: the pipelined schedule is checked on gloo ranks but not timed on GPUs, so
+# it stays opt-in (the argument or the variable) until benchmarks/bench_cp.py --a2a-head-groups 1,2,4 shows a gain.
+DEFAULT_GROUP_CHOICES: tuple[int, ...] = ()
 # Below this many elements per rank and group, an all-to-all's fixed cost (tens of microseconds per NCCL call)
 # is comparable to its transfer, so the default stays at one group. A guess, not a measurement: time
 # benchmarks/bench_cp.py --a2a-head-groups 1,2,4 on the machine to choose.
