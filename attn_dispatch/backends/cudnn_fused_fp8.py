@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -207,7 +207,9 @@ class CudnnFP8Engine(Engine):
                 self._devices[index] = state
         return state
 
-    def graph(self, key: _Key, signature: tuple) -> _Built:
+    def graph(self, key: _Key, signature: Callable[[], tuple]) -> _Built:
+        """The built graph for key; signature() (the table's rejection signature, asked only on a refusal: building
+        it costs an AttentionParams per call) records what cuDNN refused."""
         built = self._graphs.get(key)
         if built is not None:
             self.stats["hits"] += 1
@@ -229,7 +231,7 @@ class CudnnFP8Engine(Engine):
                         self._graphs.popitem(last=False)
                 return built
 
-        record_rejection(signature, failure.cudnn_message)  # the table excludes this signature from now on
+        record_rejection(signature(), failure.cudnn_message)  # the table excludes this signature from now on
         raise failure.fresh()
 
     def _build(self, key: _Key, handle: Any) -> _Built:
@@ -387,11 +389,11 @@ class CudnnFP8Engine(Engine):
                              "backward")
         dev = q.device.index if q.device.index is not None else _cd._current_device()
         key = self._key("fwd", call, cfg, dev, fp8)
-        built = self.graph(key, self._signature(call, cfg, dtype, "fwd", fp8))
+        built = self.graph(key, lambda: self._signature(call, cfg, dtype, "fwd", fp8))
         if f16_backward:
             self._prebuild_f16_backward(key, call, q, k, v, aux, cfg, dtype, dev)
         elif training:
-            self.graph(self._key("bwd", call, cfg, dev, fp8), self._signature(call, cfg, dtype, "bwd", fp8))
+            self.graph(self._key("bwd", call, cfg, dev, fp8), lambda: self._signature(call, cfg, dtype, "bwd", fp8))
         return call, key, built
 
     def _prebuild_f16_backward(self, key: _Key, call: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -465,7 +467,7 @@ class CudnnFP8Engine(Engine):
 
     def backward_graph(self, saved: _Saved, cfg: AttnConfig) -> _Built:
         return self.graph(self._key("bwd", saved.call, cfg, saved.key.device, saved.fp8),
-                          self._signature(saved.call, cfg, saved.dtype, "bwd", saved.fp8))
+                          lambda: self._signature(saved.call, cfg, saved.dtype, "bwd", saved.fp8))
 
     def attend_backward(self, built: _Built, saved: _Saved, do8: torch.Tensor, cfg: AttnConfig
                         ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
