@@ -32,8 +32,8 @@ def _clean_decision_cache(monkeypatch):
     from attn_dispatch import selection
 
     for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FUSED_ATTN_BACKEND",
-                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "ATTN_DISPATCH_BACKEND",
-                 "ATTN_DISPATCH_POLICY", "ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS"):
+                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FP8_DPA_BWD", "NVTE_DEBUG", "NVTE_DEBUG_LEVEL",
+                 "ATTN_DISPATCH_BACKEND", "ATTN_DISPATCH_POLICY", "ATTN_DISPATCH_ALLOW_UNTESTED_VERSIONS"):
         monkeypatch.delenv(name, raising=False)
     selection.clear_cache()
     yield

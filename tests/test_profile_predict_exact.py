@@ -90,6 +90,7 @@ class PlainProfile:
         self.machines = data.get("machines", [])
         self.entries = []
         self.floors = {}  # host floors, memoised: the plain form scans every entry for one
+        self.kinds = {}  # each kind's entries, in the JSON's order, and the providers split in one of them
         for e in data["entries"]:
             machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
             machine = self.machines[machine] if isinstance(machine, int) else machine
@@ -124,7 +125,10 @@ class PlainProfile:
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in FEATURES)
         skip = shape_of(kind, here, fmt) if leave_out else None
-        of_kind = [e for e in self.entries if e["kind"] == kind]
+        if kind not in self.kinds:
+            entries = [e for e in self.entries if e["kind"] == kind]
+            self.kinds[kind] = entries, sorted({p for e in entries for p in e["gpu_ms"]})
+        of_kind, split_in_kind = self.kinds[kind]
         mine = sum(1 for e in of_kind if e["machine"] == machine and e["shape"] != skip)
         own = machine if machine and mine >= m.min_own else None
         near = []
@@ -135,9 +139,9 @@ class PlainProfile:
         near.sort()
         left, right = params.window_size
         two_sided = params.is_training and params.has_sliding_window and right != 0
-        full = replace(params, window_size=(-1, 0) if params.is_causal else (-1, -1))
         windowed = plain_work(params, m)
-        unwindowed = plain_work(full, m) if two_sided else windowed
+        unwindowed = plain_work(replace(params, window_size=(-1, 0) if params.is_causal else (-1, -1)), m) \
+            if two_sided else windowed
 
         def amount_of(provider):
             return plain_amount(provider, windowed, unwindowed, m)
@@ -149,7 +153,7 @@ class PlainProfile:
         # host_k nearest such neighbours' host times x host_scale; rates from the k nearest such neighbours, one
         # under min_rate_gpu_ms of GPU time and of less work than the call only a fallback.
         split = set()
-        for provider in sorted({p for e in of_kind for p in e["gpu_ms"]} if m.use_split else ()):
+        for provider in split_in_kind if m.use_split else ():
             with_split = [(dist, of_kind[i]) for dist, _, i in near if provider in of_kind[i]["gpu_ms"]]
             if not with_split:
                 continue
