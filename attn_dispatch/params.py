@@ -161,7 +161,7 @@ class AttentionParams:
         set_(self, "window_size", normalize_window(self.window_size, self.attn_mask_type))
         if self.bias_type == "alibi" and self.alibi_slopes_shape is None:
             set_(self, "alibi_slopes_shape", "h")
-        set_(self, "_hash", hash(dataclasses.astuple(self)[:-1]))
+        set_(self, "_hash", hash(tuple(getattr(self, name) for name in _INIT_FIELDS)))  # astuple deep-copies
 
     def _validate(self) -> None:
         _choice("qkv_format", self.qkv_format, QKV_FORMATS)
