@@ -9,8 +9,10 @@ warm period, longer than tuning, on fresh inputs), and the ratio time(picked) / 
 from __future__ import annotations
 
 import platform as py_platform
+import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -139,7 +141,9 @@ def _pick(params: AttentionParams, platform: Platform, env: EnvFlags, policy,
 def _checked_policy(measured: MeasuredPolicy | None):
     """The checked policy timing into a cache of its own for the run (with the measured policy's timer settings)."""
     settings = {} if measured is None else {"settings": measured.settings, "prune_ratio": measured.prune_ratio}
-    own = MeasuredPolicy(directory=tempfile.mkdtemp(prefix="attn-dispatch-bench-checked-"), **settings)
+    directory = tempfile.mkdtemp(prefix="attn-dispatch-bench-checked-")
+    own = MeasuredPolicy(directory=directory, **settings)
+    weakref.finalize(own, shutil.rmtree, directory, ignore_errors=True)  # the run's cache goes with the policy
     return CheckedPolicy(AutoPolicy(measured=own), own)
 
 
