@@ -261,8 +261,8 @@ def test_block_mask_is_built_once_per_tensor_and_version(engine, monkeypatch):
 
 def test_packed_block_mask_is_built_once_per_cu_seqlens(engine, monkeypatch):
     builds = []
-    real = _flex_masks._from_mask_mod
-    monkeypatch.setattr(_flex_masks, "_from_mask_mod", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+    real = _flex_masks._from_bounds
+    monkeypatch.setattr(_flex_masks, "_from_bounds", lambda *a, **kw: builds.append(1) or real(*a, **kw))
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     q, k, v = _qkv(_gen("packed cache"), "thd", 1, 40, 40, 2, 2)
     aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=23, max_seqlen_kv=23)

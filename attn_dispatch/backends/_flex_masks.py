@@ -35,8 +35,10 @@ _LRU_LIMIT = 64
 class Frame:
     kind: str                                # 'dense' | 'padded' | 'packed'
     off: int = 0                             # dense: the diagonal offset
-    lens_q: torch.Tensor | None = None       # padded: [B] real query rows / keys per batch element
+    lens_q: torch.Tensor | None = None       # padded: [B] real query rows / keys per batch element; packed: [n]
     lens_kv: torch.Tensor | None = None
+    start_q: torch.Tensor | None = None      # packed: [n] first token of each sequence (queries, keys)
+    start_kv: torch.Tensor | None = None
     off_b: torch.Tensor | None = None        # padded: [B] offsets; packed: [n + 2] per sequence (2 outsiders)
     seq_q: torch.Tensor | None = None        # packed: [t_q] sequence of each token (n: none), [t_kv] (n + 1: none)
     seq_kv: torch.Tensor | None = None
@@ -88,12 +90,14 @@ def _padded_frame(sources: tuple, top_left: bool) -> Frame:
     return Frame("padded", lens_q=lens_q, lens_kv=lens_kv, off_b=off, sources=sources)
 
 
-def _token_positions(cu: torch.Tensor, cu_padded: torch.Tensor | None, total: int, outside: int):
-    """(sequence, position) of each of `total` tokens; tokens in no sequence get sequence `outside`."""
+def _starts_and_lens(cu: torch.Tensor, cu_padded: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     cu = cu.long()
-    starts = (cu_padded.long() if cu_padded is not None else cu)[:-1]
-    lens = cu[1:] - cu[:-1]
-    token = torch.arange(total, device=cu.device)
+    return (cu_padded.long() if cu_padded is not None else cu)[:-1], cu[1:] - cu[:-1]
+
+
+def _token_positions(starts: torch.Tensor, lens: torch.Tensor, total: int, outside: int):
+    """(sequence, position) of each of `total` tokens; tokens in no sequence get sequence `outside`."""
+    token = torch.arange(total, device=starts.device)
     seq = (torch.searchsorted(starts, token, right=True) - 1).clamp(min=0)
     pos = token - starts[seq]
     inside = (token >= starts[0]) & (pos < lens[seq])
@@ -102,14 +106,16 @@ def _token_positions(cu: torch.Tensor, cu_padded: torch.Tensor | None, total: in
 
 def _packed_frame(aux: AttnAux, tq: int, tkv: int, top_left: bool, sources: tuple) -> Frame:
     n = aux.cu_seqlens_q.shape[0] - 1
-    seq_q, pos_q = _token_positions(aux.cu_seqlens_q, aux.cu_seqlens_q_padded, tq, n)
-    seq_kv, pos_kv = _token_positions(aux.cu_seqlens_kv, aux.cu_seqlens_kv_padded, tkv, n + 1)
-    cq, ckv = aux.cu_seqlens_q.long(), aux.cu_seqlens_kv.long()
-    off = torch.zeros(n + 2, dtype=torch.long, device=cq.device)
+    start_q, lens_q = _starts_and_lens(aux.cu_seqlens_q, aux.cu_seqlens_q_padded)
+    start_kv, lens_kv = _starts_and_lens(aux.cu_seqlens_kv, aux.cu_seqlens_kv_padded)
+    seq_q, pos_q = _token_positions(start_q, lens_q, tq, n)
+    seq_kv, pos_kv = _token_positions(start_kv, lens_kv, tkv, n + 1)
+    off = torch.zeros(n + 2, dtype=torch.long, device=start_q.device)
     if not top_left:
-        off[:n] = (ckv[1:] - ckv[:-1]) - (cq[1:] - cq[:-1])
+        off[:n] = lens_kv - lens_q
     return Frame("packed", off_b=off, seq_q=seq_q, seq_kv=seq_kv, pos_q=pos_q, pos_kv=pos_kv,
-                 seq_in=seq_q.clamp(max=n - 1), sources=sources)
+                 seq_in=seq_q.clamp(max=n - 1), lens_q=lens_q, lens_kv=lens_kv, start_q=start_q, start_kv=start_kv,
+                 sources=sources)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,6 +316,8 @@ def block_info(flex, frame: Frame, cfg: AttnConfig, mask: torch.Tensor | None, m
     key = ("flex_blocks", cfg.attn_mask_type in TOP_LEFT_MASKS, frame.kind, frame.off, window, shape, device)
 
     def build() -> BlockInfo:
+        if mask4 is None and user is None:  # sequences and a band only: straight from their bounds
+            return _from_bounds(flex, frame, window, sq, skv, device)
         return _from_mask_mod(flex, mask_mod, shape, device, compile_=user is not None and device.type == "cuda")
     if user is not None:
         return _user_cached(user, key, frame.sources + ((mask,) if mask is not None else ()), build)
@@ -355,6 +363,78 @@ def _from_mask_mod(flex, mask_mod: Callable, shape: tuple, device: torch.device,
     counts = torch.stack([bm.kv_num_blocks.sum(), full.sum() if full is not None else bm.kv_num_blocks.new_zeros(())])
     total = shape[0] * shape[1] * -(-shape[2] // BLOCK) * -(-shape[3] // BLOCK)
     return BlockInfo(bm, total, counts)
+
+
+def _sequence_bounds(frame: Frame, sq: int, skv: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """[R, n] query start, query count, key start, key count and diagonal offset of the n sequences in each of the
+    BlockMask's R batch rows (packed: one row of n; padded: B rows of one; dense: one sequence)."""
+    if frame.kind == "packed":
+        n = frame.lens_q.shape[0]
+        return tuple(t.unsqueeze(0) for t in (frame.start_q, frame.lens_q, frame.start_kv, frame.lens_kv,
+                                              frame.off_b[:n]))
+    if frame.kind == "padded":
+        zeros = torch.zeros_like(frame.lens_q)
+        return tuple(t.unsqueeze(1) for t in (zeros, frame.lens_q, zeros, frame.lens_kv, frame.off_b))
+    return tuple(torch.full((1, 1), v, dtype=torch.long, device=device) for v in (0, sq, 0, skv, frame.off))
+
+
+def _from_bounds(flex, frame: Frame, window: tuple[int, int], sq: int, skv: int, device: torch.device) -> BlockInfo:
+    """The BlockMask of a sequence mask with a band (causal, a window) from the sequences' bounds: O(blocks x blocks
+    + sequences) tensor work instead of evaluating the mask_mod on every pair, and nothing read back to the host
+    (cu_seqlens may be new every step). The query axis is cut at block and sequence boundaries; the queries of one
+    piece reach one contiguous range of keys (the band moves one key per query), whose blocks the piece marks. A
+    block is full when its 128 queries lie in one sequence, its 128 keys too, and the band covers all its pairs;
+    like create_block_mask, rows and keys past sq / skv count as masked."""
+    q_start, q_len, kv_start, kv_len, off = _sequence_bounds(frame, sq, skv, device)
+    left, right = window
+    rows = q_start.shape[0]
+    nq, nk = -(-sq // BLOCK), -(-skv // BLOCK)
+    shift = kv_start - q_start + off  # query token t keeps key tokens t + shift - left .. t + shift + right
+
+    def of(seq: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return t.gather(1, seq)
+
+    def sequence_at(token: torch.Tensor) -> torch.Tensor:  # the frame's rule: the last sequence starting at or before
+        return (torch.searchsorted(q_start.contiguous(), token.contiguous(), right=True) - 1).clamp(min=0)
+
+    block_q = torch.arange(nq, device=device) * BLOCK
+    cuts = torch.cat([block_q.expand(rows, nq), q_start, q_start + q_len,
+                      torch.full((rows, 1), sq, dtype=torch.long, device=device)], 1).clamp(0, sq).sort(1).values
+    a, b = cuts[:, :-1], cuts[:, 1:]
+    seq = sequence_at(a)
+    inside = (b > a) & (a >= of(seq, q_start)) & (a < of(seq, q_start) + of(seq, q_len))
+    lo = of(seq, kv_start)
+    hi = torch.clamp(lo + of(seq, kv_len), max=skv) - 1
+    if left >= 0:
+        lo = torch.maximum(lo, a + of(seq, shift) - left)
+    if right >= 0:
+        hi = torch.minimum(hi, b - 1 + of(seq, shift) + right)
+    weight = (inside & (lo <= hi)).long()
+    # each piece adds 1 on its first key block and -1 past its last; a cumulative sum along the keys marks them
+    base = (torch.arange(rows, device=device).unsqueeze(1) * nq + (a // BLOCK).clamp(max=nq - 1)) * (nk + 1)
+    marks = torch.zeros(rows * nq * (nk + 1), dtype=torch.long, device=device)
+    marks.index_add_(0, (base + (lo // BLOCK).clamp(0, nk)).flatten(), weight.flatten())
+    marks.index_add_(0, (base + (hi // BLOCK + 1).clamp(0, nk)).flatten(), -weight.flatten())
+    attended = marks.view(rows, nq, nk + 1).cumsum(-1)[..., :nk] > 0
+
+    seq = sequence_at(block_q.expand(rows, nq))
+    whole_rows = (block_q >= of(seq, q_start)) & (block_q + BLOCK <= of(seq, q_start) + of(seq, q_len)) & \
+                 (block_q + BLOCK <= sq)
+    block_kv = torch.arange(nk, device=device) * BLOCK
+    first_kv, end_kv = of(seq, kv_start).unsqueeze(-1), (of(seq, kv_start) + of(seq, kv_len)).unsqueeze(-1)
+    full = whole_rows.unsqueeze(-1) & (block_kv >= first_kv) & (block_kv + BLOCK <= end_kv) & (block_kv + BLOCK <= skv)
+    gap_lo = block_kv - (block_q.unsqueeze(-1) + BLOCK - 1)  # the least and greatest key - query in a block
+    gap_hi = block_kv + BLOCK - 1 - block_q.unsqueeze(-1)
+    if left >= 0:
+        full &= gap_lo >= of(seq, shift).unsqueeze(-1) - left
+    if right >= 0:
+        full &= gap_hi <= of(seq, shift).unsqueeze(-1) + right
+    partial = (attended & ~full).unsqueeze(1)
+    full = full.unsqueeze(1)
+    num, idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    bm = flex.BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv))
+    return BlockInfo(bm, partial.numel(), torch.stack([partial.sum(), full.sum()]))
 
 
 def _from_dense(flex, mask4: torch.Tensor, sq: int, skv: int) -> BlockInfo:
