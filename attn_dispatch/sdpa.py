@@ -181,15 +181,15 @@ def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, sof
 
 def _as_4d(mask: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tensor:
     """A [1|b, 1|h, sq, skv] view of a mask SDPA would broadcast to [b, h, sq, skv]."""
-    if mask.dim() > 4:
-        raise ValueError(f"attn_mask has shape {list(mask.shape)}; it must broadcast to [{b}, {h}, {sq}, {skv}]")
-    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    try:
-        full = torch.broadcast_shapes(mask4.shape, (b, h, sq, skv))
-    except RuntimeError:
-        full = None
-    if full != (b, h, sq, skv):
-        raise ValueError(f"attn_mask has shape {list(mask.shape)}; it must broadcast to [{b}, {h}, {sq}, {skv}]")
+    shape = mask.shape
+    rank = len(shape)
+    # broadcasts to exactly [b, h, sq, skv]: each trailing dim is 1 or that size (torch.broadcast_shapes asks the
+    # same through torch's symbolic-shape guards, ~80 us a call; this is one pass over four ints)
+    if rank > 4 or any(n != 1 and n != want for n, want in zip(shape, (b, h, sq, skv)[4 - rank:])):
+        raise ValueError(f"attn_mask has shape {list(shape)}; it must broadcast to [{b}, {h}, {sq}, {skv}]")
+    mask4 = mask if rank == 4 else mask.reshape((1,) * (4 - rank) + tuple(shape))
+    if mask4.shape[2] == sq and mask4.shape[3] == skv:
+        return mask4  # expand would return an equal view: a new tensor object for nothing
     return mask4.expand(mask4.shape[0], mask4.shape[1], sq, skv)
 
 

@@ -12,12 +12,23 @@ repeats, because the machine may be shared:
     python3 benchmarks/bench_hotpath_cpu.py                 # table, us/call
     python3 benchmarks/bench_hotpath_cpu.py --profile       # plus cProfile of the module's cached path
     python3 benchmarks/bench_hotpath_cpu.py --json OUT.json
+    python3 benchmarks/bench_hotpath_cpu.py --decode [--profile]   # transformers' decode step, see below
 
 Headline: "module - engine" (us/call) in inference (eval, no_grad) and training (train, grad enabled,
 inputs requiring grad); the budget is 5 us on a GPU host. "module(kw)" is the same call passing one
 keyword at its default value (attn_mask_type="no_mask"): the cached path every call with keywords takes (through
 nn.Module.__call__, forward and the plan cache). "sdpa_fn-op": attn_dispatch.scaled_dot_product_attention on
 [b, h, s, d] tensors (the transformers integration's call) over the stand-in op called on them directly.
+
+--decode: the transformers integration's attention function called as transformers 5.24 calls it in a batched
+greedy decode step (query [8, 16, 1, d] a transposed view, key/value [8, 8, L, d] with L growing by one a step, a new
+4-D bool mask from transformers' own sdpa_mask each step, left padding, shared by the step's 8 layers, kwargs
+position_ids and use_cache), against torch's SDPA called the same way. Both readings of the mask are measured: as
+given ('arbitrary', what stock torch runs on a GPU) and as a padding pattern (thd views with offsets, what the full
+stack runs with cuDNN), the latter by preferring that reading as a GPU platform with cudnn-frontend does. The
+engine (unfused:pytorch on CPU) is replaced by one returning an empty output, so that what is timed is the host
+path around it; torch SDPA computes, at a tiny head_dim (8) its kernel time is small. Per call, mean over the
+steps (the mask and cache are new each step, so a minimum over repeats of one call would hide the per-step work).
 
 Run it from the repository root with PYTHONPATH=. to measure this checkout rather than the installed package.
 """
@@ -140,13 +151,126 @@ def measure(training: bool, calls: int = 2000, repeats: int = 15, profile: bool 
     return result
 
 
+DECODE = dict(batch=8, heads=16, kv_heads=8, head_dim=8, prompt=32, layers=8, steps=64)
+
+
+class EmptyOutEngine(TrivialEngine):
+    """Returns a new uninitialised output of the call's shape (bshd or thd): the host path around it is timed."""
+
+    def __init__(self):  # noqa: D107 - no preallocation: the shapes change every step
+        pass
+
+    def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        return FwdResult(q.new_empty(q.shape[:-1] + v.shape[-1:]), None)
+
+    def forward_flat(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
+        return FwdResult(q.new_empty(q.shape[:-2] + (q.shape[-2] * v.shape[-1],)), None)
+
+
+def decode_steps(shape: dict, seed: int = 0):
+    """Per step: (the step's bool mask from transformers' sdpa_mask, [(query, key, value)] per layer), a left-padded
+    batch (row i short by 3 * i tokens) generating one token a step. Built before timing."""
+    from transformers.masking_utils import sdpa_mask
+
+    b, h, hkv, d, prompt = (shape[k] for k in ("batch", "heads", "kv_heads", "head_dim", "prompt"))
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([max(1, prompt - 3 * i) for i in range(b)])
+    keep = torch.arange(prompt)[None] >= (prompt - lengths)[:, None]
+    steps = []
+    for step in range(shape["steps"]):
+        keep = torch.cat([keep, torch.ones(b, 1, dtype=torch.bool)], 1)
+        kv_len = keep.shape[1]
+        mask = sdpa_mask(batch_size=b, q_length=1, kv_length=kv_len, q_offset=kv_len - 1, attention_mask=keep,
+                         device="cpu")
+        layers = [(torch.randn(b, 1, h, d, generator=g).transpose(1, 2),  # q_proj(...).view().transpose(1, 2)
+                   torch.randn(b, hkv, kv_len, d, generator=g), torch.randn(b, hkv, kv_len, d, generator=g))
+                  for _ in range(shape["layers"])]
+        steps.append((mask, layers))
+    return steps
+
+
+def measure_decode(reading: str, shape: dict = DECODE, rounds: int = 5, profile: bool = False) -> dict[str, float]:
+    """us per attention call, mean over one generation's steps and layers, best of `rounds` generations."""
+    import torch.nn.functional as F
+
+    from attn_dispatch.integrations import transformers as glue
+
+    class Attention(torch.nn.Module):  # what the function reads of transformers' attention module
+        is_causal = True
+
+    modules = [Attention().eval() for _ in range(shape["layers"])]
+    scale = shape["head_dim"] ** -0.5
+    steps = decode_steps(shape)
+    calls = len(steps) * shape["layers"]
+
+    def ours(module, q, k, v, mask):
+        return glue.attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scale, position_ids=None,
+                                      use_cache=True)
+
+    def torch_sdpa(module, q, k, v, mask):  # transformers' sdpa_attention_forward's call, less its bookkeeping
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale, enable_gqa=True)
+
+    def generation(fn):
+        start = time.perf_counter()
+        for mask, layers in steps:
+            for module, (q, k, v) in zip(modules, layers):
+                fn(module, q, k, v, mask)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    saved_engine, saved_prefer = backends._INSTANCES.get(PROVIDER), glue.prefer_padding_reading
+    backends._INSTANCES[PROVIDER] = EmptyOutEngine()
+    if reading == "as_padding":
+        glue.prefer_padding_reading = lambda as_padding, as_given: True
+    glue._DECODE_READING.clear()
+    try:
+        with torch.no_grad():
+            fns = {"attn_dispatch": ours, "torch_sdpa": torch_sdpa}
+            for fn in fns.values():
+                generation(fn)
+            best = {name: float("inf") for name in fns}
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    best[name] = min(best[name], generation(fn))
+            if profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                generation(ours)
+                prof.disable()
+                print(f"--- cProfile, decode steps, mask {reading}: {calls} calls ---")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(int(__import__("os").environ.get("NSTATS", 22)))
+    finally:
+        glue.prefer_padding_reading = saved_prefer
+        glue._DECODE_READING.clear()
+        if saved_engine is None:
+            backends._INSTANCES.pop(PROVIDER, None)
+        else:
+            backends._INSTANCES[PROVIDER] = saved_engine
+    best["attn_dispatch_minus_torch_sdpa"] = best["attn_dispatch"] - best["torch_sdpa"]
+    return best
+
+
+def main_decode(args) -> None:
+    results = {reading: measure_decode(reading, rounds=args.repeats, profile=args.profile)
+               for reading in ("as_given", "as_padding")}
+    print(f"{'mask read':<12} {'attn_dispatch':>14} {'torch sdpa':>11} {'difference':>11}   (us/call, {DECODE})")
+    for reading, r in results.items():
+        print(f"{reading:<12} {r['attn_dispatch']:14.1f} {r['torch_sdpa']:11.1f} "
+              f"{r['attn_dispatch_minus_torch_sdpa']:11.1f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"decode_shape": DECODE, "torch": torch.__version__, "results_us": results}, fh, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--decode", action="store_true", help="transformers' decode-step calls (see above)")
     args = parser.parse_args()
+    if args.decode:
+        return main_decode(args)
     results = {f"{mode}/{stand_in}": measure(mode == "training", args.calls, args.repeats, args.profile, stand_in)
                for stand_in in ("trivial", "native") for mode in ("inference", "training")}
     print(f"{'mode/engine':<18} {'module':>8} {'engine()':>9} {'engine.fwd':>11} {'module-engine':>14} "

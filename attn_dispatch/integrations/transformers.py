@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from ..decision import Decision
-from ..env import EnvFlags
-from ..platform import Platform
+from ..freshness import current_stamp
 from ..sdpa import explain_sdpa, scaled_dot_product_attention
 from ..sdpa import varlen_attention
 from ..tensor_cache import cached_on
@@ -75,9 +74,10 @@ def _recognise_decode_masks(query, key, value, mask, dropout_p, scale, gqa, soft
     Selection answers both descriptions once for the generation's shapes (and the live platform and environment),
     and the mask is read only where the pick for the padding pattern beats the pick for the mask as given."""
     training = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    # current_stamp: the runtime facts (what Platform.detect adds to its one probe), determinism and the decision's
+    # environment variables, in ~1 us; Platform.detect() and EnvFlags.from_environ() took ~10x that per call
     memo_key = (query.shape[0], query.shape[1], key.shape[1], query.shape[3], value.shape[3], query.dtype,
-                query.device, tuple(mask.shape[:2]), scale, softcap, dropout_p, training, Platform.detect(),
-                EnvFlags.from_environ())
+                query.device, mask.shape[0], mask.shape[1], scale, softcap, dropout_p, training, current_stamp())
     known = _DECODE_READING.get(memo_key)
     if known is None:
         asked = dict(dropout_p=dropout_p, scale=scale, enable_gqa=gqa, softcap=softcap)
@@ -103,7 +103,7 @@ def prefer_padding_reading(as_padding: Decision, as_given: Decision) -> bool:
     return rank(as_padding) < rank(as_given)
 
 
-# (shapes, dtype, device, mask broadcast, scale, softcap, dropout, training, platform, environment) -> whether a
+# (shapes, dtype, device, mask broadcast, scale, softcap, dropout, training, freshness stamp) -> whether a
 # one-query step's mask is read as a padding pattern
 _DECODE_READING: dict[tuple, bool] = {}
 
