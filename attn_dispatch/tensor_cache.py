@@ -54,11 +54,36 @@ def cached_device_tensor(tensors: tuple[torch.Tensor, ...], context: tuple,
     return cached_on(tensors, context, compute)
 
 
+def remember_values(t: torch.Tensor, values: list) -> None:
+    """Record t.tolist() == values for a tensor just made from those host values (e.g. cu_seqlens built from a
+    mask's lengths): a later known_values(t) answers without reading the device back. A dead or modified t misses."""
+    cached_on((t,), ("host_values",), lambda: list(values))
+
+
+def known_values(t: torch.Tensor) -> list | None:
+    """t's values as recorded by remember_values (for t's current version), else None: nothing is read."""
+    try:
+        version = t._version
+    except RuntimeError:
+        return None
+    hit = _CACHE.get((id(t), "host_values"))
+    if hit is not None and hit[1] == (version,) and hit[0][0]() is t:
+        return hit[2]
+    return None
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a and b hold the same values (e.g. cu_seqlens_q and cu_seqlens_kv): a device comparison and a sync, once per
-    pair of tensors and versions."""
-    return a is b or cached_on((a, b), ("same_values",),
-                               lambda: a.shape == b.shape and bool(torch.equal(a.to(b.dtype), b)))
+    """a and b hold the same values (e.g. cu_seqlens_q and cu_seqlens_kv): compared on the host where both were
+    recorded by remember_values, else a device comparison and a sync; once per pair of tensors and versions."""
+    if a is b:
+        return True
+
+    def compare() -> bool:
+        known_a, known_b = known_values(a), known_values(b)
+        if known_a is not None and known_b is not None:
+            return a.shape == b.shape and known_a == known_b
+        return a.shape == b.shape and bool(torch.equal(a.to(b.dtype), b))
+    return cached_on((a, b), ("same_values",), compare)
 
 
 def clear() -> None:

@@ -192,3 +192,24 @@ def test_inside_fp8_autocast_the_sdpa_function_keeps_its_dtype_and_explain_agree
         decision = attn_dispatch.explain_sdpa(q, k, v, is_causal=True)
     torch.testing.assert_close(inside, outside, rtol=0, atol=0)
     assert decision.chosen is not None and not decision.params["fp8"]
+
+
+def test_values_remembered_for_a_tensor_answer_without_a_read_and_go_stale_on_a_write(monkeypatch):
+    """tensor_cache.remember_values lets same_values compare host copies (no device read); an in-place write or a
+    different tensor object is not answered from them."""
+    from attn_dispatch import tensor_cache
+
+    a = torch.tensor([0, 3, 7], dtype=torch.int32)
+    b = torch.tensor([0, 3, 7], dtype=torch.int32)
+    c = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for t in (a, b, c):
+        tensor_cache.remember_values(t, t.tolist())
+    assert tensor_cache.known_values(a) == [0, 3, 7]
+    assert tensor_cache.known_values(torch.tensor([0, 3, 7], dtype=torch.int32)) is None
+    reads = []
+    monkeypatch.setattr(torch, "equal", lambda x, y: reads.append(1) or torch.Tensor.equal(x, y))
+    assert tensor_cache.same_values(a, b) and not tensor_cache.same_values(a, c)
+    assert reads == []
+    b[2] = 9  # in place: the recorded values no longer hold, and the comparison reads the device
+    assert tensor_cache.known_values(b) is None
+    assert not tensor_cache.same_values(a, b) and reads == [1]
