@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tensor_cache import cached_on
+from .tensor_cache import cached_on, remember_values
 
 
 @dataclass(frozen=True)
@@ -202,4 +202,7 @@ def _running(lengths: list[int]) -> list[int]:
 def _tensors(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
     """int32 tensors on the device, one copy for all of them (views of one buffer)."""
     flat = torch.tensor([x for values in lists for x in values], dtype=torch.int32).to(device)
-    return list(flat.split([len(values) for values in lists]))
+    views = list(flat.split([len(values) for values in lists]))
+    for view, values in zip(views, lists):  # their values are known here: validation need not read them back
+        remember_values(view, values)
+    return views

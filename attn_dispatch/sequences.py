@@ -9,7 +9,7 @@ import torch
 
 from .backends.base import PackedFacts
 from .params import SeqLengths, has_padding, keyless_rows, packed_fills
-from .tensor_cache import cached_on, same_values
+from .tensor_cache import cached_on, known_values, same_values
 from .validation import positive_int, show_values
 
 if TYPE_CHECKING:
@@ -64,7 +64,9 @@ def _cu_values(name: str, cu: Any, batch: int | None, device: torch.device) -> l
                          f"it needs batch_size + 1 = {batch + 1}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but query_layer is on {device}; put it on the same device")
-    values = cu.tolist()
+    values = known_values(cu)  # offsets built from host lists (a recognised mask's) are not read back
+    if values is None:
+        values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name}={show_values(values)} must start at 0")
     for i in range(1, len(values)):
