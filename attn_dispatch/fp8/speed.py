@@ -1,7 +1,7 @@
 """What FP8 attention gains or costs against bf16 for a call: a prediction from one measurement.
 
-The rates are cuDNN 9.19's FP8 and bf16 kernels timed against each other on an H100 (h16, d128, b*s = 64k tokens,
-bf16 cuDNN as the baseline), recorded in benchmarks/results/fp8/bench_fp8_h100.json ('speed' rows). The table
+The rates are cuDNN 9.19's FP8 and bf16 kernels timed against each other on an H200 (h16, d128, b*s = 64k tokens,
+bf16 cuDNN as the baseline), recorded in benchmarks/results/fp8/bench_fp8_h200.json ('speed' rows). The table
 below holds those rows' times; tests/test_fp8.py checks it against the file. A call's prediction scales the bf16
 cuDNN step the shipped profile predicts for it by the measured FP8/bf16 time ratio of each pass, at the nearest
 measured sequence length, for its mask (causal or not). Kernels only: the module's quantization passes come on top
@@ -12,28 +12,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SOURCE = "benchmarks/results/fp8/bench_fp8_h100.json"
-MEASURED_ON = "H100, cuDNN 9.19, h16 d128"
+SOURCE = "benchmarks/results/fp8/bench_fp8_h200.json"
+MEASURED_ON = "H200, cuDNN 9.19, h16 d128"
 MEASURED_SM = 90
 
 # (causal, pass, sequence length) -> (FP8 kernel ms, bf16 cuDNN kernel ms), from SOURCE's 'speed' rows
 KERNEL_MS: dict[tuple[bool, str, int], tuple[float, float]] = {
-    (True, "fwd", 4096): (1.7305, 1.842), (True, "bwd", 4096): (10.9571, 5.695),
-    (False, "fwd", 4096): (2.487, 3.5344), (False, "bwd", 4096): (9.3284, 10.4148),
-    (True, "fwd", 8192): (3.0622, 3.5426), (True, "bwd", 8192): (20.7412, 10.2156),
-    (False, "fwd", 8192): (4.9181, 6.8203), (False, "bwd", 8192): (17.8379, 20.6147),
-    (True, "fwd", 16384): (5.0103, 6.8114), (True, "bwd", 16384): (38.5317, 20.4027),
-    (False, "fwd", 16384): (9.8173, 13.666), (False, "bwd", 16384): (34.0591, 40.4947),
+    (True, "fwd", 4096): (1.5488, 1.9682), (True, "bwd", 4096): (8.4209, 5.7945),
+    (False, "fwd", 4096): (2.541, 3.5417), (False, "bwd", 4096): (9.2683, 10.4144),
+    (True, "fwd", 8192): (2.8106, 3.7441), (True, "bwd", 8192): (15.9941, 11.1549),
+    (False, "fwd", 8192): (5.024, 6.9421), (False, "bwd", 8192): (17.6414, 20.6542),
+    (True, "fwd", 16384): (5.1655, 7.3572), (True, "bwd", 16384): (21.72, 21.0923),
+    (False, "fwd", 16384): (9.8013, 13.695), (False, "bwd", 16384): (34.0577, 40.8459),
 }
 # (causal, pass, sequence length) -> bf16 module time / FP8 module time, measured in the same run ('fwd': forward;
-# 'step': forward and backward): what the quantization passes of that commit added to the kernels
+# 'step': forward and backward, the FP8 backward): what the module's quantization passes added to the kernels
 MODULE_SPEEDUP: dict[tuple[bool, str, int], float] = {
-    (True, "fwd", 4096): 0.537, (True, "step", 4096): 0.501,
-    (False, "fwd", 4096): 0.838, (False, "step", 4096): 0.95,
-    (True, "fwd", 8192): 0.726, (True, "step", 8192): 0.523,
-    (False, "fwd", 8192): 0.982, (False, "step", 8192): 1.102,
-    (True, "fwd", 16384): 1.019, (True, "step", 16384): 0.592,
-    (False, "fwd", 16384): 1.161, (False, "step", 16384): 1.196,
+    (True, "fwd", 4096): 0.878, (True, "step", 4096): 0.731,
+    (False, "fwd", 4096): 1.073, (False, "step", 4096): 1.113,
+    (True, "fwd", 8192): 1.064, (True, "step", 8192): 0.774,
+    (False, "fwd", 8192): 1.189, (False, "step", 8192): 1.196,
+    (True, "fwd", 16384): 1.254, (True, "step", 16384): 0.931,
+    (False, "fwd", 16384): 1.299, (False, "step", 16384): 1.241,
 }
 BANDS = (4096, 8192, 16384)
 
