@@ -11,6 +11,7 @@ tensor and version (tensor_cache.cached_on); structures that depend on sizes onl
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections import OrderedDict
@@ -431,10 +432,28 @@ def _from_bounds(flex, frame: Frame, window: tuple[int, int], sq: int, skv: int,
         full &= gap_hi <= of(seq, shift).unsqueeze(-1) + right
     partial = (attended & ~full).unsqueeze(1)
     full = full.unsqueeze(1)
+    return BlockInfo(_block_mask(flex, partial, full, sq, skv), partial.numel(),
+                     torch.stack([partial.sum(), full.sum()]))
+
+
+def _block_mask(flex, partial: torch.Tensor, full: torch.Tensor, sq: int, skv: int) -> Any:
+    """A BlockMask from dense [B, H, nq, nk] partial / full block maps. The query-side lists come from the maps'
+    transposes: from_kv_blocks would rebuild the maps from the key-side lists first (through vmap), most of a build's
+    host time."""
     num, idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
-    bm = flex.BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv))
-    return BlockInfo(bm, partial.numel(), torch.stack([partial.sum(), full.sum()]))
+    from_kv_blocks = flex.BlockMask.from_kv_blocks
+    if not _takes(from_kv_blocks, "compute_q_blocks"):  # torch < 2.6
+        return from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv))
+    bm = from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv), compute_q_blocks=False)
+    bm.q_num_blocks, bm.q_indices = _ordered(partial.transpose(-2, -1))
+    bm.full_q_num_blocks, bm.full_q_indices = _ordered(full.transpose(-2, -1))
+    return bm
+
+
+@functools.lru_cache(maxsize=None)
+def _takes(fn: Callable, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
 
 
 def _from_dense(flex, mask4: torch.Tensor, sq: int, skv: int) -> BlockInfo:
@@ -445,10 +464,8 @@ def _from_dense(flex, mask4: torch.Tensor, sq: int, skv: int) -> BlockInfo:
     all_masked = _block_reduce(mask4, torch.all, True, nq, nk)
     full = ~any_masked
     partial = any_masked & ~all_masked
-    num, idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    bm = flex.BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(sq, skv))
-    return BlockInfo(bm, partial.numel(), torch.stack([partial.sum(), full.sum()]))
+    return BlockInfo(_block_mask(flex, partial, full, sq, skv), partial.numel(),
+                     torch.stack([partial.sum(), full.sum()]))
 
 
 def _block_reduce(mask4: torch.Tensor, reduce, pad_value: bool, nq: int, nk: int) -> torch.Tensor:
