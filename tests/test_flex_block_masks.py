@@ -25,16 +25,17 @@ def _cfg(fmt: str, mask_type: str, window) -> AttnConfig:
 
 def _dense(num: torch.Tensor, idx: torch.Tensor, nk: int) -> torch.Tensor:
     """[B, H, nq, nk] bool: the blocks a (num_blocks, indices) pair lists."""
+    num, idx = num.cpu(), idx.cpu()
     listed = torch.arange(idx.shape[-1]) < num.unsqueeze(-1)
     return torch.zeros(*idx.shape[:-1], nk, dtype=torch.bool).scatter_(-1, idx.long(), listed)
 
 
-def _assert_same_blocks(aux: AttnAux, cfg: AttnConfig, b: int, sq: int, skv: int) -> None:
+def _assert_same_blocks(aux: AttnAux, cfg: AttnConfig, b: int, sq: int, skv: int, device=CPU) -> None:
     frame = _flex_masks.frame_for(aux, cfg, sq, skv)
     mask_mod = _flex_masks.mask_mod_for(frame, cfg, None, None)
     rows = b if frame.kind == "padded" else 1
-    want = flex.create_block_mask(mask_mod, rows, 1, sq, skv, device=CPU, BLOCK_SIZE=BLOCK)
-    got = _flex_masks._from_bounds(flex, frame, tuple(cfg.window_size), sq, skv, CPU).block_mask
+    want = flex.create_block_mask(mask_mod, rows, 1, sq, skv, device=device, BLOCK_SIZE=BLOCK)
+    got = _flex_masks._from_bounds(flex, frame, tuple(cfg.window_size), sq, skv, torch.device(device)).block_mask
     nq, nk = -(-sq // BLOCK), -(-skv // BLOCK)
     for kind in ("", "full_"):
         for side, cols in (("kv", nk), ("q", nq)):
@@ -45,7 +46,7 @@ def _assert_same_blocks(aux: AttnAux, cfg: AttnConfig, b: int, sq: int, skv: int
             assert torch.equal(got_map, want_map), f"{kind or 'partial '}{side} blocks differ:\n" \
                 f"{(got_map.int() - want_map.int()).nonzero().tolist()}"
     assert got.seq_lengths == want.seq_lengths == (sq, skv)
-    assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
+    assert torch.equal(got.kv_num_blocks.cpu(), want.kv_num_blocks.cpu())
 
 
 # (mask type, window): the masks a sequence frame carries; non-causal masks take a right window too
@@ -171,3 +172,30 @@ def test_the_call_reads_nothing_back_to_the_host(fmt, mask_type, window):
     with pytest.raises(DataDependentOutputException):  # what a read-back would do
         with FakeTensorMode() as mode:
             mode.from_tensor(cu_q).tolist()
+
+
+GAPPED = dict(cu_seqlens_q=[0, 1900, 4050, 5750, 7750], cu_seqlens_kv=[0, 1900, 4050, 5750, 7750],
+              cu_seqlens_q_padded=[0, 2048, 4258, 6158, 8192], cu_seqlens_kv_padded=[0, 2048, 4258, 6158, 8192])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_type, window", [("padding_causal", None), ("padding_causal_bottom_right", (4095, 0)),
+                                                ("padding", (100, 300))])
+def test_on_cuda_the_blocks_match_and_the_host_never_waits(mask_type, window):
+    """8192 packed tokens in 4 sequences with gaps: the same blocks as create_block_mask on the GPU, and planning a
+    call with new cu_seqlens tensors runs under torch's sync debug mode 'error' (a device-to-host wait raises)."""
+    tensors = {k: torch.tensor(v, dtype=torch.int32, device="cuda") for k, v in GAPPED.items()}
+    cfg = _cfg("thd", mask_type, window)
+    _assert_same_blocks(AttnAux(**tensors, max_seqlen_q=2150, max_seqlen_kv=2150), cfg, 1, 8192, 8192, "cuda")
+    plan(flex, AttnAux(**tensors, max_seqlen_q=2150, max_seqlen_kv=2150), cfg, 1, 16, 8192, 8192,
+         torch.device("cuda"))  # warm: lazy initialisation is not a step's work
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            fresh = {k: t.clone() for k, t in tensors.items()}  # a new step's tensors
+            call = plan(flex, AttnAux(**fresh, max_seqlen_q=2150, max_seqlen_kv=2150), cfg, 1, 16, 8192, 8192,
+                        torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert call.block_mask.kv_indices.is_cuda
