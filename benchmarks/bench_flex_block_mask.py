@@ -2,9 +2,9 @@
 mask tensors every step, so nothing derived from the previous step's tensors is reused): the frame (each token's
 sequence and position), the BlockMask built by create_block_mask evaluating the mask_mod on every pair (before), the
 BlockMask built from the sequence bounds (after), and the whole plan (frame, modifiers, BlockMask) as the engine runs
-it. Each call also counts the host reads of device data it makes (.item()/int()/tolist() dispatch
-aten._local_scalar_dense; nonzero, masked_select, unique and equal make the host wait too) and whether the plan runs
-on fake tensors (contents unknown: any read-back raises).
+it. Each call also counts the host reads of device data it makes (.item()/int() dispatch aten._local_scalar_dense;
+nonzero, masked_select, unique and equal make the host wait too), and says whether the plan runs on fake tensors
+(contents unknown: any read-back raises, also those the count cannot see: .tolist(), indexing with a bool tensor).
 
 Default call: 8192 packed tokens in 4 sequences with gaps between them (cu_seqlens_q_padded), h16, causal
 (top-left), causal bottom-right, and a 4096-token sliding window.
