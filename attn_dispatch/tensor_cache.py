@@ -19,20 +19,31 @@ import torch
 
 CACHE_LIMIT = 256
 _CACHE: dict[tuple, tuple[tuple, tuple, Any]] = {}
+_MISS = object()
+
+
+def _lookup(tensors: tuple[torch.Tensor, ...], context: tuple) -> tuple[Any, tuple | None]:
+    """(the cached value or _MISS, the tensors' versions; None for an inference tensor, which is never cached)."""
+    try:
+        versions = tuple(t._version for t in tensors)
+    except RuntimeError:  # an inference tensor: no version counter, so a later in-place write could not be seen
+        return _MISS, None
+    hit = _CACHE.get(tuple(map(id, tensors)) + context)
+    if hit is not None and hit[1] == versions and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        return hit[2], versions
+    return _MISS, versions
 
 
 def cached_on(tensors: tuple[torch.Tensor, ...], context: tuple, compute: Callable[[], Any]) -> Any:
     """compute() once per (tensor objects, their versions, context); a dead or modified tensor misses. The
     context must name everything else the value depends on (a stride, a dtype, the purpose)."""
-    try:
-        versions = tuple(t._version for t in tensors)
-    except RuntimeError:  # an inference tensor: no version counter, so a later in-place write could not be seen
-        return compute()
-    key = tuple(map(id, tensors)) + context
-    hit = _CACHE.get(key)
-    if hit is not None and hit[1] == versions and all(ref() is t for ref, t in zip(hit[0], tensors)):
-        return hit[2]
+    value, versions = _lookup(tensors, context)
+    if value is not _MISS:
+        return value
     value = compute()
+    if versions is None:
+        return value
+    key = tuple(map(id, tensors)) + context
     if len(_CACHE) >= CACHE_LIMIT:
         _CACHE.clear()
     _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
@@ -62,14 +73,8 @@ def remember_values(t: torch.Tensor, values: list) -> None:
 
 def known_values(t: torch.Tensor) -> list | None:
     """t's values as recorded by remember_values (for t's current version), else None: nothing is read."""
-    try:
-        version = t._version
-    except RuntimeError:
-        return None
-    hit = _CACHE.get((id(t), "host_values"))
-    if hit is not None and hit[1] == (version,) and hit[0][0]() is t:
-        return hit[2]
-    return None
+    value = _lookup((t,), ("host_values",))[0]
+    return None if value is _MISS else value
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
