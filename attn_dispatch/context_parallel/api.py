@@ -52,8 +52,8 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     cp_a2a_head_groups (cp_comm_type='a2a' only): split each rank's heads into this many groups and overlap one
     group's all-to-alls with another's attention (head_groups.py). None: the environment variable
-    ATTN_DISPATCH_CP_A2A_HEAD_GROUPS, else up to 4 where the heads divide and the exchange is large enough; 1: no
-    pipelining. Must divide num_heads / cp_size and num_gqa_groups / cp_size.
+    ATTN_DISPATCH_CP_A2A_HEAD_GROUPS, else the default of head_groups.resolve_head_groups (1, no pipelining, until
+    the schedule is timed on GPUs). Must divide num_heads / cp_size and num_gqa_groups / cp_size.
     """
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     fp8 = aux.extra.get("fp8")
