@@ -81,7 +81,7 @@ def make_tensors(case: Case, device: torch.device, seed: int):
 
     kwargs = {}
     if case.fmt == "thd":
-        if case.seqlens:  # the grid fixed them (eval-blind-packed)
+        if case.seqlens:  # lengths the grid fixed when it was drawn
             lens = list(case.seqlens)
         else:
             lo = max(1, case.s // 2)
