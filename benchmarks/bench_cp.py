@@ -439,7 +439,17 @@ def profile_steps(step, grads, device: str) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-    return summarise_trace(events)
+    summary = summarise_trace(events)
+    summary["top_host_ops"] = top_ops(prof, "self_cpu_time_total")
+    summary["top_device_ops"] = top_ops(prof, "self_device_time_total")
+    return summary
+
+
+def top_ops(prof, key: str, n: int = 8) -> list[list]:
+    """[name, ms per step, calls per step] of the n ops with the most `key` time (host or device, self)."""
+    rows = [(e.key, getattr(e, key, 0.0) or 0.0, e.count) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    return [[name[:80], round(t / 1e3 / PROFILED_STEPS, 3), round(c / PROFILED_STEPS, 1)] for name, t, c in rows[:n]]
 
 
 def peak_mem(device: str) -> float | None:
@@ -646,6 +656,13 @@ def table(rows: list[dict], checks: list[dict]) -> str:
                 win = tuple(r["window"]) if r.get("window") else "-"
                 head = f"| {r['world_size']} | {r['seqlen']} | {comm} | {win} | {rank} | "
                 lines.append(head + " | ".join(cells) + " |")
+        lines += ["", "Most time per step on rank 0 (ms, calls): host ops by self time; device ops by self time"]
+        for r in profiled:
+            comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "")
+            p = r["profile"][0]
+            for kind in ("top_host_ops", "top_device_ops"):
+                ops = "; ".join(f"{name[:40]} {ms:.2f} ({n:g})" for name, ms, n in p.get(kind, [])[:5])
+                lines.append(f"- {r['seqlen']} {comm} {tuple(r['window']) if r.get('window') else ''} {kind}: {ops}")
     return "\n".join(lines)
 
 

@@ -41,8 +41,8 @@ def _case(name, comm, fmt="bshd", mask="causal", h=4, hkv=4, softmax="vanilla", 
 
 
 def _window_cases(world: int, h: int, gqa_kv: int, lens) -> list[dict]:
-    """Sliding windows: a window narrower than a chunk (most blocks skipped, the ring stops early at 4 ranks),
-    one wider than a chunk, and a two-sided window without a causal mask."""
+    """Sliding windows: a window narrower than a chunk (p2p fetches only its keys, as all_gather does), one wider
+    than a chunk (p2p keeps the ring, which stops early at 4 ranks), and a two-sided window without a causal mask."""
     cases = []
     s = 8 * world  # chunks of 4 tokens
     for comm in ("p2p", "all_gather", "a2a"):

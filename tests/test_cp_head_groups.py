@@ -317,5 +317,7 @@ def test_seq_order_matches_sharding(fmt, balanced, size):
                                  lens if fmt == "thd" else None)
     parts = torch.stack(shards)
     assert torch.equal(order.to_whole(parts), x)
+    wider = torch.cat([parts.flatten(1), torch.zeros(size, 5)], dim=1)  # what a packed receive buffer hands over
+    assert torch.equal(order.to_whole(wider[:, :parts[0].numel()].unflatten(-1, parts.shape[1:])), x)
     back = order.to_parts(x)
     assert back.is_contiguous() and torch.equal(back, parts)

@@ -78,6 +78,13 @@ def gathered_band(cp_size: int, chunk_index: int, chunk: int, window: tuple[int,
     return None if b is None else (start, b)
 
 
+def neighbour_window(chunk: int, window: tuple[int, int]) -> bool:
+    """Whether a bounded window reaches no further than the chunks next to a query chunk (left and right <= chunk):
+    then a rank needs at most `left + right` keys from its neighbours, and 'p2p' fetches just those."""
+    left, right = window
+    return 0 <= left <= chunk and 0 <= right <= chunk
+
+
 def steps_needed(cp_size: int, chunk: int, window: tuple[int, int]) -> int:
     """How many ring steps any rank computes something in (the ring stops after them)."""
     last = 0

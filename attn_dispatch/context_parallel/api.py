@@ -19,14 +19,15 @@ from ._layout import HEAD_DIM, NDIM, SEQ_DIM
 from .a2a import A2AP2PAttention, HeadSplit
 from .all_gather import AllGatherAttention
 from .fp8_a2a import FP8A2AAttention
-from .head_groups import A2AAttention, SeqOrder, resolve_head_groups
+from .head_groups import A2AAttention, resolve_head_groups, seq_order
 from .merge import sink_logits
 from .p2p import P2PAttention, RingPlan
 from .sharding import RankOrder, local_cu_seqlens
 from .engines import SelectedPerBlock
 from ..constraints.context_parallel import fp8_failures
+from ..constraints.cp_bands import neighbour_window
 from .support import COMM_TYPES, is_windowed, unsupported_features
-from .window_gather import WindowAllGatherAttention
+from .window_exchange import WindowExchangeAttention
 from .window_ring import WindowP2PAttention, WindowRingPlan
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -326,10 +327,10 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
         cfg = dataclasses.replace(cfg, attn_mask_type="padding_causal" if causal else "padding")
     sd = SEQ_DIM[fmt]
     windowed = is_windowed(cfg.attn_mask_type, cfg.window_size)
+    if windowed and (comm == "all_gather" or (comm == "p2p" and neighbour_window(q.shape[sd] // 2, cfg.window_size))):
+        return WindowExchangeAttention(engine, cfg, aux, fmt, infos[0], q.shape[sd])
     if windowed and comm == "p2p":
         return WindowP2PAttention(engine, WindowRingPlan(cfg, aux, fmt, q.shape[sd], infos[0]), infos[0], stream)
-    if windowed and comm == "all_gather":
-        return WindowAllGatherAttention(engine, cfg, aux, fmt, infos[0], q.shape[sd])
     if comm == "p2p":
         return P2PAttention(engine, _ring_plan(cfg, aux, fmt, causal, q.shape[sd], k.shape[sd], 1, infos[0].size),
                             infos[0], stream)
@@ -347,9 +348,9 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
         lengths = None
         if fmt == "thd":
             cu = aux.cu_seqlens_q.tolist()
-            lengths = [b - a for a, b in zip(cu, cu[1:])]
-        seq_order = SeqOrder(fmt, a2a.size, q.shape[sd], q.device, causal or windowed, lengths)
-        return A2AAttention(engine, cfg, whole, fmt, a2a, seq_order, groups)
+            lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
+        order = seq_order(fmt, a2a.size, q.shape[sd], q.device, causal or windowed, lengths)
+        return A2AAttention(engine, cfg, whole, fmt, a2a, order, groups)
     order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device, outer=infos[1].size)
     split = HeadSplit(fmt, a2a, order)
     p2p = infos[1]

@@ -4,7 +4,8 @@ from measured compute and transfer rates, so a comm type can be picked without a
 The model (per comm type, one rank; t(bytes) = bytes / link rate):
 - p2p: P ring steps of equal work (load-balanced); step i's K/V transfer hides under step i-1's compute:
   forward = c + (P-1) (max(c, t(kv)) + step); backward likewise with c_bwd, where the travelling float32 dK/dV
-  triples the bytes for P > 2, then one exposed hop of dK/dV. With a window, only the steps the window reaches.
+  triples the bytes for P > 2, then one exposed hop of dK/dV. With a window, only the steps the window reaches; a
+  window within the neighbouring chunks moves only its keys, as all_gather does (window_exchange.py).
 - a2a: q, k, v (then out) cross all-to-alls around whole-sequence attention on heads / P; with G head groups the
   exchanges overlap attention except 1/G of them: max(c, comm) (G-1)/G + (c + comm)/G, and the same backward.
 - all_gather: the K/V it needs gathered before, the float32 dK/dV reduce-scattered after; nothing overlaps.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constraints.cp_bands import steps_needed
+from ..constraints.cp_bands import neighbour_window, steps_needed
 from .head_groups import resolve_head_groups
 
 BWD_FLOPS_RATIO = 2.5
@@ -95,7 +96,9 @@ def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: 
     q = local * call.heads * call.head_dim * call.elem_bytes
     t = lambda n: n / (rates.link_gbps * 1e6)  # noqa: E731 - ms
     step = rates.step_ms
-    if comm == "p2p":
+    exchange = comm == "all_gather" or (call.window is not None and comm == "p2p"
+                                        and neighbour_window(call.seqlen // (2 * p), call.window))
+    if comm == "p2p" and not exchange:
         steps = p
         if call.window:
             steps = steps_needed(p, call.seqlen // (2 * p), call.window)

@@ -16,6 +16,7 @@ kv head group g). G = 1 is the plain Ulysses exchange.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -74,45 +75,52 @@ def resolve_head_groups(requested: int | None, num_heads: int, num_kv_heads: int
 
 class SeqOrder:
     """Where each whole-sequence token sits among the shards an all-to-all delivers (rank p's local token i), and
-    back. Load-balanced bshd/sbhd: rank p holds chunks p and 2P-1-p; thd: each sequence so; otherwise rank order is
-    natural order and both directions are reshapes."""
+    back. Load-balanced bshd/sbhd: rank p holds chunks p and 2P-1-p, so each direction moves 2P chunks in one pass
+    (no per-token index); thd: a token index, each sequence so; otherwise rank order is natural order and both
+    directions are reshapes. Built once per layout (seq_order): a call copies nothing to the device."""
 
     def __init__(self, fmt: str, size: int, local_len: int, device: torch.device, balanced: bool,
-                 thd_lengths: list[int] | None = None):
+                 thd_lengths: tuple[int, ...] | None = None):
         self.fmt, self.size, self.local_len, self.sd = fmt, size, local_len, SEQ_DIM[fmt]
         self.identity = fmt != "thd" and not balanced
-        if self.identity:
-            return
+        self.chunk = local_len // 2
+        # natural chunk c is half h of rank p's shard: placement[c] = (p, h)
+        self.placement = sorted(((c, (p, h)) for p in range(size) for h, c in enumerate(chunks_of_rank(size, p))))
         if fmt == "thd":
-            slot = thd_natural_index(thd_lengths, size)  # natural token n is token slot[n] of the rank-order concat
-        else:
-            chunk = local_len // 2
-            start = {c: p * local_len + half * chunk
-                     for p in range(size) for half, c in enumerate(chunks_of_rank(size, p))}
-            slot = torch.cat([torch.arange(start[c], start[c] + chunk) for c in range(2 * size)])
-        natural = torch.empty_like(slot)
-        natural[slot] = torch.arange(slot.numel())
-        self.src_rank = (slot // local_len).to(device)
-        self.src_pos = (slot % local_len).to(device)
-        self.natural_of = natural.view(size, local_len).to(device)  # natural position of rank p's token i
+            slot = thd_natural_index(list(thd_lengths), size)  # natural token n is token slot[n] of the rank order
+            rank_order = torch.empty_like(slot)
+            rank_order[slot] = torch.arange(slot.numel())
+            self.natural_from, self.rank_from = slot.to(device), rank_order.to(device)
 
     def to_whole(self, parts: torch.Tensor) -> torch.Tensor:
         """[P, *local shape] (any strides; slice p from rank p) -> the whole sequence in natural order, contiguous."""
+        if self.fmt == "thd":
+            return parts.flatten(0, 1).index_select(0, self.natural_from)
         if self.identity:
             return parts.movedim(0, self.sd).flatten(self.sd, self.sd + 1).contiguous()
-        if self.sd == 0:
-            return parts[self.src_rank, self.src_pos]
-        return parts.transpose(0, 1)[:, self.src_rank, self.src_pos]
+        return torch.cat([parts[p].narrow(self.sd, h * self.chunk, self.chunk) for _, (p, h) in self.placement],
+                         self.sd)
 
     def to_parts(self, whole: torch.Tensor) -> torch.Tensor:
         """The inverse: the whole sequence -> contiguous [P, *local shape], slice p for rank p."""
+        if self.fmt == "thd":
+            return whole.index_select(0, self.rank_from).unflatten(0, (self.size, self.local_len))
         if self.identity:
-            parts = whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0)
-        elif self.sd == 0:
-            parts = whole[self.natural_of]
-        else:
-            parts = whole[:, self.natural_of].transpose(0, 1)
-        return parts.contiguous()
+            return whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0).contiguous()
+        local = list(whole.shape)
+        local[self.sd] = self.local_len
+        parts = torch.empty(self.size, *local, dtype=whole.dtype, device=whole.device)
+        for c, (p, h) in self.placement:
+            parts[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(whole.narrow(self.sd, c * self.chunk,
+                                                                                    self.chunk))
+        return parts
+
+
+@functools.lru_cache(maxsize=32)
+def seq_order(fmt: str, size: int, local_len: int, device: torch.device, balanced: bool,
+              thd_lengths: tuple[int, ...] | None = None) -> SeqOrder:
+    """The SeqOrder of a layout, built once (its index tensors live on the device)."""
+    return SeqOrder(fmt, size, local_len, device, balanced, thd_lengths)
 
 
 class A2AAttention:

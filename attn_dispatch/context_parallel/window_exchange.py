@@ -1,8 +1,12 @@
-"""'all_gather' with a sliding window (bshd/sbhd, load-balanced layout): each query chunk needs only the keys
-[q0 - left, q0 + chunk + right), so each rank fetches just those pieces from their owners, point to point,
-instead of gathering the whole K/V; each chunk then runs one trimmed band call (bands.gathered_band). Backward
-sends each piece's dK/dV (float32) back to its owner, which adds them up. (Transformer Engine's all-gather mode
-slices K/V per chunk the same way after gathering all of it: get_kv_seq_info_after_all_gather.)
+"""A sliding window under context parallelism, moving only the keys the window reaches (bshd/sbhd, load-balanced
+layout): each query chunk needs the keys [q0 - left, q0 + chunk + right), so each rank fetches just those pieces
+from their owners, point to point, and runs one trimmed band call per chunk (bands.gathered_band). Backward sends
+each piece's dK/dV (float32) back to its owner, which adds them up.
+
+'all_gather' always runs so (Transformer Engine's all-gather mode slices K/V per chunk the same way, after gathering
+all of it: get_kv_seq_info_after_all_gather). 'p2p' runs so when the window reaches no further than the neighbouring
+chunks (bands.neighbour_window): a ring would carry every rank's whole K/V (and a float32 dK/dV) around for a few
+thousand keys; wider windows keep the ring (window_ring.py), whose hops hide under compute.
 """
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ def _pieces(size: int, chunk: int, window) -> list[Piece]:
     return pieces
 
 
-class WindowAllGatherAttention:
+class WindowExchangeAttention:
     def __init__(self, engine: Engine, cfg: AttnConfig, aux: AttnAux, fmt: str, info: GroupInfo, local_len: int):
         self.engine, self.fmt, self.info, self.dim = engine, fmt, info, SEQ_DIM[fmt]
         self.chunk = local_len // 2
