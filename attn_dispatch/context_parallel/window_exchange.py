@@ -1,7 +1,11 @@
 """A sliding window under context parallelism, moving only the keys the window reaches (bshd/sbhd, load-balanced
 layout): each query chunk needs the keys [q0 - left, q0 + chunk + right), so each rank fetches just those pieces
 from their owners, point to point, and runs one trimmed band call per chunk (bands.gathered_band). Backward sends
-each piece's dK/dV (float32) back to its owner, which adds them up.
+each piece's dK/dV back to its owner, which adds them up (float32 only where pieces overlap).
+
+Each query chunk runs exactly one call, so its output, lse and dq are written where they belong, and a key's
+gradient is one call's unless pieces overlap: nothing is merged, accumulated in float32 or cast when the window
+lets every key have one reader (the common case: a window narrower than a chunk overlaps only at chunk edges).
 
 'all_gather' always runs so (Transformer Engine's all-gather mode slices K/V per chunk the same way, after gathering
 all of it: get_kv_seq_info_after_all_gather). 'p2p' runs so when the window reaches no further than the neighbouring
@@ -20,8 +24,7 @@ from ..backends.base import AttnAux, AttnConfig, Engine
 from ._comm import GroupInfo
 from ._layout import LSE_SEQ_DIM, SEQ_DIM
 from ..constraints.cp_bands import Band, gathered_band
-from .merge import BlockState, acc_dtype, add_sink, merge_, sink_grad
-from .p2p import Pair
+from .merge import NEG_INF, BlockState, acc_dtype, add_sink, sink_grad
 from .sharding import chunks_of_rank
 
 _TAG = 1000
@@ -67,6 +70,24 @@ def _pieces(size: int, chunk: int, window) -> list[Piece]:
     return pieces
 
 
+class Segment(NamedTuple):
+    """A run of this rank's own keys [start, start + length) and the pieces whose gradients cover it."""
+    start: int
+    length: int
+    pieces: tuple[int, ...]
+
+
+def _segments(pieces: list[Piece], rank: int, local_len: int) -> list[Segment]:
+    """This rank's keys cut where the set of pieces reading them changes."""
+    mine = [(n, p) for n, p in enumerate(pieces) if p.owner == rank]
+    cuts = sorted({0, local_len, *(p.src for _, p in mine), *(p.src + p.length for _, p in mine)})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        readers = tuple(n for n, p in mine if p.src <= a and b <= p.src + p.length)
+        out.append(Segment(a, b - a, readers))
+    return out
+
+
 class WindowExchangeAttention:
     def __init__(self, engine: Engine, cfg: AttnConfig, aux: AttnAux, fmt: str, info: GroupInfo, local_len: int):
         self.engine, self.fmt, self.info, self.dim = engine, fmt, info, SEQ_DIM[fmt]
@@ -78,6 +99,9 @@ class WindowExchangeAttention:
         self.auxs = [AttnAux(max_seqlen_q=n.band.q_len, max_seqlen_kv=n.band.k_len, extra=aux.extra)
                      for n in self.needs]
         self.pieces = _pieces(info.size, self.chunk, cfg.window_size)
+        self.segments = _segments(self.pieces, info.rank, local_len)
+        # every local query row in some call: outputs and dq need no zero fill
+        self.rows_covered = sum(n.band.q_len for n in self.needs) == local_len
 
     def _ops(self, make) -> list:
         ops = []
@@ -86,113 +110,119 @@ class WindowExchangeAttention:
                 continue
             op = make(n, p)
             if op is not None:
-                ops.append(op)
+                ops.extend(op)
         return ops
 
-    def _fetch(self, kv: Pair) -> list[Pair]:
-        """This rank's key buffers (one per need), filled from every owner."""
-        r, g = self.info.rank, self.info.global_ranks
-        d = self.dim + kv.lead
-        bufs = [Pair(tuple(t.new_empty(_resized(t.shape, d, n.band.k_len)) for t in kv.buffers)) for n in self.needs]
+    def _fetch(self, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's key buffers (K and V, one pair per need), filled from every owner."""
+        r, g, d = self.info.rank, self.info.global_ranks, self.dim
+        bufs = [tuple(t.new_empty(_resized(t.shape, d, n.band.k_len)) for t in (k, v)) for n in self.needs]
         staged = []
 
         def make(n, p):
             if p.owner == r:
-                send = Pair(tuple(t.narrow(d, p.src, p.length).contiguous() for t in kv.buffers))
-                return [dist.P2POp(dist.isend, t, g[p.needer], self.info.group, _TAG + 2 * n + i)
-                        for i, t in enumerate(send.buffers)]
+                return [dist.P2POp(dist.isend, t.narrow(d, p.src, p.length).contiguous(), g[p.needer],
+                                   self.info.group, _TAG + 2 * n + i) for i, t in enumerate((k, v))]
             if p.needer == r:
-                recv = Pair(tuple(t.new_empty(_resized(t.shape, d, p.length)) for t in kv.buffers))
+                recv = tuple(t.new_empty(_resized(t.shape, d, p.length)) for t in (k, v))
                 staged.append((p, recv))
                 return [dist.P2POp(dist.irecv, t, g[p.owner], self.info.group, _TAG + 2 * n + i)
-                        for i, t in enumerate(recv.buffers)]
+                        for i, t in enumerate(recv)]
             return None
-        ops = [op for group in self._ops(make) for op in group]
+        ops = self._ops(make)
         works = dist.batch_isend_irecv(ops) if ops else []
         for p in self.pieces:  # local pieces while the others travel
             if p.owner == r and p.needer == r:
-                for dst, src in zip(bufs[p.need].buffers, kv.buffers):
+                for dst, src in zip(bufs[p.need], (k, v)):
                     dst.narrow(d, p.dst, p.length).copy_(src.narrow(d, p.src, p.length))
         for w in works:
             w.wait()
         for p, recv in staged:
-            for dst, src in zip(bufs[p.need].buffers, recv.buffers):
+            for dst, src in zip(bufs[p.need], recv):
                 dst.narrow(d, p.dst, p.length).copy_(src)
         return bufs
 
-    def _return(self, grads: list[Pair], dkv: Pair) -> None:
-        """Send each piece's gradient back to its owner, which adds it into dkv (its local shard's gradient)."""
-        r, g = self.info.rank, self.info.global_ranks
-        d = self.dim + dkv.lead
-        staged = []
+    def _return(self, grads: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each piece's gradient goes back to its owner (in the engine's dtype: it is one call's result); the owner
+        sums what covers each of its keys, in float32 only where several pieces do."""
+        r, g, d = self.info.rank, self.info.global_ranks, self.dim
+        received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def make(n, p):
             if p.needer == r:
-                send = Pair(tuple(t.narrow(d, p.dst, p.length).contiguous() for t in grads[p.need].buffers))
-                return [dist.P2POp(dist.isend, t, g[p.owner], self.info.group, _TAG + 2 * n + i)
-                        for i, t in enumerate(send.buffers)]
+                return [dist.P2POp(dist.isend, t.narrow(d, p.dst, p.length).to(like.dtype).contiguous(), g[p.owner],
+                                   self.info.group, _TAG + 2 * n + i)
+                        for i, (t, like) in enumerate(zip(grads[p.need], (k, v)))]
             if p.owner == r:
-                recv = Pair(tuple(t.new_empty(_resized(t.shape, d, p.length)) for t in dkv.buffers))
-                staged.append((p, recv))
+                recv = received[n] = tuple(t.new_empty(_resized(t.shape, d, p.length)) for t in (k, v))
                 return [dist.P2POp(dist.irecv, t, g[p.needer], self.info.group, _TAG + 2 * n + i)
-                        for i, t in enumerate(recv.buffers)]
+                        for i, t in enumerate(recv)]
             return None
-        ops = [op for group in self._ops(make) for op in group]
+        ops = self._ops(make)
         works = dist.batch_isend_irecv(ops) if ops else []
-        for p in self.pieces:
-            if p.owner == r and p.needer == r:
-                for dst, src in zip(dkv.buffers, grads[p.need].buffers):
-                    dst.narrow(d, p.src, p.length).add_(src.narrow(d, p.dst, p.length))
         for w in works:
             w.wait()
-        for p, recv in staged:
-            for dst, src in zip(dkv.buffers, recv.buffers):
-                dst.narrow(d, p.src, p.length).add_(src)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        for i, dest in enumerate((dk, dv)):
+            for seg in self.segments:
+                out = dest.narrow(d, seg.start, seg.length)
+                parts = []
+                for n in seg.pieces:
+                    p = self.pieces[n]
+                    src = received[n][i] if p.needer != r else grads[p.need][i].narrow(d, p.dst, p.length)
+                    parts.append(src.narrow(d, seg.start - p.src, seg.length))
+                if not parts:
+                    out.zero_()
+                elif len(parts) == 1:
+                    out.copy_(parts[0])
+                else:
+                    total = parts[0].to(acc_dtype(dest))
+                    for part in parts[1:]:
+                        total += part
+                    out.copy_(total)
+        return dk, dv
 
     def _rows(self, x: torch.Tensor, need: Need, *, lse: bool = False) -> torch.Tensor:
         dim = LSE_SEQ_DIM[self.fmt] if lse else self.dim
         return x.narrow(dim, need.half * self.chunk + need.band.q_start, need.band.q_len)
 
     def forward(self, q, k, v, sink):
-        bufs = self._fetch(Pair.of(k, v))
-        acc = acc_dtype(q)
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+        bufs = self._fetch(k, v)
+        make = torch.empty if self.rows_covered else torch.zeros
+        out = make(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = None
         states = []
-        for need, buf, cfg, aux in zip(self.needs, bufs, self.cfgs, self.auxs):
-            kk, vv = buf.parts
+        for need, (kk, vv), cfg, aux in zip(self.needs, bufs, self.cfgs, self.auxs):
             res = self.engine.forward(self._rows(q, need).contiguous(), kk, vv, aux, cfg)
             states.append(BlockState(res.state, res.out))
             if lse is None:
                 shape = list(res.lse.shape)
                 shape[LSE_SEQ_DIM[self.fmt]] = q.shape[self.dim]
-                lse = torch.full(shape, float("-inf"), dtype=acc, device=q.device)
-            merge_(self._rows(out, need), self._rows(lse, need, lse=True), res.out, res.lse, self.fmt)
+                lse = (torch.empty(shape, dtype=acc_dtype(q), device=q.device) if self.rows_covered
+                       else torch.full(shape, NEG_INF, dtype=acc_dtype(q), device=q.device))
+            self._rows(out, need).copy_(res.out)
+            self._rows(lse, need, lse=True).copy_(res.lse)
         if sink is not None:
-            out, lse = add_sink(out, lse, sink, self.fmt)
-        out = out.to(q.dtype)
-        return out, (q, k, v, out, lse, *[t for b in bufs for t in b.buffers]), states
+            out, lse = add_sink(out.to(acc_dtype(q)), lse, sink, self.fmt)
+            out = out.to(q.dtype)
+        return out, (q, k, v, out, lse, *[t for pair in bufs for t in pair]), states
 
     def backward(self, dout, saved, states, sink):
         q, k, v, out, lse, *flat = saved
-        per = len(flat) // max(len(self.needs), 1)
-        bufs = [Pair(tuple(flat[i * per:(i + 1) * per])) for i in range(len(self.needs))]
+        bufs = [tuple(flat[2 * i:2 * i + 2]) for i in range(len(self.needs))]
         dout = dout.contiguous()
-        acc = acc_dtype(q)
-        dq = torch.zeros_like(q, dtype=acc)
+        dq = torch.empty_like(q) if self.rows_covered else torch.zeros_like(q)
         grads = []
-        for need, buf, cfg, aux, state in zip(self.needs, bufs, self.cfgs, self.auxs, states):
-            kk, vv = buf.parts
+        for need, (kk, vv), cfg, aux, state in zip(self.needs, bufs, self.cfgs, self.auxs, states):
             rows = lambda t: self._rows(t, need).contiguous()  # noqa: E731
             g = self.engine.backward(rows(dout), rows(q), kk, vv, rows(out),
                                      self._rows(lse, need, lse=True).contiguous(), state.state, aux, cfg)
-            self._rows(dq, need).add_(g.dq)
-            grads.append(Pair.of(g.dk, g.dv, acc))
-        dkv = Pair.of(torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
-        self._return(grads, dkv)
-        dk, dv = dkv.parts
+            self._rows(dq, need).copy_(g.dq)
+            grads.append((g.dk, g.dv))
+        dk, dv = self._return(grads, k, v) if grads else (torch.zeros_like(k), torch.zeros_like(v))
         dsink = sink_grad(dout, out, lse, sink, self.fmt) if sink is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
+        return dq, dk, dv, dsink
 
 
 def _resized(shape, dim: int, length: int) -> tuple[int, ...]:
