@@ -29,10 +29,10 @@ def test_an_arbitrary_mask_in_inference_runs_on_flash_attn_4_first():
     assert codes == [] and decision.chosen == FLASH
 
 
-def test_training_stays_on_flex_s_triton_kernels():
-    """The FLASH backward refused the engine's LSE-returning call on the H200 (dLSE), at backward time."""
-    decision, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", max_seqlen_q=4096))
-    assert codes == ["flex_attention.training"] and decision.chosen == "flex_attention:torch"
+def test_training_with_a_mask_alone_is_accepted():
+    """The engine's training call asks for no LSE, which the FLASH backward cannot differentiate through."""
+    _, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", max_seqlen_q=4096))
+    assert codes == []
 
 
 @pytest.mark.parametrize("change, platform, code", [
@@ -46,7 +46,6 @@ def test_training_stays_on_flex_s_triton_kernels():
     (dict(bias_type="post_scale_bias", bias_shape="1hss"), H100, "flex_attention.score_mod_grad"),
     (dict(score_mod=True), H100, "flex_attention.score_mod_grad"),
     (dict(deterministic=True), H100, "flex_attention.deterministic"),
-    (dict(), H100, "flex_attention.training"),
     (dict(dropout=0.1), H100, "flex_attention.dropout"),
 ])
 def test_refusals_name_their_check(change, platform, code):
@@ -87,7 +86,7 @@ def test_a_refused_compile_is_recorded_and_selection_moves_on(flash_engine, monk
 
     q = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16)
     cfg = AttnConfig(attn_mask_type="arbitrary")
-    kind = (False, "arbitrary", (-1, -1), "no_bias", False, False, False)
+    kind = (False, "arbitrary", (-1, -1), "no_bias", False, False, False, True)
     with pytest.raises(EngineRefused, match="BACKEND='FLASH' refused"):
         flash_engine._launch(refusing_kernel, q, q, q, _Call(), cfg, None, kind)
     params = AttentionParams(attn_mask_type="arbitrary", batch_size=2, num_heads=4, max_seqlen_q=640,
@@ -112,7 +111,7 @@ def test_a_lowering_error_of_any_type_moves_selection_on(flash_engine, monkeypat
     q = torch.randn(1, 2, 16, 64)
     with pytest.raises(EngineRefused, match="TensorSSA"):
         flash_engine._launch(lowering, q, q, q, _Call(), AttnConfig(attn_mask_type="arbitrary"), None,
-                             (False, "arbitrary", (-1, -1), "no_bias", False, False, False))
+                             (False, "arbitrary", (-1, -1), "no_bias", False, False, False, True))
     assert len(runtime_facts.current().rejections) == 1
 
 
@@ -138,13 +137,60 @@ def test_the_kernel_is_asked_for_flash_attn_4(flash_engine):
     seen = {}
 
     def kernel(*args):
-        seen["options"] = args[-1]
+        seen["options"], seen["want_lse"] = args[-2:]
         return "out", "lse"
 
     q = torch.randn(1, 2, 16, 64)
     flash_engine._launch(kernel, q, q, q, _Call(), AttnConfig(), None, (False,) + ("no_mask", (-1, -1), "no_bias",
-                                                                                    False, False, False))
-    assert seen["options"] == {"BACKEND": "FLASH"}
+                                                                                    False, False, False, False))
+    assert seen == {"options": {"BACKEND": "FLASH"}, "want_lse": False}
     plain = FlexAttentionEngine()
-    plain._launch(kernel, q, q, q, _Call(), AttnConfig(), None, ())
-    assert seen["options"] is None
+    plain._launch(kernel, q, q, q, _Call(), AttnConfig(), None, (True,))
+    assert seen == {"options": None, "want_lse": True}
+
+
+def test_a_training_call_asks_flash_for_no_lse(flash_engine, monkeypatch):
+    """FLASH's backward cannot differentiate through the LSE, and flex's autograd gives it a gradient slot whenever
+    the LSE is an output: a training call leaves it out; inference keeps it."""
+    asked = []
+
+    def run(q, k, v, aux, cfg, want_lse=True):
+        asked.append(want_lse)
+        return q, (None if not want_lse else torch.zeros(1))
+
+    monkeypatch.setattr(flash_engine, "_run", run)
+    q = torch.randn(1, 16, 2, 64, requires_grad=True)
+    out, lse, _ = flash_engine(q, q, q, None, AttnConfig(qkv_format="bshd", attn_mask_type="arbitrary"))
+    assert asked == [False] and lse is None
+    with torch.no_grad():
+        flash_engine(q, q, q, None, AttnConfig(qkv_format="bshd", attn_mask_type="arbitrary"))
+    assert asked[-1] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_flash_trains_a_prefix_lm_mask_through_the_module(gqa):
+    """Forced onto flex_attention:flash_attn_4, a training step with a bool prefix-LM mask: output and gradients
+    against the unfused engine in float32 on the same inputs."""
+    pytest.importorskip("flash_attn.cute")
+    from attn_dispatch import DotProductAttention
+
+    b, s, h, d, prefix = 2, 1024, 8, 128, 256
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for n in (h, h // gqa, h // gqa))
+    i = torch.arange(s, device="cuda")
+    masked = (i[None, :] > i[:, None]) & (i[None, :] >= prefix)  # True: masked out (causal after the prefix)
+    mask = masked.expand(b, 1, s, s)
+    dout = torch.randn(b, s, h * d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    results = {}
+    for backend, dtype in (("flex_attention:flash_attn_4", torch.bfloat16), ("unfused", torch.float32)):
+        module = DotProductAttention(h, d, num_gqa_groups=h // gqa, qkv_format="bshd", attn_mask_type="arbitrary",
+                                     backend=backend)
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = module(*leaves, attention_mask=mask)
+        out.backward(dout.to(dtype))
+        results[backend] = [out.detach().float()] + [t.grad.float() for t in leaves]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results["flex_attention:flash_attn_4"], results["unfused"]):
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.3g} against float32 unfused"

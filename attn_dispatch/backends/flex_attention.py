@@ -34,17 +34,26 @@ def _to_bhsd(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # thd: one sequence of packed tokens
 
 
-def _from_bhsd(out4: torch.Tensor, lse: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_layout(out4: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "bshd":
-        return out4.transpose(1, 2), lse
+        return out4.transpose(1, 2)
     if fmt == "sbhd":
-        return out4.permute(2, 0, 1, 3), lse
-    return out4[0].transpose(0, 1), lse[0]
+        return out4.permute(2, 0, 1, 3)
+    return out4[0].transpose(0, 1)
+
+
+def _from_bhsd(out4: torch.Tensor, lse: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _to_layout(out4, fmt), (lse[0] if fmt == "thd" else lse)
 
 
 def _call_flex(flex_attention, q4, k4, v4, score_mod, block_mask, scale, enable_gqa, aux_request,
-               kernel_options=None):
-    """(out, lse) of one flex call; what the engine compiles (a copy of this code per kind of call)."""
+               kernel_options=None, want_lse=True):
+    """(out, lse) of one flex call, lse None unless want_lse; what the engine compiles (a copy of this code per
+    kind of call)."""
+    if not want_lse:
+        out = flex_attention(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                             enable_gqa=enable_gqa, kernel_options=kernel_options)
+        return out, None
     if aux_request is None:  # torch < 2.9: no AuxRequest
         return flex_attention(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
                               enable_gqa=enable_gqa, return_lse=True, kernel_options=kernel_options)
@@ -83,14 +92,15 @@ class FlexAttentionEngine(Engine):
             compiled = self._compiled[kind] = torch.compile(types.FunctionType(code, _call_flex.__globals__))
         return compiled
 
-    def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig,
+             want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         fmt = cfg.qkv_format
         q4, k4, v4 = (_to_bhsd(x, fmt) for x in (q, k, v))
         b, h, sq, _ = q4.shape
         skv = k4.shape[2]
         call = plan(self.flex, aux, cfg, b, h, sq, skv, q.device)
         kind = (cfg.qkv_format == "thd", cfg.attn_mask_type, tuple(cfg.window_size), cfg.bias_type,
-                bool(cfg.softcap), MASK_MOD in aux.extra, SCORE_MOD in aux.extra)
+                bool(cfg.softcap), MASK_MOD in aux.extra, SCORE_MOD in aux.extra, want_lse)
         kernel = self._kernel(q.device, kind)
         aux_request = self._lse_request
         if q.device.type == "cuda":
@@ -99,12 +109,14 @@ class FlexAttentionEngine(Engine):
             with warnings.catch_warnings():  # eager on the CPU is the intended path, not a missed compile
                 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
                 out4, lse = kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask,
-                                   cfg.softmax_scale, h != k4.shape[1], aux_request)
+                                   cfg.softmax_scale, h != k4.shape[1], aux_request, None, want_lse)
+        if lse is None:
+            return _to_layout(out4, fmt), None
         return _from_bhsd(out4, lse, fmt)
 
     def _launch(self, kernel, q4, k4, v4, call, cfg: AttnConfig, aux_request, kind: tuple):
         return kernel(self.flex.flex_attention, q4, k4, v4, call.score_mod, call.block_mask, cfg.softmax_scale,
-                      q4.shape[1] != k4.shape[1], aux_request, self.KERNEL_OPTIONS)
+                      q4.shape[1] != k4.shape[1], aux_request, self.KERNEL_OPTIONS, kind[-1])
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
         with torch.no_grad():
@@ -115,11 +127,15 @@ class FlexAttentionEngine(Engine):
         raise NotImplementedError("flex_attention:torch computes gradients through FlexAttention's autograd "
                                   "(call the engine); it has no backward that takes a given out/lse")
 
-    def __call__(self, q, k, v, aux: AttnAux, cfg: AttnConfig, *, flatten_heads: bool = False):
+    @staticmethod
+    def _check_call(cfg: AttnConfig) -> None:
         if cfg.dropout_p > 0:
             raise ValueError(f"dropout_p={cfg.dropout_p}: FlexAttention has no dropout")
         if cfg.softmax_type != "vanilla" or cfg.return_max_logit:
             raise ValueError("flex_attention:torch supports softmax_type='vanilla' without return_max_logit")
+
+    def __call__(self, q, k, v, aux: AttnAux, cfg: AttnConfig, *, flatten_heads: bool = False):
+        self._check_call(cfg)
         out, lse = self._run(q, k, v, aux, cfg)
         return (out.flatten(-2) if flatten_heads else out), lse.detach(), None
 
@@ -151,6 +167,16 @@ class FlexFlashEngine(FlexAttentionEngine):
             message = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             record_rejection(signature, message)
             raise EngineRefused(f"FlexAttention's BACKEND='FLASH' refused this call: {message}") from None
+
+    def __call__(self, q, k, v, aux: AttnAux, cfg: AttnConfig, *, flatten_heads: bool = False):
+        """A training call asks for no LSE (lse None): the FLASH backward cannot differentiate through one, and
+        flex's autograd sends it a gradient slot whenever the LSE is an output of the graph."""
+        training = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        if not training:
+            return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+        self._check_call(cfg)
+        out, _ = self._run(q, k, v, aux, cfg, want_lse=False)
+        return (out.flatten(-2) if flatten_heads else out), None, None
 
 
 class _Call:
