@@ -2,7 +2,9 @@
 
 For each row of a bench_user_step.py result: the provider the profile predicts fastest among those the row timed
 (optionally only torch's own providers, as on a stock `pip install torch`), and time(pick) / time(fastest). The
-prediction is made for the row's machine (its run's device name), as the platform would on that machine.
+prediction is made for the row's machine (its run's device name), as the platform would on that machine; a packed
+case with its own lengths carries their fills (as the module reads them from cu_seqlens), and where the profile
+predicts none of the providers the pick is the run's recorded order pick (the policy's fallback).
 
     python3 benchmarks/evaluate_profile.py FILE...            # against the shipped profile
     python3 benchmarks/evaluate_profile.py --timed FILE...    # also the run's own timed default/measured columns
@@ -27,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attn_dispatch.params import AttentionParams  # noqa: E402
+from attn_dispatch.params import AttentionParams, packed_fills  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, build,  # noqa: E402
                                           pooled_calls)
@@ -42,21 +44,36 @@ def forced_times(all_times: dict[str, float], stock: bool) -> dict[str, float]:
     return {n: t for n, t in all_times.items() if ":" in n and (not stock or n in TORCH_PROVIDERS)}
 
 
+def call_of(params: dict, case: dict | None = None) -> AttentionParams:
+    """A row's call as the module asks it: a packed case with its own lengths (Case.seqlens) carries their fills."""
+    lengths = tuple((case or {}).get("seqlens") or ())
+    if not lengths:
+        return AttentionParams(**params)
+    fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
+                                params["attn_mask_type"])
+    return AttentionParams(**{**params, "packed_fill": fill, "packed_token_fill": tokens})
+
+
 def score(profile: Profile, label: str, params: dict, all_times: dict[str, float], machine: str, *, leave_out: bool,
-          stock: bool, sdpa: float | None = None) -> dict | None:
+          stock: bool, sdpa: float | None = None, case: dict | None = None,
+          order_pick: str | None = None) -> dict | None:
+    """The profile's pick over the fastest of the providers the row timed. Where the profile predicts none of them,
+    the policy takes Transformer Engine's order: the row's recorded order pick (else the fastest, for rows without
+    one)."""
     times = forced_times(all_times, stock)
     if not times:
         return None
-    pred = profile.predict(AttentionParams(**params), machine=machine, leave_out=leave_out)
+    pred = profile.predict(call_of(params, case), machine=machine, leave_out=leave_out)
     candidates = sorted(times, key=times.get)
-    pick = pred.best(list(times)) or candidates[0]
+    pick = pred.best(list(times)) or (order_pick if order_pick in times else candidates[0])
     return {"label": label, "machine": machine, "pick": pick, "fastest": candidates[0],
-            "ratio": times[pick] / times[candidates[0]], "vs_sdpa": times[pick] / sdpa if sdpa else None}
+            "ratio": times[pick] / times[candidates[0]], "vs_sdpa": times[pick] / sdpa if sdpa else None,
+            "predicted": bool(pred.best(list(times)))}
 
 
 def evaluate(rows: list[dict], profile: Profile, machine: str, *, stock: bool, leave_out: bool = False) -> list[dict]:
     found = (score(profile, r["label"], r["params"], r["times_ms"], machine, leave_out=leave_out, stock=stock,
-                   sdpa=r["times_ms"].get("sdpa")) for r in rows)
+                   sdpa=r["times_ms"].get("sdpa"), case=r.get("case"), order_pick=r.get("order_pick")) for r in rows)
     return [r for r in found if r]
 
 
@@ -173,6 +190,12 @@ def model_with(settings: list[str]) -> CostModel:
         default = getattr(COST_MODEL, key)
         if isinstance(default, bool):
             changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(default, tuple) and default and all(isinstance(x, tuple) for x in default):
+            # (name, number) pairs: NAME=NUMBER,...; "none": the empty tuple
+            pairs = [] if value == "none" else [part.rpartition("=") for part in value.split(",")]
+            if any(not name or not number for name, _, number in pairs):
+                raise SystemExit(f"--model {item!r}: expected {key}=NAME=NUMBER,... or {key}=none")
+            changes[key] = tuple((name, float(number)) for name, _, number in pairs)
         elif isinstance(default, tuple) and all(isinstance(x, str) for x in default):
             changes[key] = () if value == "none" else tuple(value.split(","))  # names; "none": the empty tuple
         elif isinstance(default, tuple):

@@ -20,6 +20,11 @@ def test_model_settings_parse_to_their_fields_types_and_refuse_unknown_keys():
     assert model.split_combine == COST_MODEL.split_combine  # the rest as shipped
     assert evaluate_profile.model_with(["unwindowed_backward=x:a,x:b"]).unwindowed_backward == ("x:a", "x:b")
     assert evaluate_profile.model_with(["unwindowed_backward=none"]).unwindowed_backward == ()  # provider names
+    varlen = evaluate_profile.model_with(["varlen_factor=x:a=1.5,y:b=0.5"]).varlen_factor
+    assert varlen == (("x:a", 1.5), ("y:b", 0.5))  # (provider, number) pairs
+    assert evaluate_profile.model_with(["varlen_factor=none"]).varlen_factor == ()
+    with pytest.raises(SystemExit, match="NAME=NUMBER"):
+        evaluate_profile.model_with(["varlen_factor=x:a"])
     for bad in (["hostscale=0.9"], ["host_scale="], ["host_scale"]):
         with pytest.raises(SystemExit, match="CostModel field"):
             evaluate_profile.model_with(bad)

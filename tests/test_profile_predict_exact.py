@@ -121,6 +121,48 @@ class PlainProfile:
         return 0.0
 
     def predict(self, params, machine, leave_out):
+        """(times, neighbours shown, own machine, own entries): a packed call from its dense twin's GPU time and
+        the packed calls' host time, any other from its own kind's nearest calls."""
+        m = self.model
+        if params.qkv_format == "thd" and m.packed_twin:
+            hosts, gpus, split, shown, own, own_entries = self.packed_parts(params, machine, leave_out)
+        else:
+            hosts, gpus, split, shown, own, own_entries = self.parts(params, machine, leave_out)
+        times = {}
+        for provider, gpu in gpus.items():
+            power = m.split_combine if provider in split else m.combine
+            times[provider] = (hosts[provider] ** power + gpu ** power) ** (1.0 / power)
+        return times, shown, own, own_entries
+
+    def packed_parts(self, params, machine, leave_out):
+        """The twin: every sequence the longest, as a dense call (bshd, the mask without padding, the window kept);
+        its GPU time x the provider's work of the pack over the twin's x the varlen factor. Host: the packed calls'
+        (the window left out), for the providers measured packed."""
+        m = self.model
+        dense_mask = {"padding": "no_mask", "padding_causal": "causal",
+                      "padding_causal_bottom_right": "causal_bottom_right"}
+        twin = replace(params, qkv_format="bshd", attn_mask_type=dense_mask.get(params.attn_mask_type,
+                                                                                params.attn_mask_type),
+                       packed_fill=None, packed_token_fill=None, pad_between_seqs=False, seqlens_differ=False)
+        t_hosts, t_gpus, t_split, t_shown, _, _ = self.parts(twin, machine, False)
+        unwindowed = replace(params, window_size=(-1, 0) if params.is_causal else (-1, -1))
+        h_hosts, _, h_split, h_shown, own, own_entries = self.parts(
+            unwindowed if params.has_sliding_window else params, machine, leave_out)
+
+        def amount(provider, p):
+            two_sided = p.is_training and p.has_sliding_window and p.window_size[1] != 0
+            full = plain_work(replace(p, window_size=(-1, 0) if p.is_causal else (-1, -1)), m) if two_sided \
+                else plain_work(p, m)
+            return plain_amount(provider, plain_work(p, m), full, m)
+
+        varlen = dict(m.varlen_factor)
+        packed = [p for p in t_gpus if p in h_hosts or not h_hosts]
+        gpus = {p: t_gpus[p] * (amount(p, params) / amount(p, twin) * varlen.get(p, 1.0)) for p in packed}
+        hosts = {p: h_hosts.get(p, t_hosts[p]) for p in packed}
+        split = {p for p in packed if (p in h_split if p in h_hosts else p in t_split)}
+        return hosts, gpus, split, t_shown + tuple(f"host: {label}" for label in h_shown), own, own_entries
+
+    def parts(self, params, machine, leave_out):
         m = self.model
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in FEATURES)
@@ -181,16 +223,15 @@ class PlainProfile:
                     fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu)))
                 else:
                     found.append((dist, math.log(done(e, provider) / gpu)))
-        times = {}
+        gpus = {}
         for provider, found in rates.items():
             found = found or [fallback[provider]]
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
-            power = m.split_combine if provider in split else m.combine
-            times[provider] = (hosts[provider] ** power + (amount_of(provider) / rate) ** power) ** (1.0 / power)
+            gpus[provider] = amount_of(provider) / rate
         shown = tuple(of_kind[i]["label"] + ("" if own or len(self.machines) < 2 else f" ({of_kind[i]['machine']})")
                       for _, _, i in near[:max(1, m.k)])
-        return times, shown, own, sum(1 for e in of_kind if e["machine"] == machine) if machine else 0
+        return hosts, gpus, split, shown, own, sum(1 for e in of_kind if e["machine"] == machine) if machine else 0
 
 
 @pytest.fixture(scope="module")

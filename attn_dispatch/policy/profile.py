@@ -26,6 +26,9 @@ from the nearest split entry's GPU rate (no host floor to subtract, so no neighb
 H the median host time of the host_k nearest split entries (one host's noise averaged out; flash-attn-4's training
 host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
 steady loop of one module costs a little more than the larger of the two where they are close.
+A packed (thd) call is predicted from its dense twin (every sequence as long as the longest, the same mask and
+window): G is the twin's GPU time x the pack's share of the work (packed_fill) x the engine's varlen factor, and H
+is the packed calls' host time (Profile.parts; CostModel.packed_twin says why).
 benchmarks/results/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
@@ -91,12 +94,25 @@ class CostModel:
     # (1.1-1.25x flash-attn-4's GPU time at every cover). benchmarks/results/README.md.
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
     # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; a window's band is at most
-    # packed_token_fill of the longest's per sequence), for every engine alike: over the 1598 packed rows of the
-    # profile's runs (lengths drawn in [max/2, max]), each engine's split GPU time, within a shape and a run, grew as
-    # the own tiles' fraction to the power 0.87-0.89 (cuDNN 0.89, FA2 0.87, flash-attn-4 0.88), and over its dense
-    # twin's GPU time it was 1.22x / 1.12x / 1.11x that fraction in training: none costs batch x the longest.
-    # Calls without known lengths (and the profile's own entries) are taken at the measured packs' expected fill.
+    # packed_token_fill of the longest's per sequence), for every engine alike, and in proportion: on the 24 packs of
+    # eval-blind-packed (H200; ragged, one long among short ones, uniform; fills 0.04-1) the steps predicted so were
+    # -4% to +6% off per engine (mean log error), where the fill to the power 0.94 (0.88, the slope seen within a
+    # shape over the profile's narrow [max/2, max] packs) over-predicted them by 5-14% (14-21%). Calls without known
+    # lengths (and the profile's own entries) are taken at the measured packs' expected fill.
     packed_lengths: bool = True
+    # A packed call's GPU time is its dense twin's (dense_twin: the dense calls' rates, which cover every head dim and
+    # window) x its share of the provider's work x the provider's varlen_factor; its host time is the packed calls'
+    # (Profile.parts). Over the profile's 102 packed calls with a host/GPU split, leave-one-out, the rms log error of
+    # the GPU time fell from 0.17 / 0.15 / 0.20 (cuDNN / FA2 / flash-attn-4, the nearest packed call) to 0.11 / 0.13 /
+    # 0.12, and of the cuDNN / flash-attn-4 ratio a pick reads from 0.18 to 0.14. The profile has no packed call at
+    # d96 or d192 nor under a window: d192 forwards were read off d128 packs (cuDNN picked at 1.31x and 1.46x
+    # flash-attn-4's time) and windowed packs not at all (Transformer Engine's order then chose cuDNN, at 3.4x
+    # flash-attn-4's time on a two-sided-window d96 pack).
+    packed_twin: bool = True
+    # Measured packed GPU time over the twin's prediction x the work's share (medians over those splits: 86, 93 and
+    # 83 calls; benchmarks/fit_packed.py): each engine's varlen kernel over its dense one. Others: 1.
+    varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend", 1.13), ("flash_attn_2:torch", 1.05),
+                                                    ("flash_attn_4:cute", 1.08))
 
 
 COST_MODEL = CostModel()
@@ -175,6 +191,31 @@ def measured_pack_fills(batch: int, max_q: int, max_kv: int, mask_type: str, til
     fill = (longest + (batch - 1) * total / count) / (batch * longest)
     tokens = (max_q + (batch - 1) * (low + max_q) / 2) / (batch * max_q)
     return fill, tokens
+
+
+_DENSE_MASK = {"padding": "no_mask", "padding_causal": "causal", "padding_causal_bottom_right": "causal_bottom_right"}
+
+
+def dense_twin(p: AttentionParams) -> AttentionParams:
+    """A packed call as a dense one: batch_size sequences of the longest length, the same mask (without padding),
+    window, heads and dims."""
+    return p.replace(qkv_format="bshd", attn_mask_type=_DENSE_MASK.get(p.attn_mask_type, p.attn_mask_type),
+                     packed_fill=None, packed_token_fill=None, pad_between_seqs=False, seqlens_differ=False)
+
+
+def without_window(p: AttentionParams) -> AttentionParams:
+    return p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1))
+
+
+def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+    """A packed call's GPU time over its dense twin's, for the provider: the pack's share of the provider's work
+    (provider_work: a backward that skips no window tile counts the unwindowed share) x its varlen factor."""
+    twin = dense_twin(p)
+    packed = provider_work(provider, work(p, model), unwindowed_work(p, model) if two_sided_training(p) else
+                           work(p, model), model)
+    dense = provider_work(provider, work(twin, model), unwindowed_work(twin, model) if two_sided_training(twin) else
+                          work(twin, model), model)
+    return packed / dense * dict(model.varlen_factor).get(provider, 1.0)
 
 
 def two_sided_training(p: AttentionParams) -> bool:
@@ -300,6 +341,26 @@ class Prediction:
         return min(known)[2] if known else None
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A prediction's pieces per provider: host time and GPU time (ms), which providers were predicted from entries
+    that split their step (combined with split_combine, else combine), the nearest calls shown, whose machine."""
+
+    hosts: dict[str, float]
+    gpus: dict[str, float]
+    split: frozenset[str]
+    shown: tuple[str, ...]
+    own: str | None
+    own_entries: int
+
+    def prediction(self, model: CostModel) -> Prediction:
+        times = {}
+        for provider, gpu in self.gpus.items():
+            power = model.split_combine if provider in self.split else model.combine
+            times[provider] = (self.hosts[provider] ** power + gpu ** power) ** (1.0 / power)
+        return Prediction(times, self.shown, self.own, self.own_entries)
+
+
 class Profile:
     def __init__(self, data: dict[str, Any], source: str = "", model: CostModel = COST_MODEL):
         self.source = source
@@ -369,6 +430,32 @@ class Profile:
 
     def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Prediction:
         """Each provider's step time for the call on `machine` (the platform's device name; None: any machine)."""
+        return self.parts(params, machine=machine, leave_out=leave_out).prediction(self.model)
+
+    def parts(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Parts:
+        """predict()'s host and GPU time of each provider, apart."""
+        if params.qkv_format == "thd" and self.model.packed_twin:
+            return self._packed_parts(params, machine, leave_out)
+        return self._parts(params, machine, leave_out)
+
+    def _packed_parts(self, params: AttentionParams, machine: str | None, leave_out: bool) -> Parts:
+        """A packed call: the GPU time of its dense twin (dense_twin: every sequence the longest, the same mask and
+        window) from the dense calls' rates, times the pack's share of the work and the provider's varlen factor
+        (packed_gpu_factor); the host time of the packed calls measured (of the same training mode and mask; a
+        window changes no host path). Only the providers measured on packed calls are predicted (all of the twin's
+        where the profile has no packed call of this kind)."""
+        m = self.model
+        twin = self._parts(dense_twin(params), machine, False)  # a dense call: never the packed call left out
+        hostly = self._parts(params if not params.has_sliding_window else without_window(params), machine, leave_out)
+        packed = [p for p in twin.gpus if p in hostly.hosts or not hostly.hosts]  # the providers measured packed
+        gpus = {p: twin.gpus[p] * packed_gpu_factor(p, params, m) for p in packed}
+        hosts = {p: hostly.hosts.get(p, twin.hosts[p]) for p in packed}
+        split = frozenset(p for p in packed if (p in hostly.split if p in hostly.hosts else p in twin.split))
+        shown = twin.shown + tuple(f"host: {label}" for label in hostly.shown)
+        return Parts(hosts, gpus, split, shown, hostly.own, hostly.own_entries)
+
+    def _parts(self, params: AttentionParams, machine: str | None, leave_out: bool) -> Parts:
+        """Each provider's host time and GPU time for the call from the nearest measured calls of its kind."""
         m = self.model
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in _FEATURES)
@@ -377,9 +464,10 @@ class Profile:
         if own and leave_out:  # the count must not include the call left out
             mine = sum(1 for e in self._by_kind.get(kind, ()) if e.machine == own and e.shape != skip)
             own = own if mine >= m.min_own else None
+        own_entries = self._count.get((machine, kind), 0) if machine else 0
         near = self._candidates(kind, machine, own)
         if near is None:
-            return Prediction({}, (), own, self._count.get((machine, kind), 0) if machine else 0)
+            return Parts({}, {}, frozenset(), (), own, own_entries)
         if skip is not None:
             near = near.without(skip)
         entries, dist = near.entries, near.distances(here, fmt, m)
@@ -424,15 +512,14 @@ class Profile:
         for provider, found in rates.items():
             if not found:
                 found.append(fallback[provider])
-        times = {}
+        gpus = {}
         for provider, found in rates.items():
             weights = [1.0 / (dist + 0.25) for dist, _ in found]
             rate = math.exp(sum(w * lr for w, (_, lr) in zip(weights, found)) / sum(weights))
-            power = m.split_combine if provider in split else m.combine
-            times[provider] = (hosts[provider] ** power + (amounts[provider] / rate) ** power) ** (1.0 / power)
+            gpus[provider] = amounts[provider] / rate
         shown = tuple(entries[i].label + ("" if own or len(self.machines) < 2 else f" ({entries[i].machine})")
                       for i in order[:max(1, m.k)])
-        return Prediction(times, shown, own, self._count.get((machine, kind), 0) if machine else 0)
+        return Parts(hosts, gpus, frozenset(split), shown, own, own_entries)
 
     def _split_host(self, provider: str, entries: tuple[Entry, ...], order: list[int]) -> float | None:
         """The median host time of the host_k nearest entries that split the provider's step, x host_scale (None:
