@@ -9,9 +9,13 @@ built once per tensor and version (and dropped with the tensor); a call's own bi
 gradient flows through autograd. Rows that see no key get a zero bias row for the kernel, then output 0 and lse -inf
 (the engine convention; the kernel alone would divide by zero there).
 
-GQA: the op takes as many key/value heads as query heads; keys and values are repeated per group (the copy SDPA's
-math path makes too). Under a deterministic backward the engine's own Function runs the backward op with torch's
-deterministic flag set (one key split).
+GQA: the op takes as many key/value heads as query heads. A one-query call (a decode step) without the op's own
+causal diagonal folds each group's query heads into query rows of its key/value head ([b, h, 1, d] -> [b, h_kv,
+h / h_kv, d], a view; the bias's rows broadcast), as transformers' SDPA path does for decode steps: no copy of the
+keys and values, and the output goes back to head order in the one pass that also zeroes rows without keys. Other
+GQA calls repeat the keys and values per group (the copy SDPA's math path makes too). Without gradients the lse is
+not computed (no caller reads it then), and rows without keys are cleared in place. Under a deterministic backward
+the engine's own Function runs the backward op with torch's deterministic flag set (one key split).
 """
 from __future__ import annotations
 
@@ -38,12 +42,49 @@ def _from_bhsd(x4: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 class _Static(NamedTuple):
-    """The call's fixed additive bias (aligned rows, None: nothing to add), whether it carries the diagonal, and its
-    keyless rows ([B', H', sq] bool, None: every row sees a key)."""
+    """The call's fixed additive bias (aligned rows, None: nothing to add), whether it carries the diagonal, its
+    keyless rows ([B', H', sq] bool, None: every row sees a key), a 0-d zero of the call's dtype on its device (what
+    those rows' outputs become), and the views of bias and rows that calls with h_kv key/value heads hand the op
+    (by h_kv, made on first use: a model's layers share one mask, so the views are made once per mask)."""
 
     bias: torch.Tensor | None
     is_causal: bool
     keyless: torch.Tensor | None
+    zero: torch.Tensor | None = None
+    views: dict | None = None
+
+
+class _Views(NamedTuple):
+    """What the op and the clean-up of one call read of its _Static: the bias as the op takes it (None: none), the
+    keyless rows shaped for the output ([b, h, sq] or, folded, [b, h_kv, g, 1]; None: none), and whether the query
+    heads fold into query rows."""
+
+    bias: torch.Tensor | None
+    rows: torch.Tensor | None
+    folded: bool
+
+
+def _views(static: _Static, b: int, h: int, hk: int, sq: int, skv: int, own_bias: torch.Tensor | None) -> _Views:
+    """The op's view of the bias (own_bias: the call's own, added to the static part) and of the keyless rows. A
+    one-query GQA call without the op's diagonal folds each group's query heads into query rows of its key/value
+    head: bias [b, h, 1, skv] -> [b, h_kv, g, skv], a view (rows broadcast), so keys and values need no copy."""
+    if own_bias is None and static.views is not None:
+        cached = static.views.get(hk)
+        if cached is not None:
+            return cached
+    folded = hk != h and sq == 1 and not static.is_causal
+    bias = own_bias if own_bias is not None else static.bias
+    if bias is not None:
+        bias = bias.expand(b, h, sq, skv)
+        if folded:
+            bias = bias.view(b, hk, h // hk, skv)
+    rows = None if static.keyless is None else static.keyless.expand(b, h, sq)
+    if rows is not None and folded:
+        rows = rows.reshape(b, hk, h // hk, 1)
+    views = _Views(bias, rows, folded)
+    if own_bias is None and static.views is not None:
+        static.views[hk] = views
+    return views
 
 
 def _aligned(bias: torch.Tensor) -> torch.Tensor:
@@ -52,6 +93,12 @@ def _aligned(bias: torch.Tensor) -> torch.Tensor:
         return bias
     skv = bias.shape[-1]
     return torch.nn.functional.pad(bias, (0, (-skv) % ALIGN or ALIGN))[..., :skv]
+
+
+def _aligned_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of `shape` whose rows start on ALIGN-element boundaries (written in place, so never padded after)."""
+    skv = shape[-1]
+    return torch.zeros(*shape[:-1], skv + (-skv) % ALIGN, dtype=dtype, device=device)[..., :skv]
 
 
 def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,6 +134,13 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
     key = ("mem_efficient_bias", mask_type, cfg.bias_type, b, h, sq, skv, dtype, device)
 
     def build() -> _Static:
+        zero = torch.zeros((), dtype=dtype, device=device)
+        if mask_type == "arbitrary" and not padded and cfg.bias_type != "alibi":
+            # the mask alone (a decode step's): four kernels, written straight into aligned rows
+            masked = _as_4d(aux.attention_mask, b, h, sq, skv)
+            keyless = masked.all(-1)
+            bias = _aligned_zeros(tuple(masked.shape), dtype, device).masked_fill_(masked, NEG_INF)
+            return _Static(bias.masked_fill_(keyless.unsqueeze(-1), 0.0), False, keyless, zero, {})
         parts = []
         if mask_type == "arbitrary":
             parts.append(_mask_bias(_as_4d(aux.attention_mask, b, h, sq, skv), dtype))
@@ -115,7 +169,7 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
         # change every step): their clearing is one elementwise pass per call
         keyless = (bias == NEG_INF).all(-1)
         bias = bias.masked_fill(keyless.unsqueeze(-1), 0.0)
-        return _Static(_aligned(bias.contiguous()), native_causal, keyless)
+        return _Static(_aligned(bias.contiguous()), native_causal, keyless, zero, {})
     return _CACHE.get(tuple(tensors), key, build)
 
 
@@ -161,25 +215,22 @@ def _as_4d(x: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tensor:
     return x4.expand(x4.shape[0], x4.shape[1], sq, skv)
 
 
-def _call_bias(static: _Static, aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int,
-               dtype: torch.dtype) -> torch.Tensor | None:
-    """The bias the op reads: the static part plus this call's bias tensor (autograd-tracked), expanded to the op's
-    [b, h, sq, skv]."""
-    bias = static.bias
-    if cfg.bias_type in ("pre_scale_bias", "post_scale_bias"):
-        if aux.bias is None:
-            raise ValueError(f"bias_type={cfg.bias_type!r} but aux.bias is None")
-        own = aux.bias.to(dtype)
-        if cfg.bias_type == "pre_scale_bias":
-            own = own * cfg.softmax_scale
-        bias = _aligned(own if bias is None else own + bias)
-    return None if bias is None else bias.expand(b, h, sq, skv)
+def _own_bias(static: _Static, aux: AttnAux, cfg: AttnConfig, dtype: torch.dtype) -> torch.Tensor | None:
+    """The call's own bias tensor (autograd-tracked) plus the static part, aligned; None where the call has none."""
+    if cfg.bias_type not in ("pre_scale_bias", "post_scale_bias"):
+        return None
+    if aux.bias is None:
+        raise ValueError(f"bias_type={cfg.bias_type!r} but aux.bias is None")
+    own = aux.bias.to(dtype)
+    if cfg.bias_type == "pre_scale_bias":
+        own = own * cfg.softmax_scale
+    return _aligned(own if static.bias is None else own + static.bias)
 
 
 class _State(NamedTuple):
     fmt: str
     q4: torch.Tensor
-    k4: torch.Tensor      # keys/values as the op saw them (GQA: repeated)
+    k4: torch.Tensor      # keys/values as the op saw them (GQA: repeated, or as they are where query heads fold)
     v4: torch.Tensor
     bias: torch.Tensor | None
     out4: torch.Tensor
@@ -188,6 +239,7 @@ class _State(NamedTuple):
     offset: torch.Tensor
     is_causal: bool
     keyless: torch.Tensor | None
+    folded: bool = False  # a one-query GQA call whose query heads became query rows: q4/out4 are [b, h_kv, g, d]
 
 
 class MemEfficientEngine(Engine):
@@ -202,7 +254,9 @@ class MemEfficientEngine(Engine):
         self._op = aten._scaled_dot_product_efficient_attention.default
         self._bwd = aten._scaled_dot_product_efficient_attention_backward.default
 
-    def _attend(self, q, k, v, aux: AttnAux, cfg: AttnConfig, keep_state: bool):
+    def _attend(self, q, k, v, aux: AttnAux, cfg: AttnConfig, keep_state: bool, need_lse: bool = True):
+        """(out in cfg's format, lse [b, h, sq] or None where not need_lse, backward state or None). need_lse=False
+        only without gradients: the op's output is then cleared in place."""
         fmt = cfg.qkv_format
         if fmt not in ("bshd", "sbhd"):
             raise ValueError(f"qkv_format={fmt!r}: mem_efficient:torch takes bshd or sbhd")
@@ -212,21 +266,38 @@ class MemEfficientEngine(Engine):
             raise ValueError("aux.dropout_generator: torch's memory-efficient op draws from the default CUDA "
                              "generator only")
         q4, k4, v4 = (_bhsd(x, fmt) for x in (q, k, v))
-        b, h, sq, _ = q4.shape
-        skv = k4.shape[2]
-        if k4.shape[1] != h:  # the op takes one key/value head per query head
-            k4, v4 = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k4, v4))
+        b, h, sq, d = q4.shape
+        hk, skv = k4.shape[1], k4.shape[2]
         static = _static(aux, cfg, b, h, sq, skv, q.dtype, q.device)
-        bias = _call_bias(static, aux, cfg, b, h, sq, skv, q.dtype)
-        out4, lse4, seed, offset = self._op(q4, k4, v4, bias, True, float(cfg.dropout_p), static.is_causal,
+        bias, rows, folded = _views(static, b, h, hk, sq, skv, _own_bias(static, aux, cfg, q.dtype))
+        if folded:  # query heads of a group as query rows of its key/value head: a view, no key/value copy
+            q4 = q4.reshape(b, hk, h // hk, d)
+        elif hk != h:  # the op takes one key/value head per query head
+            k4, v4 = (x.repeat_interleave(h // hk, dim=1) for x in (k4, v4))
+        out4, lse4, seed, offset = self._op(q4, k4, v4, bias, need_lse, float(cfg.dropout_p), static.is_causal,
                                             scale=cfg.softmax_scale)
-        lse = lse4[:, :, :sq]
-        if static.keyless is not None:
-            rows = static.keyless.expand(b, h, sq)
-            out4 = out4.masked_fill(rows.unsqueeze(-1), 0.0)
-            lse = lse.masked_fill(rows, NEG_INF)
-        state = _State(fmt, q4, k4, v4, bias, out4, lse4, seed, offset, static.is_causal, static.keyless) \
+        state = _State(fmt, q4, k4, v4, bias, out4, lse4, seed, offset, static.is_causal, static.keyless, folded) \
             if keep_state else None
+        lse = None
+        if need_lse:
+            lse = lse4[:, :, :sq] if not folded else lse4[:, :, :h // hk].reshape(b, h, 1)
+        if folded and not need_lse:  # back to head order and keyless rows cleared: one pass into the output
+            out = q.new_empty(q.shape[:-1] + (out4.shape[-1],))  # [b, 1, h, dv] / [1, b, h, dv]: [b, h, dv] memory
+            dest = out.view(out4.shape)
+            if rows is None:
+                dest.copy_(out4)
+            else:
+                torch.where(rows, static.zero, out4, out=dest)
+            return out, None, state
+        if folded:
+            out4 = out4.reshape(b, h, 1, out4.shape[-1])
+            rows = None if rows is None else rows.view(b, h, 1)
+        if rows is not None:
+            if need_lse:  # autograd may hold the op's outputs: cleared copies
+                out4 = out4.masked_fill(rows.unsqueeze(-1), 0.0)
+                lse = lse.masked_fill(rows, NEG_INF)
+            else:
+                out4.masked_fill_(rows.unsqueeze(-1), 0.0)
         return _from_bhsd(out4, fmt), lse, state
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
@@ -238,6 +309,8 @@ class MemEfficientEngine(Engine):
         do4 = _bhsd(dout, state.fmt)
         if state.keyless is not None:
             do4 = do4.masked_fill(state.keyless.expand(do4.shape[:3]).unsqueeze(-1), 0.0)
+        if state.folded:
+            do4 = do4.reshape(state.out4.shape)
         if do4.stride() != state.out4.stride():  # dO in the output's layout, as torch's own autograd passes it
             do4 = torch.empty_like(state.out4).copy_(do4)
         want_bias = aux.bias is not None and aux.bias.requires_grad and state.bias is not None
@@ -246,7 +319,12 @@ class MemEfficientEngine(Engine):
                                              state.seed, state.offset, float(cfg.dropout_p),
                                              [True, True, True, want_bias], state.is_causal, scale=cfg.softmax_scale)
         hk = k.shape[-2]
-        if dk4.shape[1] != hk:  # sum the repeated heads back into their key/value head
+        if state.folded:  # query rows back to query heads
+            b, h = q.shape[0] if state.fmt == "bshd" else q.shape[1], q.shape[-2]
+            dq4 = dq4.reshape(b, h, 1, dq4.shape[-1])
+            if dbias is not None:
+                dbias = dbias.reshape(b, h, 1, dbias.shape[-1])
+        elif dk4.shape[1] != hk:  # sum the repeated heads back into their key/value head
             dk4, dv4 = (x.unflatten(1, (hk, -1)).sum(2) for x in (dk4, dv4))
         grads = [_from_bhsd(x, state.fmt) for x in (dq4, dk4, dv4)]
         return BwdResult(*grads, _bias_grad(dbias, aux, cfg) if want_bias else None)
@@ -256,8 +334,9 @@ class MemEfficientEngine(Engine):
             x is not None and x.requires_grad for x in (q, k, v, aux.bias))
         if cfg.deterministic and training:  # the backward must run under the deterministic flag: our Function
             return super().__call__(q, k, v, aux, cfg, flatten_heads=flatten_heads)
-        out, lse, _ = self._attend(q, k, v, aux, cfg, keep_state=False)  # the op's own C++ autograd
-        return (out.flatten(-2) if flatten_heads else out), lse.detach(), None
+        # the op's own C++ autograd; without gradients no lse (no caller of this path reads one then)
+        out, lse, _ = self._attend(q, k, v, aux, cfg, keep_state=False, need_lse=training)
+        return (out.flatten(-2) if flatten_heads else out), None if lse is None else lse.detach(), None
 
 
 def _bias_grad(dbias: torch.Tensor, aux: AttnAux, cfg: AttnConfig) -> torch.Tensor:
