@@ -178,14 +178,17 @@ def on_platform(decision, spec: str):
     return selection.explain(params, Platform.parse(spec))
 
 
-@pytest.mark.parametrize("spec, reads_mask", [("h100-cudnn9", True),
+@pytest.mark.parametrize("spec, reads_mask", [("h100-cudnn9", False),
                                               ("h100-cudnn9,no-cudnn-frontend,no-flash-attn-4", False),
-                                              ("h200-cudnn9,no-cudnn-frontend,no-flash-attn-4", False)],
-                         ids=["h100_full_stack", "h100_stock_torch", "h200_stock_torch"])
+                                              ("h200-cudnn9,no-cudnn-frontend,no-flash-attn-4", False),
+                                              ("h100-cudnn9,torch=2.4.0", True)],
+                         ids=["h100_full_stack", "h100_stock_torch", "h200_stock_torch", "h100_torch_2_4"])
 def test_decode_steps_over_a_left_padded_cache_run_fused_on_a_gpu(spec, reads_mask):
     """The integration asks selection about both readings of a decode step's mask and reads it as a padding pattern
-    only where that pick is better: with cuDNN (full stack) the padded thd call; on stock torch, where only
-    FlexAttention (as a document mask) or unfused take that one, the mask as given. Neither runs unfused."""
+    only where that pick is better in kind: with torch's memory-efficient kernel (torch >= 2.5) the mask as given
+    runs fused, and reading it would cost a host sync per step and copies of the keys and values, so it is not read
+    (cuDNN's thd call has a predicted time where the memory-efficient kernel has none: no evidence either way). Where
+    only the padding reading reaches a fused engine (torch 2.4: cuDNN), the mask is read. Neither runs unfused."""
     q, k, v, mask = decode_step()
     as_padding = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), spec)
     as_given = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True, recognize_masks=False), spec)
@@ -194,23 +197,31 @@ def test_decode_steps_over_a_left_padded_cache_run_fused_on_a_gpu(spec, reads_ma
     assert glue.prefer_padding_reading(as_padding, as_given) is reads_mask
     picked = as_padding if reads_mask else as_given
     assert picked.chosen is not None and picked.backend != "unfused", picked.policy_reason
-    if reads_mask:
-        assert picked.backend == "cudnn_fused" and picked.estimates[picked.chosen] > 0
+    assert picked.backend == ("cudnn_fused" if reads_mask else "mem_efficient")
 
 
 def test_preferring_a_reading_ranks_no_engine_then_unfused_then_predicted_time():
     q, k, v, mask = decode_step()
     full, stock = "h100-cudnn9", "h100-cudnn9,no-cudnn-frontend,no-flash-attn-4"
     cudnn = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), full)
-    flex = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True, recognize_masks=False), stock)
+    flex = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), stock)
+    mem_efficient = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True, recognize_masks=False), full)
     unfused = on_platform(explain_sdpa(q, k, v, mask, enable_gqa=True), "h100-cudnn9,no-cudnn-frontend,"
                           "no-flash-attn-4,no-triton")
     nothing = cudnn.model_copy(update={"chosen": None})
-    assert unfused.chosen == "unfused:pytorch"
+    assert unfused.chosen == "unfused:pytorch" and flex.backend == "flex_attention"
+    assert cudnn.chosen in cudnn.estimates and mem_efficient.chosen not in mem_efficient.estimates
     assert glue.prefer_padding_reading(flex, unfused) and not glue.prefer_padding_reading(unfused, flex)
     assert glue.prefer_padding_reading(unfused, nothing) and not glue.prefer_padding_reading(nothing, unfused)
-    assert glue.prefer_padding_reading(cudnn, flex) and not glue.prefer_padding_reading(flex, flex)
-    slower = cudnn.model_copy(update={"estimates": {cudnn.chosen: cudnn.estimates[cudnn.chosen] * 2}})
+    assert not glue.prefer_padding_reading(nothing, nothing)
+    # a prediction against none, or none against none: the mask stays as given (reading it has its own costs)
+    assert not glue.prefer_padding_reading(cudnn, mem_efficient) and not glue.prefer_padding_reading(flex, flex)
+    ms = cudnn.estimates[cudnn.chosen]
+    given = mem_efficient.model_copy(update={"estimates": {mem_efficient.chosen: ms * 2}})
+    assert glue.prefer_padding_reading(cudnn, given)
+    given = mem_efficient.model_copy(update={"estimates": {mem_efficient.chosen: ms}})
+    assert not glue.prefer_padding_reading(cudnn, given)  # a tie keeps the mask as given
+    slower = cudnn.model_copy(update={"estimates": {cudnn.chosen: ms * 2}})
     assert glue.prefer_padding_reading(cudnn, slower) and not glue.prefer_padding_reading(slower, cudnn)
 
 

@@ -92,15 +92,20 @@ def _recognise_decode_masks(query, key, value, mask, dropout_p, scale, gqa, soft
 
 def prefer_padding_reading(as_padding: Decision, as_given: Decision) -> bool:
     """True when selection's pick for the mask read as a padding pattern is better than its pick for the mask as
-    given: an engine where the other has none, a fused engine where the other runs only unfused on a GPU, or a
-    predicted time where the other has none or a longer one. Otherwise (ties included) the mask stays as given,
-    which needs no reading."""
-    def rank(decision: Decision) -> tuple[bool, bool, float]:
-        chosen = decision.chosen
+    given: an engine where the other has none, a fused engine where the other runs only unfused on a GPU, or, both
+    predicted, a shorter predicted time. Otherwise (ties, and a prediction against none) the mask stays as given:
+    reading it costs every step a host sync and a few reductions, and the thd views copy each layer's keys and
+    values, none of which a prediction of the kernel counts."""
+    def kind(decision: Decision) -> tuple[bool, bool]:
         last_resort = decision.backend == "unfused" and decision.params.get("device_type") == "cuda"
-        return chosen is None, last_resort, decision.estimates.get(chosen, math.inf) if chosen else math.inf
+        return decision.chosen is None, last_resort
 
-    return rank(as_padding) < rank(as_given)
+    if kind(as_padding) != kind(as_given):
+        return kind(as_padding) < kind(as_given)
+    if as_padding.chosen is None:
+        return False
+    padding_ms, given_ms = as_padding.estimates.get(as_padding.chosen), as_given.estimates.get(as_given.chosen)
+    return padding_ms is not None and given_ms is not None and padding_ms < given_ms
 
 
 # (shapes, dtype, device, mask broadcast, scale, softcap, dropout, training, freshness stamp) -> whether a
