@@ -577,18 +577,24 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
 
 
 def test_window_blocks_declared_for_selection():
-    """Windowed CP calls declare trimmed band blocks; a window narrower than a chunk skips the far blocks."""
+    """Windowed CP calls declare trimmed band blocks. A window within the neighbouring chunks fetches only its keys
+    under p2p, all_gather and a2a alike (one band per query chunk, every head); a wider one keeps p2p's ring."""
     from attn_dispatch import AttentionParams
 
     p = AttentionParams(dtype="bf16", num_heads=8, max_seqlen_q=4096, attn_mask_type="causal", cp_size=4,
                         cp_comm_type="p2p", window_size=(511, 0), device_type="cpu")
-    blocks = {(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type, b.window_size) for b in cp.block_params(p)}
-    # chunks of 2048: the diagonal (causal, window 511) and the previous chunk's last 511 keys for 511 rows
-    # (query i of the first 511 rows sees previous-chunk key j >= i: window (0, -1), no causal mask)
-    assert blocks == {(2048, 2048, "causal", (511, 0)), (511, 511, "no_mask", (0, -1))}
-    gathered = cp.block_params(p.replace(cp_comm_type="all_gather"))
-    assert {b.attn_mask_type for b in gathered} <= {"causal", "causal_bottom_right"}
-    assert max(b.max_seqlen_kv for b in gathered) == 2048 + 511  # only the keys the window sees
+    blocks = {(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type, b.window_size, b.num_heads)
+              for b in cp.block_params(p)}
+    # chunks of 2048: chunk 0 sees its own keys (causal, window 511); every other chunk the previous chunk's last
+    # 511 keys and its own (bottom-right aligned)
+    assert blocks == {(2048, 2048, "causal", (511, 0), 8), (2048, 2048 + 511, "causal_bottom_right", (511, 0), 8)}
+    for comm in ("all_gather", "a2a"):
+        assert {(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type, b.window_size, b.num_heads)
+                for b in cp.block_params(p.replace(cp_comm_type=comm))} == blocks
+    # wider than a chunk: the ring's per-pair bands (the previous chunk's last 952 rows' keys, trimmed)
+    ring = {(b.max_seqlen_q, b.max_seqlen_kv, b.attn_mask_type, b.window_size)
+            for b in cp.block_params(p.replace(window_size=(3000, 0)))}
+    assert ring == {(2048, 2048, "causal", (-1, 0)), (2048, 2048, "no_mask", (952, -1)), (952, 952, "no_mask", (0, -1))}
     heads = cp.block_params(p.replace(cp_comm_type="a2a+p2p", cp_size=8, cp_a2a_size=4))
     assert {b.num_heads for b in heads} == {2}  # the a2a group size is a parameter, not assumed 2
     with pytest.raises(ValueError, match="cp_a2a_size=3 must divide cp_size=8"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cp_bands import chunk_bands, gathered_band
+from .cp_bands import chunk_bands, gathered_band, key_exchange
 
 SOURCE = "attn_dispatch.context_parallel (our implementation; constraints/context_parallel.py)"
 TE_CP = ("Transformer Engine (commit d0067d0) pytorch/attention/dot_product_attention/context_parallel.py "
@@ -24,8 +24,9 @@ TE_CP = ("Transformer Engine (commit d0067d0) pytorch/attention/dot_product_atte
          "(get_kv_seq_info_after_all_gather); utils.py get_attention_backend disables FusedAttention for sliding "
          "windows with p2p and a2a+p2p")
 WINDOW_SOURCE = (TE_CP + ". attn-dispatch also runs windows under p2p and a2a+p2p (bshd/sbhd): each (query chunk, "
-                 "key chunk) pair becomes one trimmed band call (context_parallel/bands.py), blocks outside the "
-                 "window are skipped and the ring stops after the last step any rank needs")
+                 "key chunk) pair becomes one trimmed band call (constraints/cp_bands.py), blocks outside the "
+                 "window are skipped and the ring stops after the last step any rank needs; a window within the "
+                 "neighbouring chunks fetches only its keys under p2p and a2a too (cp_bands.key_exchange)")
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 _BSHD_MASKS = ("no_mask", "causal")
@@ -56,7 +57,8 @@ SUPPORT: dict[str, CommTypeSupport] = {
         window_formats=("bshd", "sbhd"),
         engine_block_masks=("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal"),
         notes="ring of batched isend/irecv (K and V in one buffer) from a separate stream; causal and windows need "
-              "the load-balanced layout; blocks outside the window or fully masked are skipped; sink merged once"),
+              "the load-balanced layout; blocks outside the window or fully masked are skipped; sink merged once; "
+              "a window within the neighbouring chunks: only its keys are fetched, as under all_gather"),
     "all_gather": CommTypeSupport(
         "all_gather", ("bshd", "sbhd"), {"bshd": _BSHD_MASKS, "sbhd": _BSHD_MASKS},
         window_formats=("bshd", "sbhd"),
@@ -69,7 +71,9 @@ SUPPORT: dict[str, CommTypeSupport] = {
         window_formats=("bshd", "sbhd", "thd"),
         cross_attention="no (local q and kv lengths must be equal)", heads_divisible_by_group=True,
         engine_block_masks=("no_mask", "causal", "padding", "padding_causal"),
-        notes="num_heads and num_gqa_groups divisible by cp_size; the engine sees whole sequences (a window as is)"),
+        notes="num_heads and num_gqa_groups divisible by cp_size; the engine sees whole sequences (a window as is); "
+              "bshd/sbhd under a window within the neighbouring chunks: only its keys are fetched, as under "
+              "all_gather (no all-to-all)"),
     "a2a+p2p": CommTypeSupport(
         "a2a+p2p", ("bshd", "sbhd", "thd"), {"bshd": _BSHD_MASKS, "sbhd": _BSHD_MASKS, "thd": _THD_MASKS},
         window_formats=("bshd", "sbhd"),
@@ -222,17 +226,17 @@ def block_params(p) -> list:
         return [blk(q_len, kv_len, diag_mask, **kw), blk(q_len, kv_len // 2, full_mask, **kw),
                 blk(q_len // 2, kv_len, full_mask, **kw)]
 
+    half = sq // 2
+    if windowed and key_exchange(p.cp_comm_type, p.qkv_format, half, p.window_size, p.fp8):
+        seen = {}  # each query chunk fetches the keys its window reaches: one band call per chunk
+        for chunk_index in range(2 * size):
+            hit = gathered_band(size, chunk_index, half, p.window_size)
+            if hit is not None:
+                seen.setdefault(hit[1][1:], from_band(hit[1]))
+        return list(seen.values())
     if p.cp_comm_type == "p2p":
         return ring(sq, skv, size)
     if p.cp_comm_type == "all_gather":
-        half = sq // 2
-        if windowed:
-            seen = {}
-            for chunk_index in range(2 * size):
-                hit = gathered_band(size, chunk_index, half, p.window_size)
-                if hit is not None:
-                    seen.setdefault(hit[1][1:], from_band(hit[1]))
-            return list(seen.values())
         if not p.is_causal:
             return [blk(sq, skv * size, "no_mask")]
         return [blk(half, half, "causal")] + [blk(half, c * half, "no_mask") for c in range(1, 2 * size)]

@@ -80,9 +80,20 @@ def gathered_band(cp_size: int, chunk_index: int, chunk: int, window: tuple[int,
 
 def neighbour_window(chunk: int, window: tuple[int, int]) -> bool:
     """Whether a bounded window reaches no further than the chunks next to a query chunk (left and right <= chunk):
-    then a rank needs at most `left + right` keys from its neighbours, and 'p2p' fetches just those."""
+    then a rank needs at most `left + right` keys from its neighbours."""
     left, right = window
     return 0 <= left <= chunk and 0 <= right <= chunk
+
+
+def key_exchange(comm: str, qkv_format: str, chunk: int, window: tuple[int, int], fp8: bool = False) -> bool:
+    """Whether a windowed CP call fetches just the keys its window reaches (window_exchange.py) instead of running
+    its comm type's schedule: always for 'all_gather'; for 'p2p' and 'a2a' (bshd/sbhd, not FP8) when the window is
+    within the neighbouring chunks, where a ring hop or an all-to-all would move every token for that window's
+    keys. Measured on 2x H200 at 128k, window (4096, 0): 91% of one GPU against 77% for both schedules
+    (benchmarks/results/cp/cp_h200x2.json)."""
+    if comm == "all_gather":
+        return True
+    return comm in ("p2p", "a2a") and qkv_format != "thd" and not fp8 and neighbour_window(chunk, window)
 
 
 def steps_needed(cp_size: int, chunk: int, window: tuple[int, int]) -> int:

@@ -25,7 +25,7 @@ from .p2p import P2PAttention, RingPlan
 from .sharding import RankOrder, local_cu_seqlens
 from .engines import SelectedPerBlock
 from ..constraints.context_parallel import fp8_failures
-from ..constraints.cp_bands import neighbour_window
+from ..constraints.cp_bands import key_exchange
 from .support import COMM_TYPES, is_windowed, unsupported_features
 from .window_exchange import WindowExchangeAttention
 from .window_ring import WindowP2PAttention, WindowRingPlan
@@ -327,7 +327,7 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
         cfg = dataclasses.replace(cfg, attn_mask_type="padding_causal" if causal else "padding")
     sd = SEQ_DIM[fmt]
     windowed = is_windowed(cfg.attn_mask_type, cfg.window_size)
-    if windowed and (comm == "all_gather" or (comm == "p2p" and neighbour_window(q.shape[sd] // 2, cfg.window_size))):
+    if windowed and key_exchange(comm, fmt, q.shape[sd] // 2, cfg.window_size, "fp8" in aux.extra):
         return WindowExchangeAttention(engine, cfg, aux, fmt, infos[0], q.shape[sd])
     if windowed and comm == "p2p":
         return WindowP2PAttention(engine, WindowRingPlan(cfg, aux, fmt, q.shape[sd], infos[0]), infos[0], stream)

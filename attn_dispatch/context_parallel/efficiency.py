@@ -5,7 +5,7 @@ The model (per comm type, one rank; t(bytes) = bytes / link rate):
 - p2p: P ring steps of equal work (load-balanced); step i's K/V transfer hides under step i-1's compute:
   forward = c + (P-1) (max(c, t(kv)) + step); backward likewise with c_bwd, where the travelling float32 dK/dV
   triples the bytes for P > 2, then one exposed hop of dK/dV. With a window, only the steps the window reaches; a
-  window within the neighbouring chunks moves only its keys, as all_gather does (window_exchange.py).
+  window within the neighbouring chunks moves only its keys, as all_gather does (window_exchange.py); so does a2a.
 - a2a: q, k, v (then out) cross all-to-alls around whole-sequence attention on heads / P; with G head groups the
   exchanges overlap attention except 1/G of them: max(c, comm) (G-1)/G + (c + comm)/G, and the same backward.
 - all_gather: the K/V it needs gathered before, the float32 dK/dV reduce-scattered after; nothing overlaps.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constraints.cp_bands import neighbour_window, steps_needed
+from ..constraints.cp_bands import key_exchange, steps_needed
 from .head_groups import resolve_head_groups
 
 BWD_FLOPS_RATIO = 2.5
@@ -96,8 +96,8 @@ def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: 
     q = local * call.heads * call.head_dim * call.elem_bytes
     t = lambda n: n / (rates.link_gbps * 1e6)  # noqa: E731 - ms
     step = rates.step_ms
-    exchange = comm == "all_gather" or (call.window is not None and comm == "p2p"
-                                        and neighbour_window(call.seqlen // (2 * p), call.window))
+    exchange = comm == "all_gather" or (call.window is not None
+                                        and key_exchange(comm, "bshd", call.seqlen // (2 * p), call.window))
     if comm == "p2p" and not exchange:
         steps = p
         if call.window:
@@ -106,7 +106,7 @@ def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: 
         travel = t(kv) if p == 2 else 3 * t(kv)
         fwd = cf + (steps - 1) * (max(cf, t(kv)) + step)
         bwd = cb + (steps - 1) * (max(cb, travel) + step) + (t(kv) if steps > 1 else 0.0)
-    elif comm == "a2a":
+    elif comm == "a2a" and not exchange:
         share, g = (p - 1) / p, a2a_head_groups
         cf, cb = fwd1 / p, bwd1 / p
         comm_f = t((2 * q + kv + q) * share)      # q, k, v in; out back
