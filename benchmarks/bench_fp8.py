@@ -14,7 +14,8 @@
    forward and forward+backward (quantization and dequantization included) in FP8 against the module with
    cudnn_fused:frontend forced in bf16; and, interleaved with those, the module's step with an FP8 forward and the
    bf16 backward (NVTE_FP8_DPA_BWD=0's meaning; the module pins it per instance so that the modes alternate call
-   by call without re-planning on an environment change). TFLOP/s count 4*B*H*S^2*D (half when causal), 2.5x that
+   by call without re-planning on an environment change); the bf16 module a second time (the A/A twin: the
+   timer's own spread) and bf16's default pick (what a user has without FP8). TFLOP/s count 4*B*H*S^2*D (half when causal), 2.5x that
    for backward. The accuracy cases in training run a second time with NVTE_FP8_DPA_BWD=0 (recipe
    'delayed_hybrid', rows marked "fp8_dpa_bwd": 0), d64 training among them (the FP8 backward takes d128 only).
 3. training: a small causal transformer on a synthetic copy task, bf16 attention vs FP8 attention (same init, same
@@ -215,6 +216,10 @@ def speed_case(s, causal):
     m8 = PinnedBackward(h, d, qkv_format="bshd", attn_mask_type=mask, backward_fp8=True).to(dev)
     m8f = PinnedBackward(h, d, qkv_format="bshd", attn_mask_type=mask, backward_fp8=False).to(dev)
     m16 = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask, backend="cudnn_fused:frontend").to(dev)
+    # the same module again (the A/A twin: the timer's own spread) and bf16's default pick (what a user has without FP8)
+    m16_twin = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask,
+                                   backend="cudnn_fused:frontend").to(dev)
+    m16_default = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask).to(dev)
     q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(b, s, h * d, device=dev, dtype=torch.bfloat16)
     recipe = DelayedScaling(fp8_dpa=True)
@@ -240,8 +245,27 @@ def speed_case(s, causal):
     def step16():
         m16(q, k, v).backward(dout)
 
+    def fwd16_twin():
+        with torch.no_grad():
+            m16_twin(q, k, v)
+
+    def step16_twin():
+        m16_twin(q, k, v).backward(dout)
+
+    def fwd16_default():
+        with torch.no_grad():
+            m16_default(q, k, v)
+
+    def step16_default():
+        m16_default(q, k, v).backward(dout)
+
     modules = time_interleaved({"fp8_module_fwd": fwd8, "bf16_module_fwd": fwd16, "fp8_module_step": step8,
-                                "fp8_f16bwd_module_step": step8f, "bf16_module_step": step16}, rounds=16, inner=3)
+                                "fp8_f16bwd_module_step": step8f, "bf16_module_step": step16,
+                                "bf16_twin_module_fwd": fwd16_twin, "bf16_twin_module_step": step16_twin,
+                                "bf16_default_module_fwd": fwd16_default, "bf16_default_module_step": step16_default},
+                               rounds=16, inner=3)
+    with torch.no_grad():
+        row["bf16_default_pick"] = m16_default.explain(q, k, v).chosen
     from attn_dispatch.backends import get_engine
 
     row["f16bwd_ran_bf16_backward"] = get_engine("cudnn_fused:fp8").f16_engine().stats["builds"] > 0
@@ -257,6 +281,12 @@ def speed_case(s, causal):
                 "module_fwd_speedup": round(times["bf16_module_fwd"] / times["fp8_module_fwd"], 3),
                 "module_step_speedup": round(times["bf16_module_step"] / times["fp8_module_step"], 3),
                 "module_step_f16bwd_speedup": round(times["bf16_module_step"] / times["fp8_f16bwd_module_step"], 3),
+                "aa_fwd_ratio": round(times["bf16_module_fwd"] / times["bf16_twin_module_fwd"], 3),
+                "aa_step_ratio": round(times["bf16_module_step"] / times["bf16_twin_module_step"], 3),
+                "vs_default_fwd_speedup": round(times["bf16_default_module_fwd"] / times["fp8_module_fwd"], 3),
+                "vs_default_step_speedup": round(times["bf16_default_module_step"] / times["fp8_module_step"], 3),
+                "vs_default_step_f16bwd_speedup": round(times["bf16_default_module_step"]
+                                                        / times["fp8_f16bwd_module_step"], 3),
                 "fp8_module_fwd_tflops": tf(times["fp8_module_fwd"]),
                 "fp8_module_step_tflops": tf(times["fp8_module_step"], 3.5)})
     return row
@@ -411,7 +441,9 @@ def main():
         print(f"s={r['s']:<6} causal={r['causal']!s:<5} kernel fwd fp8 {r['fp8_fwd_ms']:.3f} ({r['fp8_fwd_tflops']}) "
               f"bf16 {r['bf16_fwd_ms']:.3f} ({r['bf16_fwd_tflops']}) x{r['kernel_fwd_speedup']}; fwd+bwd "
               f"x{r['kernel_fwdbwd_speedup']} | module fwd x{r['module_fwd_speedup']} step x{r['module_step_speedup']}"
-              f" step with NVTE_FP8_DPA_BWD=0 x{r['module_step_f16bwd_speedup']}")
+              f" step with NVTE_FP8_DPA_BWD=0 x{r['module_step_f16bwd_speedup']} | A/A fwd x{r['aa_fwd_ratio']} step "
+              f"x{r['aa_step_ratio']} | vs bf16 default ({r['bf16_default_pick']}) fwd x{r['vs_default_fwd_speedup']} "
+              f"step x{r['vs_default_step_speedup']} (bf16 bwd x{r['vs_default_step_f16bwd_speedup']})")
     if result["train"]:
         t = result["train"]
         for name in ("bf16", "fp8"):
