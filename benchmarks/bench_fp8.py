@@ -15,9 +15,10 @@
    cudnn_fused:frontend forced in bf16; and, interleaved with those, the module's step with an FP8 forward and the
    bf16 backward (NVTE_FP8_DPA_BWD=0's meaning; the module pins it per instance so that the modes alternate call
    by call without re-planning on an environment change); the bf16 module a second time (the A/A twin: the
-   timer's own spread) and bf16's default pick (what a user has without FP8). TFLOP/s count 4*B*H*S^2*D (half when causal), 2.5x that
-   for backward. The accuracy cases in training run a second time with NVTE_FP8_DPA_BWD=0 (recipe
-   'delayed_hybrid', rows marked "fp8_dpa_bwd": 0), d64 training among them (the FP8 backward takes d128 only).
+   timer's own spread) and bf16's default pick (what a user has without FP8). TFLOP/s count 4*B*H*S^2*D (half
+   when causal), 2.5x that for backward. The accuracy cases in training run a second time with
+   NVTE_FP8_DPA_BWD=0 (recipe 'delayed_hybrid', rows marked "fp8_dpa_bwd": 0), d64 training among them (the FP8
+   backward takes d128 only).
 3. training: a small causal transformer on a synthetic copy task, bf16 attention vs FP8 attention (same init, same
    batches), losses per step; JSON and a PNG of the curves.
 """
