@@ -1,4 +1,4 @@
-"""Context parallelism over gloo: 2 and 4 CPU processes against a single-process run of the whole sequence.
+"""Context parallelism over gloo: 2, 3 and 4 CPU processes against a single-process run of the whole sequence.
 
 One spawn per world size runs every case (process groups are shared); rank 0 writes the measured errors
 to JSON and the parametrised tests read them. Each case compares, on every rank, the local output and the
@@ -27,6 +27,7 @@ from spawn_ranks import free_port, spawn_ranks, teardown, write_gathered
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 SPAWN_DEADLINE_S = 240
+ODD_WORLD = 3  # a ring of odd size: the p2p cases only (_odd_ring_cases), no error cases
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +67,24 @@ def _window_cases(world: int, h: int, gqa_kv: int, lens) -> list[dict]:
     return cases
 
 
+def _odd_ring_cases(world: int) -> list[dict]:
+    """A ring of odd size: p2p only, every length a multiple of 2 * world."""
+    h, s, lens = 2 * world, 4 * world, [2 * world, 4 * world, 6 * world]
+    return [_case("p2p-bshd-causal-mha", "p2p", "bshd", "causal", h, h, s=s),
+            _case("p2p-sbhd-causal-gqa", "p2p", "sbhd", "causal", h, world, s=s),
+            _case("p2p-bshd-no_mask-gqa", "p2p", "bshd", "no_mask", h, world, s=s),
+            _case("p2p-bshd-no_mask-cross", "p2p", "bshd", "no_mask", h, world, s=s, skv=2 * s),
+            _case("p2p-bshd-causal-learnable-sink", "p2p", "bshd", "causal", h, world, "learnable", s=s),
+            _case("p2p-thd-padding_causal", "p2p", "thd", "padding_causal", h, world, lens=lens),
+            _case("p2p-thd-padding_causal-learnable-sink", "p2p", "thd", "padding_causal", h, world, "learnable",
+                  lens=lens),
+            _case("p2p-bshd-causal-bf16", "p2p", "bshd", "causal", h, world, dtype="bfloat16", s=2 * s),
+            _case("p2p-bshd-causal-strided", "p2p", "bshd", "causal", h, h, "learnable", s=s, strided=True)]
+
+
 def _cases(world: int) -> list[dict]:
+    if world == ODD_WORLD:
+        return _odd_ring_cases(world)
     h = 2 * world          # a2a needs heads divisible by the group size
     cases = []
     for comm in ("p2p", "all_gather", "a2a"):
@@ -366,6 +384,62 @@ def _error_cases(groups: Groups, world: int) -> dict:
     return res
 
 
+class _RecordingEngine(Engine):
+    """The unfused engine, logging each call as (phase, src, q rows, k rows, mask): src is the rank whose K/V shard
+    the call's k is (all of it, or its first half), found by comparing values."""
+
+    def __init__(self, inner, k_shards, local_len, events):
+        self.inner, self.k_shards, self.local_len, self.events = inner, k_shards, local_len, events
+
+    def _log(self, phase, q, k, cfg):
+        half = self.local_len // 2
+        src, k_rows = next((j, rows) for j, shard in enumerate(self.k_shards)
+                           for rows, keys in (("all", shard), ("first", shard[:, :half])) if torch.equal(k, keys))
+        q_rows = "all" if q.shape[1] == self.local_len else "second"
+        self.events.append([phase, src, q_rows, k_rows, cfg.attn_mask_type])
+
+    def forward(self, q, k, v, aux, cfg):
+        self._log("fwd", q, k, cfg)
+        return self.inner.forward(q, k, v, aux, cfg)
+
+    def backward(self, dout, q, k, v, out, lse, state, aux, cfg):
+        self._log("bwd", q, k, cfg)
+        return self.inner.backward(dout, q, k, v, out, lse, state, aux, cfg)
+
+
+def _record_p2p_schedule(groups: Groups, world: int) -> list:
+    """One causal p2p call, forward and backward, logging in order each engine call and each ring transfer started
+    (["start", sends, receives, to, from]) or waited for (["wait", transfers])."""
+    from attn_dispatch.context_parallel._comm import Ring
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, 4 * world, 2, 4, generator=gen) for _ in range(4))
+    local = [cp.shard(k, "bshd", world, j) for j in range(world)]
+    events: list = []
+    engine = _RecordingEngine(get_engine("unfused:pytorch"), local, 4, events)
+    start, wait = Ring.start, Ring.wait
+
+    def logged_start(self, sends, recvs, *, send_to=None, recv_from=None):
+        events.append(["start", len(sends), len(recvs), self.info.next_global if send_to is None else send_to,
+                       self.info.prev_global if recv_from is None else recv_from])
+        return start(self, sends, recvs, send_to=send_to, recv_from=recv_from)
+
+    def logged_wait(works):
+        events.append(["wait", len(works)])
+        wait(works)
+    Ring.start, Ring.wait = logged_start, staticmethod(logged_wait)
+    try:
+        cfg = AttnConfig(qkv_format="bshd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=0.5)
+        leaves = [cp.shard(t, "bshd", world, rank).requires_grad_() for t in (q, k, v)]
+        out = cp.attention(engine, *leaves, AttnAux(), cfg, cp_group=groups.world)
+        events.append(["backward"])
+        out.backward(cp.shard(dout, "bshd", world, rank))
+    finally:
+        Ring.start, Ring.wait = start, staticmethod(wait)
+    return events
+
+
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -380,10 +454,12 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             except Exception:  # noqa: BLE001 - reported per case
                 results[case["name"]] = {"error": traceback.format_exc()[-3000:]}
             results[case["name"]]["seconds"] = time.perf_counter() - start
-        for name, value in _error_cases(groups, world).items():
-            results["error:" + name] = value
-        # the group still works after the errors: one more case on the same group
-        results["after_errors"] = _run_case(_case("after_errors", "p2p", h=2 * world, hkv=world), groups)
+        results["p2p_schedule"] = _record_p2p_schedule(groups, world)
+        if world != ODD_WORLD:
+            for name, value in _error_cases(groups, world).items():
+                results["error:" + name] = value
+            # the group still works after the errors: one more case on the same group
+            results["after_errors"] = _run_case(_case("after_errors", "p2p", h=2 * world, hkv=world), groups)
         write_gathered(results, world, rank, out_path)
     finally:
         teardown()
@@ -413,7 +489,7 @@ def _params(world):
     return [pytest.param(world, c["name"], id=f"cp{world}-{c['name']}") for c in _cases(world)]
 
 
-@pytest.mark.parametrize("world,name", _params(2) + _params(4) +
+@pytest.mark.parametrize("world,name", _params(2) + _params(ODD_WORLD) + _params(4) +
                          [pytest.param(w, "after_errors", id=f"cp{w}-after_errors") for w in (2, 4)])
 def test_matches_whole_sequence(world, name, tmp_path_factory):
     per_rank = _results(world, tmp_path_factory)
@@ -428,6 +504,28 @@ def test_matches_whole_sequence(world, name, tmp_path_factory):
         assert expected <= metrics.keys()
         if case and case["softmax"] == "learnable":
             assert {"dsink_vs_engine", "dsink_vs_float64"} <= metrics.keys()
+
+
+@pytest.mark.parametrize("world", [2, ODD_WORLD, 4])
+def test_p2p_backward_runs_the_ring_reversed_ending_on_the_diagonal(world, tmp_path_factory):
+    """The backward computes the forward's blocks (the same kinds) in reverse order, K/V moving to the previous
+    rank: first the block the forward ended on (nothing received before it), last the rank's own diagonal block,
+    after which no transfer starts (the last dK/dV hop ran under it)."""
+    for rank, results in enumerate(_results(world, tmp_path_factory)):
+        events = results["p2p_schedule"]
+        split = events.index(["backward"])
+        calls = {phase: [e[1:] for e in events if e[0] == phase] for phase in ("fwd", "bwd")}
+        assert [c[0] for c in calls["fwd"]] == [(rank - i) % world for i in range(world)], (rank, calls)
+        assert calls["bwd"] == calls["fwd"][::-1], (rank, calls)
+        assert calls["bwd"][-1] == [rank, "all", "all", "causal"], (rank, calls)
+        backward = events[split + 1:]
+        engine_steps = [i for i, e in enumerate(backward) if e[0] == "bwd"]
+        assert not any(e[0] == "wait" and e[1] for e in backward[:engine_steps[0]]), (rank, backward)
+        assert all(e[0] == "wait" for e in backward[engine_steps[-1] + 1:]), (rank, backward)
+        starts = [e for e in backward if e[0] == "start"]
+        prev, nxt = (rank - 1) % world, (rank + 1) % world
+        assert starts and all(e[3:] == [prev, nxt] for e in starts), (rank, starts)
+        assert not [e for e in starts if e[1] != e[2]], (rank, starts)  # every send matched by a receive
 
 
 @pytest.mark.parametrize("world", [2, 4])

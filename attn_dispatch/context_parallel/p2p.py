@@ -1,13 +1,29 @@
 """Ring attention ('p2p'): K/V travel around the cp group; each rank merges partial results with the lse.
 
-Step i on rank r holds the K/V of rank j = (r - i) mod P. With the load-balanced layout and a causal mask
-(q and kv each = [chunk r | chunk 2P-1-r]) the blocks are:
-  i == 0  (j == r): the local causal block;
-  j <  r          : all local queries against the first kv half (chunk j); chunk 2P-1-j is in the future;
-  j >  r          : the second query half (chunk 2P-1-r) against all of kv; chunk r sees only the future.
-so steps after the first do half the work and no block is fully masked. Backward re-runs the ring: K/V
-travel again and a float32 dK/dV accumulator travels with them, collecting each rank's contribution,
-and reaches its owner after the last step.
+Rank r holds chunks r and 2P-1-r of the sequence (the load-balanced layout) for q and kv alike. The block of
+rank r with the K/V of rank `src` is, under a causal mask (RingPlan.kind; FULL for every block without a mask):
+  DIAG      src == r: the local causal block;
+  KV_FIRST  src <  r: all local queries against the first kv half (chunk src); chunk 2P-1-src is in the future;
+  Q_SECOND  src >  r: the second query half (chunk 2P-1-r) against all of kv; chunk r sees only the future;
+so every block is two chunk pairs of work and none is fully masked.
+
+Forward, step i = 0 .. P-1: src = r - i (mod P); K/V move forward (to rank r+1) for the next step, issued before
+this step's compute. The diagonal goes first: it needs nothing received. At its last step rank r holds rank
+r+1's K/V; it keeps that block for the backward (memory: one more K/V block per rank, from forward to backward).
+
+Backward, step t = 0 .. P-1: src = r + 1 + t (mod P), the forward's blocks in reverse order, K/V moving backward
+(to rank r-1):
+  t = 0      the block kept from the forward: nothing to receive before it;
+  t = P-1    the diagonal, with the rank's own K/V: no K/V to receive for it.
+A block's dK/dV sum travels with its K/V: its first holder (rank src-1, at t = 0) starts it, each next holder
+receives it and adds its part, and the owner receives it during its own diagonal block (that hop runs under the
+diagonal's compute), adds the diagonal's part and is done: no transfer is left after the last block. Each step
+issues, before its compute, the next step's K/V (none for the diagonal) and the previous step's dK/dV sum.
+Sums over several ranks' parts are float32 (float64 for float64): dq and the travelling dK/dV for P > 2. With
+P = 2 a block's foreign part is a single engine result: it travels in its own dtype, and dq's two parts add in
+theirs (one op adds in float32 and rounds once). A K/V block's holders compute Q_SECOND (all kv rows) before
+KV_FIRST (the first half), so a sum covers the rows of its first part: only rank 0's block, whose foreign parts
+are all KV_FIRST, travels as its first half.
 """
 from __future__ import annotations
 
@@ -25,7 +41,7 @@ FULL, DIAG, KV_FIRST, Q_SECOND = "full", "diag", "kv_first", "q_second"
 
 
 class RingPlan:
-    """Which block each step computes, with the engine config and aux for it."""
+    """Which block a rank computes with which rank's K/V, with the engine config and aux for it."""
 
     def __init__(self, cfg: AttnConfig, aux: AttnAux, fmt: str, causal: bool, sq: int, skv: int,
                  cu_q: torch.Tensor | None = None, cu_kv: torch.Tensor | None = None, max_q: int = 0,
@@ -51,10 +67,11 @@ class RingPlan:
                         KV_FIRST: AttnAux(max_seqlen_q=sq, max_seqlen_kv=skv // 2, extra=aux.extra),
                         Q_SECOND: AttnAux(max_seqlen_q=sq // 2, max_seqlen_kv=skv, extra=aux.extra)}
 
-    def kind(self, step: int, src: int, rank: int) -> str:
+    def kind(self, src: int, rank: int) -> str:
+        """The block of `rank`'s queries against the K/V of rank `src`."""
         if not self.causal:
             return FULL
-        if step == 0:
+        if src == rank:
             return DIAG
         return KV_FIRST if src < rank else Q_SECOND
 
@@ -96,10 +113,11 @@ class Pair:
 
 
 def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
-                 plan: RingPlan, info: GroupInfo, ring: Ring) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """Returns (out in q's dtype, lse over all keys incl. the sink [float32], per-step engine states).
-    Step 0's result is taken as it is; each later step merges into new tensors (float32 between steps, q's dtype
-    at the last step unless a sink follows), so no block result is copied or widened on its own."""
+                 plan: RingPlan, info: GroupInfo, ring: Ring) -> tuple[torch.Tensor, torch.Tensor, list[Any], Pair]:
+    """Returns (out in q's dtype, lse over all keys incl. the sink [float32], per-step engine states, the K/V held
+    at the last step: rank r+1's, where the backward starts). Step 0's result is taken as it is; each later step
+    merges into new tensors (float32 between steps, q's dtype at the last step unless a sink follows), so no block
+    result is copied or widened on its own."""
     fmt, halves = plan.fmt, plan.halves
     q_second = halves.take(q, 1).contiguous() if halves else None
     out = lse = None
@@ -108,17 +126,12 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     kv = Pair.of(k, v, copy=False)  # it travels as it is
     for step in range(info.size):
         src = (info.rank - step) % info.size
-        k_cur, v_cur = kv.parts
         pending, nxt = [], None
         if step + 1 < info.size:  # issue the next step's transfer before this step's compute
             nxt = kv.empty_like()
             pending = ring.start(kv.tagged(TAG_K), nxt.tagged(TAG_K))
-        kind = plan.kind(step, src, info.rank)
-        qb, kb, vb = q, k_cur, v_cur
-        if kind == KV_FIRST:
-            kb, vb = halves.take(k_cur, 0).contiguous(), halves.take(v_cur, 0).contiguous()
-        elif kind == Q_SECOND:
-            qb = q_second
+        kind = plan.kind(src, info.rank)
+        qb, kb, vb = _block_inputs(kind, q, q_second, kv, halves)
         res = engine.forward(qb, kb, vb, plan.aux[kind], plan.cfg(kind))
         states.append(BlockState(res.state, res.out))
         if out is None:  # step 0 covers every local query row
@@ -132,7 +145,16 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             kv = nxt
     if sink is not None:
         out, lse = add_sink(out.to(acc_dtype(q)), lse.to(acc_dtype(q)), sink, fmt)
-    return out.to(q.dtype), lse.to(acc_dtype(q)), states
+    return out.to(q.dtype), lse.to(acc_dtype(q)), states, kv
+
+
+def _block_inputs(kind: str, q: torch.Tensor, q_second: torch.Tensor | None, kv: Pair, halves: Halves | None):
+    """(q, k, v) of a block: KV_FIRST takes the first kv half as views (engines read strides; only the head dim
+    must be dense), Q_SECOND the second query half."""
+    k, v = kv.parts
+    if kind == KV_FIRST:
+        return q, halves.take(k, 0), halves.take(v, 0)
+    return (q_second if kind == Q_SECOND else q), k, v
 
 
 def _merge_step(out, lse, owned: bool, res, kind: str, halves: Halves | None, fmt: str, dtype: torch.dtype):
@@ -170,95 +192,106 @@ def _put_rows(out, lse, rows_out, rows_lse, halves: Halves, which: int, fmt: str
 
 
 def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor, states: list[Any], sink: torch.Tensor | None,
+                  out: torch.Tensor, lse: torch.Tensor, held: Pair, states: list[Any], sink: torch.Tensor | None,
                   plan: RingPlan, info: GroupInfo, ring: Ring):
-    """Returns (dq, dk, dv, dsink or None). Engines take the merged out/lse, as FlashAttention's backward does.
-    Partial gradients add in float32 and round once: in a float32 accumulator over three ranks or more; over two,
-    as one add of the two partials in their own dtype (torch adds 16-bit floats in float32 and rounds once, the
-    same result in half the memory traffic). With two ranks each rank's contribution to the other's K/V goes
-    straight to its owner (one hop); over more, a float32 dK/dV accumulator travels the ring with the K/V."""
-    fmt, halves = plan.fmt, plan.halves
+    """Returns (dq, dk, dv, dsink or None). `held`: the K/V ring_forward ended on. Engines take the merged out/lse,
+    as FlashAttention's backward does. The schedule and the dtypes of the sums: the module's docstring."""
+    fmt, halves, size, rank = plan.fmt, plan.halves, info.size, info.rank
     dout = dout.contiguous()
-    if halves:
-        second = tuple(halves.take(t, 1).contiguous() for t in (q, dout, out))
-        lse_second = halves.take(lse, 1, lse=True).contiguous()
-    pair = info.size == 2
-    dq = None
-    kv = Pair.of(k, v, copy=False)
-    dkv = None  # > 2 ranks: float32 gradient of the kv block held at the previous step, all ranks so far
-    for step in range(info.size):
-        src = (info.rank - step) % info.size
-        k_cur, v_cur = kv.parts
+    second = None
+    if halves:  # Q_SECOND's rows, taken once for every step that needs them
+        second = tuple(halves.take(t, 1).contiguous() for t in (q, dout, out)) + \
+            (halves.take(lse, 1, lse=True).contiguous(),)
+    sum_dtype = q.dtype if size == 2 else acc_dtype(q)
+    backward_ring = dict(send_to=info.prev_global, recv_from=info.next_global)
+    kv = held
+    dq = dq_rows = None
+    dkv = dkv_rows = None  # the dK/dV sum of the block computed at the previous step, over rows dkv_rows
+    for t in range(size):
+        src = (rank + 1 + t) % size
+        diagonal = t == size - 1
         sends, recvs, nxt, incoming = [], [], None, None
-        if step + 1 < info.size:
+        if t + 1 < size - 1:  # the next step's K/V; the diagonal uses this rank's own
             nxt = kv.empty_like()
             sends += kv.tagged(TAG_K)
             recvs += nxt.tagged(TAG_K)
-        if step > 0 and not pair:  # pass on the accumulator of the block we held last step; receive this block's
-            incoming = dkv.empty_like()
+        if t > 0:  # pass on the previous block's sum; receive this block's, from the ranks that held it before
+            in_rows = _sum_rows(plan, src, size)
+            incoming = Pair(tuple(torch.empty(_rows_shape(x, in_rows, halves), dtype=d.dtype, device=x.device)
+                                  for x, d in zip((k, v), dkv.parts)))
             sends += dkv.tagged(TAG_DK)
             recvs += incoming.tagged(TAG_DK)
-        pending = ring.start(sends, recvs)
-        kind = plan.kind(step, src, info.rank)
-        if kind == Q_SECOND:
-            q2, dout2, out2 = second
-            g = engine.backward(dout2, q2, k_cur, v_cur, out2, lse_second, states[step].state, plan.aux[kind],
-                                plan.cfg(kind))
-        else:
-            kb, vb = k_cur, v_cur
-            if kind == KV_FIRST:
-                kb, vb = halves.take(k_cur, 0).contiguous(), halves.take(v_cur, 0).contiguous()
-            g = engine.backward(dout, q, kb, vb, out, lse, states[step].state, plan.aux[kind], plan.cfg(kind))
-        dq = _add_grad(dq, g.dq, 1 if kind == Q_SECOND else None, halves, q.dtype if pair else acc_dtype(q))
+        pending = ring.start(sends, recvs, **backward_ring)
+        kind = plan.kind(src, rank)
+        g = _block_backward(engine, kind, dout, q, out, lse, second, Pair.of(k, v, copy=False) if diagonal else kv,
+                            states[(rank - src) % size], plan)
+        dq, dq_rows = _sum(dq, dq_rows, g.dq, 1 if kind == Q_SECOND else None, halves, sum_dtype)
         Ring.wait(pending)
-        if pair:
-            if step == 0:
-                dkv = Pair.of(g.dk, g.dv, copy=False)  # our own K/V's gradient: the partner's part is added below
-            else:
-                dkv = _exchange_pair(dkv, g, plan, info, ring)
-        elif incoming is None:
-            dkv = Pair.of(g.dk, g.dv, acc_dtype(q))
-        else:
-            dkv = incoming
-            for acc, part in zip(dkv.parts, (g.dk, g.dv)):
-                _add_grad(acc, part, 0 if kind == KV_FIRST else None, halves, acc.dtype)
+        part_rows = 0 if kind == KV_FIRST else None
+        if incoming is None:  # the block's first holder: its sum starts here
+            dkv, dkv_rows = Pair.of(g.dk, g.dv, sum_dtype, copy=False), part_rows
+        elif not diagonal:
+            dkv, dkv_rows = incoming, in_rows
+            for total, part in zip(dkv.parts, (g.dk, g.dv)):
+                _add_into(total, dkv_rows, part, part_rows, halves)
+        else:  # this rank's own K/V: the other ranks' sum plus the diagonal's part
+            dk, dv = (_finish(part, total, in_rows, halves) for part, total in zip((g.dk, g.dv), incoming.parts))
         if nxt is not None:
             kv = nxt
-    if not pair:
-        # the accumulator we hold now belongs to the next rank; ours arrives from the previous one. It is complete:
-        # cast to the gradient's dtype before the hop (the same rounding as after it, half the bytes of float32)
-        done = Pair.of(*dkv.parts, k.dtype)
-        dkv = done.empty_like()
-        Ring.wait(ring.start(done.tagged(TAG_DK), dkv.tagged(TAG_DK)))
-    dk, dv = dkv.parts
     dsink = sink_grad(dout, out, lse, sink, fmt) if sink is not None else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
 
-def _add_grad(acc: torch.Tensor | None, part: torch.Tensor, half: int | None, halves: Halves | None,
-              dtype: torch.dtype) -> torch.Tensor:
-    """acc + part (part covering the rows of half `half`, or all rows): acc None starts from part, as a copy in
-    `dtype` where it is not already of `dtype`. In place otherwise (acc is ours: a copy, or an engine's result)."""
-    if acc is None:
-        if half is not None:  # the first step covers every row
-            raise RuntimeError("internal error: the ring's first block must cover every row")
-        return part if part.dtype == dtype else part.to(dtype)
-    if half is None:
-        return acc.add_(part)
-    halves.add_into(acc, part, half)
-    return acc
+def _block_backward(engine: Engine, kind: str, dout, q, out, lse, second, kv: Pair, state: BlockState,
+                    plan: RingPlan):
+    if kind == Q_SECOND:
+        q2, dout2, out2, lse2 = second
+        return engine.backward(dout2, q2, *kv.parts, out2, lse2, state.state, plan.aux[kind], plan.cfg(kind))
+    _, kb, vb = _block_inputs(kind, q, None, kv, plan.halves)
+    return engine.backward(dout, q, kb, vb, out, lse, state.state, plan.aux[kind], plan.cfg(kind))
 
 
-def _exchange_pair(own: Pair, g, plan: RingPlan, info: GroupInfo, ring: Ring) -> Pair:
-    """Two ranks: send this rank's contribution to the partner's K/V gradient (g, of the block computed from the
-    partner's K/V) to the partner, receive the partner's to ours, and add it into our own (`own`, step 0's)."""
-    mine_kind = plan.kind(1, info.rank, (info.rank + 1) % 2)  # the block the partner computed from our K/V
-    rows = 0 if mine_kind == KV_FIRST else None
-    sent = Pair.of(g.dk, g.dv, copy=False)
-    shapes = [t.shape if rows is None else plan.halves.shape_of(t, 0) for t in own.parts]
-    got = Pair(tuple(torch.empty(shape, dtype=t.dtype, device=t.device) for shape, t in zip(shapes, own.parts)))
-    Ring.wait(ring.start(sent.tagged(TAG_DK), got.tagged(TAG_DK)))
-    return Pair(tuple(_add_grad(acc, part, rows, plan.halves, acc.dtype) for acc, part in zip(own.parts, got.parts)))
+def _sum_rows(plan: RingPlan, owner: int, size: int) -> int | None:
+    """The rows the dK/dV sum of `owner`'s block covers: those of its first part (rank owner-1's block)."""
+    return 0 if plan.kind(owner, (owner - 1) % size) == KV_FIRST else None
+
+
+def _rows_shape(x: torch.Tensor, rows: int | None, halves: Halves | None) -> torch.Size:
+    return x.shape if rows is None else halves.shape_of(x, rows)
+
+
+def _add_into(total: torch.Tensor, total_rows: int | None, part: torch.Tensor, part_rows: int | None,
+              halves: Halves | None) -> None:
+    """total += part, in place; rows: None for all rows, 0 / 1 for that half. total must cover part's rows."""
+    if total_rows == part_rows:
+        total.add_(part)
+    elif total_rows is None:
+        halves.add_into(total, part, part_rows)
+    else:
+        raise RuntimeError(f"internal error: a sum over half {total_rows} cannot take a part over "
+                           f"{'all rows' if part_rows is None else f'half {part_rows}'}")
+
+
+def _sum(total: torch.Tensor | None, total_rows: int | None, part: torch.Tensor, part_rows: int | None,
+         halves: Halves | None, dtype: torch.dtype) -> tuple[torch.Tensor, int | None]:
+    """(total + part, its rows). In place where total covers part's rows; else part (all rows, or the first part)
+    becomes the sum: itself where it is of `dtype` (an engine's result, ours to write), else a copy in `dtype`."""
+    if total is not None and (total_rows is None or part_rows is not None):
+        _add_into(total, total_rows, part, part_rows, halves)
+        return total, total_rows
+    base = part if part.dtype == dtype else part.to(dtype)
+    if total is not None:
+        _add_into(base, None, total, total_rows, halves)
+    return base, part_rows
+
+
+def _finish(own: torch.Tensor, others: torch.Tensor, rows: int | None, halves: Halves | None) -> torch.Tensor:
+    """own (the diagonal block's part: all rows, an engine's result) + others (the other ranks' sum over `rows`),
+    in one op that adds in the wider dtype and rounds once into own's."""
+    if rows is not None and halves.index is not None and others.dtype != own.dtype:
+        own = own.to(others.dtype)  # thd's index_add_ takes one dtype: the wider one, rounded by the caller
+    _add_into(own, None, others, rows, halves)
+    return own
 
 
 class P2PAttention:
@@ -268,9 +301,10 @@ class P2PAttention:
         self.engine, self.plan, self.info, self.ring = engine, plan, info, Ring(info, stream)
 
     def forward(self, q, k, v, sink):
-        out, lse, states = ring_forward(self.engine, q, k, v, sink, self.plan, self.info, self.ring)
-        return out, (q, k, v, out, lse), states
+        out, lse, states, held = ring_forward(self.engine, q, k, v, sink, self.plan, self.info, self.ring)
+        return out, (q, k, v, out, lse, *held.buffers), states
 
     def backward(self, dout, saved, states, sink):
-        q, k, v, out, lse = saved
-        return ring_backward(self.engine, dout, q, k, v, out, lse, states, sink, self.plan, self.info, self.ring)
+        q, k, v, out, lse, *held = saved
+        return ring_backward(self.engine, dout, q, k, v, out, lse, Pair(tuple(held)), states, sink, self.plan,
+                             self.info, self.ring)
