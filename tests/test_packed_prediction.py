@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attn_dispatch.benchmarking.cases import CASE_GRIDS, PACKED_SEEDS, Case, _draw_packed, _packed_coverage
+from attn_dispatch.benchmarking.cases import (CASE_GRIDS, PACKED_2_SEED, PACKED_SEEDS, SECOND_PACKED, Case,
+                                              _draw_packed, _packed_2_coverage, _packed_coverage)
 
 
 def _shape(case: Case) -> Case:
@@ -29,6 +30,22 @@ def test_packed_grid_holds_its_own_lengths_and_shares_no_call_with_other_grids()
     assert {c.d for c in grid} >= {64, 256} and any(c.hkv != c.h for c in grid)
     assert {c.window[1] == 0 for c in grid if c.window} == {True, False}
     assert any(min(c.seqlens) == c.s for c in grid) and any(min(c.seqlens) < c.s // 8 for c in grid)
+
+
+def test_the_second_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_from_other_ranges():
+    grid = CASE_GRIDS["eval-blind-packed-2"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    assert _packed_2_coverage(_draw_packed(PACKED_2_SEED, 12, SECOND_PACKED))
+    assert not any(_packed_2_coverage(_draw_packed(s, 12, SECOND_PACKED)) for s in range(20261301, PACKED_2_SEED))
+    for c in grid:
+        assert c.fmt == "thd" and len(c.seqlens) == c.b <= 48 and max(c.seqlens) == c.s and c.h % c.hkv == 0
+        assert sum(c.seqlens) <= max(24576, 2 * c.s) and min(c.seqlens) >= 16
+    first = CASE_GRIDS["eval-blind-packed"]()
+    assert not {c.s for c in grid} & {c.s for c in first}  # other longest lengths, other windows
+    assert not {c.window[0] for c in grid if c.window} & {c.window[0] for c in first if c.window}
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "eval-blind-packed-2" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert {c.d for c in grid} == {64, 96, 128, 192, 256} and max(c.b for c in grid) > 32
 
 
 def test_a_case_refuses_lengths_that_do_not_fit_it():

@@ -401,43 +401,80 @@ REFRESH_GRIDS = frozenset({"fit-thd"})
 # before any of it was measured; the seed is the first from 20261201 whose draw covers what _packed_coverage asks
 # (two long ragged causal packs among them: the kind of call the profile missed).
 PACKED_SEEDS = (20261202,)
+# eval-blind-packed-2: drawn after the packed model was fitted on the profile's packed calls and on eval-blind-packed
+# (which was looked at), to check it. Other ranges than the first grid's: longest lengths, token budgets (12k, 24k),
+# up to 48 sequences, lengths from 16 tokens, 24 and 40 heads, other windows, and packs of short sequences with half
+# of them long (bimodal). The seed is the first from 20261301 whose draw covers what _packed_2_coverage asks.
+PACKED_2_SEED = 20261315
 
 
-def _draw_packed(seed: int, count: int) -> list[Case]:
-    """count packed shapes: head dims 64-256 (192 with v 128), GQA, padding and padding_causal, causal and
-    two-sided windows; each pack filled as a data loader fills one, sequences added until a token budget (8k, 16k or
-    32k) is reached (at most 32), their lengths drawn by a pattern (ragged, one long among short ones, uniform, or
-    the harness's own [s/2, s])."""
+@dataclass(frozen=True)
+class PackedFamily:
+    """What a packed grid draws from: each pack filled as a data loader fills one, sequences added until a token
+    budget is reached (at most max_sequences), their lengths drawn by a pattern."""
+    head_dims: tuple[int, ...]
+    heads: tuple[int, ...]
+    longest: tuple[int, ...]
+    budgets: tuple[int, ...]
+    max_sequences: int
+    shortest: int  # ragged and short lengths are drawn log-uniform from this many tokens
+    patterns: tuple[str, ...]
+    kinds: tuple[str, ...]  # causal, plain, causal-window, two-sided
+    windows: tuple[int, ...]
+    prefix: str  # of the labels
+
+
+FIRST_PACKED = PackedFamily(head_dims=(64, 96, 128, 128, 192, 256), heads=(8, 12, 16, 32),
+                            longest=(1000, 2048, 3000, 4096, 6000, 8192), budgets=(8192, 16384, 32768),
+                            max_sequences=32, shortest=32,
+                            patterns=("ragged", "ragged", "one-long", "uniform", "near"),
+                            kinds=("causal", "causal", "causal", "plain", "causal-window", "two-sided"),
+                            windows=(128, 512, 1024, 2048), prefix="pk")
+SECOND_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 24, 32, 40),
+                             longest=(768, 1536, 2500, 3500, 5120, 7168, 12288), budgets=(12288, 24576),
+                             max_sequences=48, shortest=16,
+                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                             kinds=("causal", "causal", "plain", "causal-window", "two-sided"),
+                             windows=(64, 256, 768, 1536), prefix="pq")
+
+
+def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
+    """count packed shapes of the family: head dims 64-256 (192 with v 128), GQA, padding and padding_causal,
+    causal and two-sided windows; lengths by pattern: ragged (log-uniform up to the longest), one long among short
+    ones (up to 1/8 of it), bimodal (each short, up to 256, or in [s/2, s], evenly), uniform, or the harness's own
+    [s/2, s]."""
     import random
 
     rng = random.Random(seed)
     pick = rng.choice
+    low = family.shortest
 
     def log_uniform(lo: int, hi: int) -> int:
         return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
-    draws = {"ragged": lambda s: log_uniform(32, s), "one-long": lambda s: log_uniform(32, max(33, s // 8)),
-             "uniform": lambda s: s, "near": lambda s: rng.randint(s // 2, s)}
+    draws = {"ragged": lambda s: log_uniform(low, s), "one-long": lambda s: log_uniform(low, max(low + 1, s // 8)),
+             "uniform": lambda s: s, "near": lambda s: rng.randint(s // 2, s),
+             "bimodal": lambda s: log_uniform(low, 256) if rng.random() < 0.5 else rng.randint(s // 2, s)}
     shapes = []
     for i in range(count):
-        d = pick((64, 96, 128, 128, 192, 256))
-        h = pick((8, 12, 16, 32))
+        d = pick(family.head_dims)
+        h = pick(family.heads)
         hkv = pick([g for g in (1, 2, 4, 8, h) if h % g == 0])
-        s = pick((1000, 2048, 3000, 4096, 6000, 8192))
-        budget = max(pick((8192, 16384, 32768)), 2 * s)
-        pattern = pick(("ragged", "ragged", "one-long", "uniform", "near"))
+        s = pick(family.longest)
+        budget = max(pick(family.budgets), 2 * s)
+        pattern = pick(family.patterns)
         lens = [s]
-        while len(lens) < 32 and sum(lens) < budget:
+        while len(lens) < family.max_sequences and sum(lens) < budget:
             lens.append(min(draws[pattern](s), budget - sum(lens)))
         rng.shuffle(lens)
-        kind = pick(("causal", "causal", "causal", "plain", "causal-window", "two-sided"))
+        kind = pick(family.kinds)
         mask = "padding_causal" if kind.startswith("causal") else "padding"
         window = None
         if kind in ("causal-window", "two-sided"):
-            w = pick([x for x in (128, 512, 1024, 2048) if x < s])
+            w = pick([x for x in family.windows if x < s])
             window = (w, 0) if kind == "causal-window" else (w, w)
         shapes.append(Case(b=len(lens), s=s, h=h, hkv=hkv, d=d, dv=128 if d == 192 else 0, mask=mask, window=window,
-                           fmt="thd", seqlens=tuple(lens), name=f"pk{i}-{pattern}"))
+                           fmt="thd", seqlens=tuple(lens), name=f"{family.prefix}{i}-{pattern}"))
     return shapes
 
 
@@ -451,9 +488,29 @@ def _packed_coverage(shapes: list[Case]) -> bool:
             and long_ragged >= 2)
 
 
+def _packed_2_coverage(shapes: list[Case]) -> bool:
+    """Every head dim and pattern, both kinds of window, GQA and MHA, causal and unmasked packs without a window,
+    two long ragged causal packs, a d128 causal GQA pack without a window (an LLM's training call), at most two d192
+    shapes (only cuDNN trains those: no choice to check)."""
+    patterns = [c.name.split("-", 1)[1] for c in shapes]
+    long_ragged = sum(p in ("ragged", "one-long", "bimodal") and c.s >= 3500 and c.mask == "padding_causal"
+                      for p, c in zip(patterns, shapes))
+    return ({c.d for c in shapes} == {64, 96, 128, 192, 256} and set(patterns) == set(SECOND_PACKED.patterns)
+            and {c.window[1] == 0 for c in shapes if c.window} == {True, False}
+            and {c.hkv != c.h for c in shapes} == {True, False}
+            and {c.mask for c in shapes if not c.window} == {"padding", "padding_causal"}
+            and long_ragged >= 2 and sum(c.d == 192 for c in shapes) <= 2
+            and any(c.d == 128 and c.hkv != c.h and c.mask == "padding_causal" and not c.window for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
+
+
+def eval_packed_2_cases() -> list[Case]:
+    """12 packed shapes of SECOND_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_2_SEED, 12, SECOND_PACKED))
 
 
 def smoke_cases() -> list[Case]:
@@ -467,4 +524,4 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               **{f"eval-blind{i + 1}": (lambda s=seed: eval_blind_cases(s)) for i, seed in enumerate(BLIND_SEEDS) if i},
               "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
-              "eval-blind-packed": eval_packed_cases}
+              "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases}
