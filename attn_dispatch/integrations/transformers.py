@@ -18,7 +18,6 @@ reason (attention weights as output, position_bias).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

@@ -1,0 +1,150 @@
+"""Greedy generation through attn_implementation="attn_dispatch" on a left-padded batch with the decode steps on the
+engine a GPU picks for them (mem_efficient:torch, the mask as given: its op's contract registered for the CPU, as
+tests/test_mem_efficient_engine.py does, standing in for the CPU's pick), against eager in float32: every step's
+logits and the tokens. A decode step reads nothing back to the host, copies no keys or values (the query heads of a
+group fold into query rows), and dispatches the same few ops on every layer after the first of its step."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from attn_dispatch import backends, sdpa, tensor_cache  # noqa: E402
+from attn_dispatch.backends.base import Engine  # noqa: E402
+from attn_dispatch.backends.mem_efficient import MemEfficientEngine  # noqa: E402
+from attn_dispatch.integrations import transformers as glue  # noqa: E402
+from tests.test_mem_efficient_engine import _op_backward, _op_forward  # noqa: E402
+
+CPU_PICK = "unfused:pytorch"
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy")
+
+
+class DecodeOnMemEfficient(Engine):
+    """One-query calls on mem_efficient:torch's glue, the prefill on the CPU's own engine."""
+
+    family, provider = "unfused", "pytorch"
+
+    def __init__(self, own: Engine):
+        self.own, self.decode, self.decode_calls = own, MemEfficientEngine(), 0
+
+    def __call__(self, q, k, v, aux, cfg, *, flatten_heads: bool = False):
+        if aux.max_seqlen_q != 1:
+            return self.own(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+        assert cfg.attn_mask_type == "arbitrary" and cfg.qkv_format == "bshd", cfg
+        self.decode_calls += 1
+        return self.decode(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+
+
+@pytest.fixture
+def decode_on_mem_efficient():
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_dot_product_efficient_attention", _op_forward, "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention_backward", _op_backward, "CPU")
+    own = backends.get_engine(CPU_PICK)
+    engine = backends._INSTANCES[CPU_PICK] = DecodeOnMemEfficient(own)
+    glue.register()
+    sdpa._MODULES.clear()
+    glue._DECODE_READING.clear()
+    tensor_cache.clear()
+    yield engine
+    backends._INSTANCES[CPU_PICK] = own
+    sdpa._MODULES.clear()
+    glue._DECODE_READING.clear()
+    del lib
+
+
+def tiny_llama(layers: int = 3):
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256)
+    config.eos_token_id = None
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float().eval()
+
+
+def left_padded(b: int = 4, s: int = 9):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 97, (b, s), generator=g)
+    keep = torch.ones(b, s, dtype=torch.long)
+    for row in range(b):
+        keep[row, : 2 * row] = 0
+    return ids.masked_fill(keep == 0, 0), keep
+
+
+def generate(model, impl: str, ids, keep, new: int = 8):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=keep, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
+def test_left_padded_generation_matches_eager(decode_on_mem_efficient):
+    model = tiny_llama()
+    ids, keep = left_padded()
+    eager = generate(model, "eager", ids, keep)
+    ours = generate(model, "attn_dispatch", ids, keep)
+    assert decode_on_mem_efficient.decode_calls == 7 * 3  # 7 decode steps (the first token is the prefill's)
+    assert torch.equal(ours.sequences, eager.sequences)
+    for step, (got, want) in enumerate(zip(ours.logits, eager.logits)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    used = {m.last_decision.chosen for m in sdpa._MODULES.values() if m.last_decision is not None
+            and m.last_decision.params["max_seqlen_q"] == 1}
+    assert used == {CPU_PICK}
+
+
+class _Dispatched(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[list[tuple[str, tuple]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.calls:
+            self.calls[-1].append((str(func.overloadpacket), tuple(out.shape) if isinstance(out, torch.Tensor)
+                                   else None))
+        return out
+
+
+def test_decode_steps_read_nothing_back_and_copy_no_keys(decode_on_mem_efficient, monkeypatch):
+    layers = 3
+    model = tiny_llama(layers)
+    ids, keep = left_padded()
+    generate(model, "attn_dispatch", ids, keep, new=3)  # plans and the reading of decode masks made
+    reads = collections.Counter()
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            reads[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    ops = _Dispatched()
+    attention = glue.attention_forward
+
+    def watched(module, query, key, value, attention_mask, **kwargs):
+        if query.shape[2] != 1:
+            return attention(module, query, key, value, attention_mask, **kwargs)
+        ops.calls.append([])
+        before = sum(reads.values())
+        with ops:
+            out = attention(module, query, key, value, attention_mask, **kwargs)
+        assert sum(reads.values()) == before, reads
+        kv = key.shape
+        repeated = [(op, shape) for op, shape in ops.calls[-1]
+                    if shape is not None and len(shape) == 4 and shape[2] == kv[2] and shape[1] == query.shape[1]]
+        assert not repeated, repeated  # nothing of the keys' length with the query's heads: no repeat
+        return out
+
+    transformers.AttentionInterface.register("attn_dispatch_watched", watched)
+    transformers.AttentionMaskInterface.register("attn_dispatch_watched", transformers.masking_utils.sdpa_mask)
+    generate(model, "attn_dispatch_watched", ids, keep, new=5)
+    assert len(ops.calls) == 4 * layers
+    for step in range(4):  # after a step's first layer (its mask's bias), every layer dispatches the same ops
+        later = [[op for op, _ in ops.calls[step * layers + i]] for i in range(1, layers)]
+        assert all(names == later[0] for names in later), later
+        assert later[0].count("aten._scaled_dot_product_efficient_attention") == 1
+        assert len(later[0]) <= 16, later[0]
