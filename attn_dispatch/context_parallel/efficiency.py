@@ -3,9 +3,15 @@ from measured compute and transfer rates, so a comm type can be picked without a
 
 The model (per comm type, one rank; t(bytes) = bytes / link rate):
 - p2p: P ring steps of equal work (load-balanced); step i's K/V transfer hides under step i-1's compute:
-  forward = c + (P-1) (max(c, t(kv)) + step); backward likewise with c_bwd, where the travelling float32 dK/dV
-  triples the bytes for P > 2, then one exposed hop of dK/dV. With a window, only the steps the window reaches; a
-  window within the neighbouring chunks moves only its keys, as all_gather does (window_exchange.py); so does a2a.
+  forward = c + (P-1) (max(c, t(kv)) + step). Backward (p2p.py) runs the ring reversed from the K/V block the
+  forward ended on and ends on the local diagonal block: step i computes while the next step's K/V (none for the
+  diagonal) and the previous block's dK/dV sum (float32, 2 t(kv), for P > 2; one engine result, t(kv), for P = 2)
+  travel, so backward = sum_i max(c_bwd, moving_i) + (P-1) step: the last hop, the sum to its owner, runs under
+  the diagonal block and nothing is left exposed. With a window (window_ring.py), only the steps the window
+  reaches, the forward's ring again (K/V and a float32 sum triple the bytes for P > 2), then one exposed hop of
+  dK/dV to the owner; p2p's backward ran so too before the reversed ring (exposed_dkv_hop=True: the recorded runs
+  the rates are fitted to). A window within the neighbouring chunks moves only its keys, as all_gather does
+  (window_exchange.py); so does a2a.
 - a2a: q, k, v (then out) cross all-to-alls around whole-sequence attention on heads / P; with G head groups the
   exchanges overlap attention except 1/G of them: max(c, comm) (G-1)/G + (c + comm)/G, and the same backward.
 - all_gather: the K/V it needs gathered before, the float32 dK/dV reduce-scattered after; nothing overlaps.
@@ -86,7 +92,9 @@ def one_gpu_ms(call: Call, rates: Rates) -> tuple[float, float]:
     return flops / (rates.fwd_tflops * 1e9), BWD_FLOPS_RATIO * flops / (rates.bwd_tflops * 1e9)
 
 
-def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: int = 1) -> Prediction:
+def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: int = 1, *,
+            exposed_dkv_hop: bool = False) -> Prediction:
+    """exposed_dkv_hop: p2p's backward without a window as it ran before the reversed ring (runs recorded then)."""
     if comm not in MODELLED:
         raise ValueError(f"comm={comm!r} has no efficiency model; modelled: {', '.join(MODELLED)}")
     p = call.cp_size
@@ -99,13 +107,16 @@ def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: 
     exchange = comm == "all_gather" or (call.window is not None
                                         and key_exchange(comm, "bshd", call.seqlen // (2 * p), call.window))
     if comm == "p2p" and not exchange:
-        steps = p
-        if call.window:
-            steps = steps_needed(p, call.seqlen // (2 * p), call.window)
+        steps = steps_needed(p, call.seqlen // (2 * p), call.window) if call.window else p
         cf, cb = fwd1 / p / steps, bwd1 / p / steps
-        travel = t(kv) if p == 2 else 3 * t(kv)
         fwd = cf + (steps - 1) * (max(cf, t(kv)) + step)
-        bwd = cb + (steps - 1) * (max(cb, travel) + step) + (t(kv) if steps > 1 else 0.0)
+        if call.window or exposed_dkv_hop:  # the forward's ring again, then the sums' hop to their owners
+            travel = t(kv) if p == 2 else 3 * t(kv)
+            bwd = cb + (steps - 1) * (max(cb, travel) + step) + (t(kv) if steps > 1 else 0.0)
+        else:  # reversed: step i moves the next K/V (none for the diagonal, the last) and the previous block's sum
+            dkv_sum = t(kv) if p == 2 else 2 * t(kv)
+            moving = [(t(kv) if i + 1 < p - 1 else 0.0) + (dkv_sum if i > 0 else 0.0) for i in range(p)]
+            bwd = sum(max(cb, m) for m in moving) + (p - 1) * step
     elif comm == "a2a" and not exchange:
         share, g = (p - 1) / p, a2a_head_groups
         cf, cb = fwd1 / p, bwd1 / p
