@@ -393,8 +393,9 @@ class _RecordingEngine(Engine):
 
     def _log(self, phase, q, k, cfg):
         half = self.local_len // 2
-        src, k_rows = next((j, rows) for j, shard in enumerate(self.k_shards)
-                           for rows, keys in (("all", shard), ("first", shard[:, :half])) if torch.equal(k, keys))
+        src, k_rows = next(((j, rows) for j, shard in enumerate(self.k_shards)
+                            for rows, keys in (("all", shard), ("first", shard[:, :half])) if torch.equal(k, keys)),
+                           (None, "unknown keys"))
         q_rows = "all" if q.shape[1] == self.local_len else "second"
         self.events.append([phase, src, q_rows, k_rows, cfg.attn_mask_type])
 
@@ -454,7 +455,10 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             except Exception:  # noqa: BLE001 - reported per case
                 results[case["name"]] = {"error": traceback.format_exc()[-3000:]}
             results[case["name"]]["seconds"] = time.perf_counter() - start
-        results["p2p_schedule"] = _record_p2p_schedule(groups, world)
+        try:
+            results["p2p_schedule"] = _record_p2p_schedule(groups, world)
+        except Exception:  # noqa: BLE001 - reported by the test that reads it
+            results["p2p_schedule"] = {"error": traceback.format_exc()[-3000:]}
         if world != ODD_WORLD:
             for name, value in _error_cases(groups, world).items():
                 results["error:" + name] = value
@@ -513,6 +517,7 @@ def test_p2p_backward_runs_the_ring_reversed_ending_on_the_diagonal(world, tmp_p
     after which no transfer starts (the last dK/dV hop ran under it)."""
     for rank, results in enumerate(_results(world, tmp_path_factory)):
         events = results["p2p_schedule"]
+        assert "error" not in events, f"rank {rank}:\n{events}"
         split = events.index(["backward"])
         calls = {phase: [e[1:] for e in events if e[0] == phase] for phase in ("fwd", "bwd")}
         assert [c[0] for c in calls["fwd"]] == [(rank - i) % world for i in range(world)], (rank, calls)
