@@ -184,12 +184,15 @@ class _BiasCache:
 
     def get(self, tensors: tuple, context: tuple, build: Callable[[], _Static]) -> _Static:
         try:
-            versions = tuple(t._version for t in tensors)
+            if len(tensors) == 1:  # a mask alone (every layer of a decode step asks): no generator frames
+                versions, key = (tensors[0]._version,), (id(tensors[0]),) + context
+            else:
+                versions, key = tuple(t._version for t in tensors), tuple(map(id, tensors)) + context
         except RuntimeError:  # inference tensors carry no version: nothing can be cached safely
             return build()
-        key = tuple(map(id, tensors)) + context
         hit = self.entries.get(key)
-        if hit is not None and hit[1] == versions and all(r() is t for r, t in zip(hit[0], tensors)):
+        if hit is not None and hit[1] == versions and (hit[0][0]() is tensors[0] if len(tensors) == 1 else
+                                                       all(r() is t for r, t in zip(hit[0], tensors))):
             self.entries.move_to_end(key)
             return hit[2]
         value = build()
@@ -265,7 +268,10 @@ class MemEfficientEngine(Engine):
         if cfg.dropout_p > 0 and aux.dropout_generator is not None:
             raise ValueError("aux.dropout_generator: torch's memory-efficient op draws from the default CUDA "
                              "generator only")
-        q4, k4, v4 = (_bhsd(x, fmt) for x in (q, k, v))
+        if fmt == "bshd":
+            q4, k4, v4 = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q4, k4, v4 = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
         b, h, sq, d = q4.shape
         hk, skv = k4.shape[1], k4.shape[2]
         static = _static(aux, cfg, b, h, sq, skv, q.dtype, q.device)
