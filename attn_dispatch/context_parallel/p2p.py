@@ -149,11 +149,12 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def _block_inputs(kind: str, q: torch.Tensor, q_second: torch.Tensor | None, kv: Pair, halves: Halves | None):
-    """(q, k, v) of a block: KV_FIRST takes the first kv half as views (engines read strides; only the head dim
-    must be dense), Q_SECOND the second query half."""
+    """(q, k, v) of a block: KV_FIRST takes the first kv half (a copy only where the half is not dense: bshd with a
+    batch over 1; engines that key compiled graphs by strides then meet the layout of a whole block), Q_SECOND the
+    second query half."""
     k, v = kv.parts
     if kind == KV_FIRST:
-        return q, halves.take(k, 0), halves.take(v, 0)
+        return q, halves.take(k, 0).contiguous(), halves.take(v, 0).contiguous()
     return (q_second if kind == Q_SECOND else q), k, v
 
 
