@@ -30,7 +30,7 @@ from .sharding import chunks_of_rank, thd_natural_index
 
 # The head-group count when cp.attention(cp_a2a_head_groups=None) (DotProductAttention passes None).
 HEAD_GROUPS_ENV = "ATTN_DISPATCH_CP_A2A_HEAD_GROUPS"
-# Counts the default may take. None: on 2x H200 (benchmarks/results/cp/cp_h200x2.json, b1 h16 d128 causal) two
+# Counts the default may take. None: on 2x H200 (benchmarks/results/cp/cp_h200x2_head_groups.json, causal) two
 # groups lost to one at 32k (85.8% against 88.3%) and tied at 128k (96.3%, 96.7%); four lost at 32k (71% in an
 # earlier run of the same command): all-to-alls overlapped with attention ran several times longer. It stays
 # opt-in (the argument or the variable) until a machine shows a gain.
