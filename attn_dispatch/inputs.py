@@ -112,6 +112,22 @@ def arg_signature(x: Any, grad: bool = False) -> Any:
     return type(x)
 
 
+# A one-query inference step over more than this many keys (a decode step over a growing cache) is decided for its
+# key length rounded up to a multiple of it, so that each new token does not cost a new decision (~0.7 ms of host
+# time per step on a 2-core CPU: selection's checks and the profile's prediction). Every check that reads the key
+# length passes or fails alike there for one query row (bounds at multiples of 128, windows idle only if idle at
+# the call's own length), except cuDNN < 9's multiple-of-64 rule, which the graph build then enforces.
+DECODE_KV_STEP = 128
+
+
+def decided_kv_length(fmt: str, max_q: int, max_kv: int, training: bool) -> int:
+    """The key length a call is decided for: max_kv, or for a one-query inference step (bshd/sbhd) over more than
+    DECODE_KV_STEP keys, max_kv rounded up to a multiple of DECODE_KV_STEP."""
+    if training or max_q != 1 or fmt == "thd" or max_kv <= DECODE_KV_STEP:
+        return max_kv
+    return -(-max_kv // DECODE_KV_STEP) * DECODE_KV_STEP
+
+
 def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq: SeqInfo,
                  args: CallArgs, training: bool) -> AttentionParams:
     """Validates the static facts of a call and describes it."""
@@ -122,7 +138,8 @@ def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, 
     bias_shape, alibi_shape = check_bias(bias_type, bias, alibi_slopes, q, seq.batch, seq.max_q, seq.max_kv)
     return AttentionParams(
         dtype=q.dtype, qkv_format=fmt, batch_size=seq.batch, num_heads=q.shape[-2], num_gqa_groups=k.shape[-2],
-        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=seq.max_q, max_seqlen_kv=seq.max_kv,
+        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=seq.max_q,
+        max_seqlen_kv=decided_kv_length(fmt, seq.max_q, seq.max_kv, training),
         attn_mask_type=mask_type, window_size=window, bias_type=bias_type, bias_shape=bias_shape,
         bias_requires_grad=bool(bias is not None and bias.requires_grad), alibi_slopes_shape=alibi_shape,
         dropout=spec.attention_dropout if training else 0.0, softmax_type=spec.softmax_type,
@@ -146,11 +163,17 @@ def build_config(spec: ModuleSpec, params: AttentionParams) -> AttnConfig:
 def plain_params(params: AttentionParams) -> tuple[AttentionParams, tuple[str, ...]]:
     """(the params the engines run, notes on how the call was read): a window side that masks nothing at the
     call's lengths is dropped (AttentionParams.without_idle_window), so every engine of the plain mask qualifies."""
+    notes: tuple[str, ...] = ()
+    if (params.max_seqlen_q == 1 and not params.is_training and params.qkv_format != "thd" and params.cp_size == 1
+            and not params.inference_kv_cache and params.max_seqlen_kv % DECODE_KV_STEP == 0):
+        notes = (f"a one-query step is decided per {DECODE_KV_STEP} keys: max_seqlen_kv={params.max_seqlen_kv} is the "
+                 f"call's key length rounded up to a multiple of {DECODE_KV_STEP} (a growing cache is not decided "
+                 "anew each token); the engine runs the call's own length",)
     plain = params.without_idle_window()
     if plain is params:
-        return params, ()
-    return plain, (f"window_size={params.window_size} masks nothing at max_seqlen_q={params.max_seqlen_q}, "
-                   f"max_seqlen_kv={params.max_seqlen_kv}: run as window_size={plain.window_size}",)
+        return params, notes
+    return plain, notes + (f"window_size={params.window_size} masks nothing at max_seqlen_q={params.max_seqlen_q}, "
+                           f"max_seqlen_kv={params.max_seqlen_kv}: run as window_size={plain.window_size}",)
 
 
 def make_plan(spec: ModuleSpec, params: AttentionParams, lengths: SeqLengths | None = None) -> Plan:

@@ -231,3 +231,32 @@ def test_explain_after_forward_agrees_in_every_mode(steps, monkeypatch):
     finally:
         for name in ENV_NAMES:
             monkeypatch.delenv(name, raising=False)
+
+
+def test_a_decode_step_is_decided_per_128_keys_and_runs_its_own_length():
+    """A one-query inference step over a growing cache: steps within 128 keys share one decision (the selection
+    cache answers), explain says so, and the output is the call's own (keys past its length are not attended)."""
+    import torch
+
+    from attn_dispatch import DotProductAttention
+    from attn_dispatch.inputs import DECODE_KV_STEP
+
+    module = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask").eval()
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float64)
+    decided = []
+    for kv in (DECODE_KV_STEP + 1, 2 * DECODE_KV_STEP, 2 * DECODE_KV_STEP + 1):
+        k, v = (torch.randn(2, kv, 2, 16, dtype=torch.float64) for _ in range(2))
+        with torch.no_grad():
+            decision = module.explain(q, k, v)
+            out = module(q, k, v)
+        decided.append(decision.params["max_seqlen_kv"])
+        assert any("decided per 128 keys" in n for n in decision.notes)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) / 4.0
+        want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.repeat_interleave(2, 2)).flatten(-2)
+        torch.testing.assert_close(out, want)
+    assert decided == [2 * DECODE_KV_STEP, 2 * DECODE_KV_STEP, 3 * DECODE_KV_STEP]
+    short = module.explain(q, *(torch.randn(2, 100, 2, 16, dtype=torch.float64) for _ in range(2)))
+    assert short.params["max_seqlen_kv"] == 100  # few keys: the exact length
+    module.train()
+    trained = module.explain(q.requires_grad_(), *(torch.randn(2, 129, 2, 16, dtype=torch.float64) for _ in range(2)))
+    assert trained.params["max_seqlen_kv"] == 129  # training calls are decided for their own length
