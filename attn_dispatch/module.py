@@ -26,7 +26,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
-from . import call_args, inputs, question, selection, sequences, validation
+from . import call_args, document_masks, inputs, question, selection, sequences, validation
 from .backends.base import EngineRefused
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
@@ -349,7 +349,17 @@ class DotProductAttention(torch.nn.Module):
         # compiled model neither traces the decision nor recompiles per call. Eagerly, the disabling wrapper (a few
         # microseconds) is skipped.
         dispatch = self._dispatch_opaque if torch.compiler.is_compiling() else self._dispatch
+        if args.attention_mask is not None:
+            packed = self._as_documents(q, k, v, args, fp8)
+            if packed is not None:
+                return packed.restore(dispatch(packed.q, packed.k, packed.v, packed.args, fp8))
         return dispatch(q, k, v, args, fp8)
+
+    def _as_documents(self, q, k, v, args: CallArgs, fp8: tuple | None):
+        """A plain call whose bool mask is causal documents, as the thd call it is (document_masks), or None."""
+        fmt, mask_type, window = self._resolve(args)
+        plain = fp8 is None and not self._user_mods and not self.return_max_logit
+        return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, plain)
 
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------
     def _fp8_context(self, args: CallArgs) -> tuple | None:

@@ -63,13 +63,18 @@ def ask(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torc
         args: CallArgs) -> Question:
     """The question forward's path asks selection for this call (validating it as that path does)."""
     mode, fp8 = route(module, args)
+    read: tuple[str, ...] = ()  # how the call was read, when not as given
     if mode == KV_CACHE:
         params = attend.describe(module, q, k, v, args)
     elif mode == CONTEXT_PARALLEL:
         params = module_glue.describe(module, q, k, v, args, fp8).params
     else:
+        packed = module._as_documents(q, k, v, args, fp8) if args.attention_mask is not None else None
+        if packed is not None:
+            q, k, v, args, read = packed.q, packed.k, packed.v, packed.args, (packed.note,)
         params = module._describe(q, k, v, args, fp8)[0]
     params, notes = plain_params(params)
+    notes = read + notes
     if fp8 is not None:
         notes += fp8_notes(params, Platform.detect(), EnvFlags.from_environ())
     return Question(mode, params, notes, fp8)

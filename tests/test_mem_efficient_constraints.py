@@ -97,7 +97,9 @@ def test_every_check_of_both_tables_is_exercised_or_never_fails():
 def test_flex_takes_what_unfused_took_on_a_gpu(params):
     assert FLEX.evaluate(params, H100, ENV).eligible, _reasons(FLEX, params)
     d = explain(params, H100, ENV, policy="order")
-    assert d.chosen == "flex_attention:torch", d.chosen  # training: flex's FLASH lowering runs inference only
+    # training: a mask alone runs on flex's FLASH lowering; a score_mod (bias, ALiBi, softcap) on its Triton kernels
+    plain = params.bias_type == "no_bias" and not params.softcap
+    assert d.chosen == ("flex_attention:flash_attn_4" if plain else "flex_attention:torch"), d.chosen
 
 
 @pytest.mark.parametrize("params, why", [
@@ -116,8 +118,8 @@ def test_a_user_modifier_runs_only_in_flex():
     d = explain(params, H100, ENV)
     assert d.chosen == "flex_attention:torch"
     for v in d.verdicts:
-        if v.id == "flex_attention:flash_attn_4":  # runs a user's mask_mod, but not in training
-            assert v.has("flex_attention.training") and not v.has("flex_attention.user_mods")
+        if v.id == "flex_attention:flash_attn_4":  # runs a user's mask_mod, but no score_mod in training
+            assert v.has("flex_attention.score_mod_grad") and not v.has("flex_attention.user_mods")
         elif v.id != "flex_attention:torch":
             assert v.has(f"{v.backend}.user_mods"), v.id
     inference = params.replace(score_mod=False, is_training=False)
