@@ -358,7 +358,8 @@ class DotProductAttention(torch.nn.Module):
     def _as_documents(self, q, k, v, args: CallArgs, fp8: tuple | None):
         """A plain call whose bool mask is causal documents, as the thd call it is (document_masks), or None."""
         fmt, mask_type, window = self._resolve(args)
-        plain = fp8 is None and not self._user_mods and not self.return_max_logit
+        # a forced backend runs the call as given (it may not take thd: forced means forced)
+        plain = fp8 is None and not self._user_mods and not self.return_max_logit and self.backend is None
         return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, plain)
 
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------

@@ -75,3 +75,13 @@ def test_a_window_or_a_bias_keeps_the_mask_as_given():
     assert with_bias.params["attn_mask_type"] == "arbitrary"
     windowed = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="arbitrary", window_size=(4, 0))
     assert windowed.explain(q, k, v, attention_mask=mask).params["attn_mask_type"] == "arbitrary"
+
+
+def test_a_forced_backend_runs_the_mask_as_given():
+    s, h, d = 32, 2, 8
+    q, k, v = (torch.randn(1, s, h, d, dtype=torch.float64) for _ in range(3))
+    mask = _documents_mask(1, s, [[12]])
+    forced = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="arbitrary", backend="unfused")
+    decision = forced.explain(q, k, v, attention_mask=mask)
+    assert decision.params["qkv_format"] == "bshd" and decision.params["attn_mask_type"] == "arbitrary"
+    torch.testing.assert_close(forced(q, k, v, attention_mask=mask), _reference(q, k, v, mask, "bshd"))
