@@ -527,17 +527,32 @@ class DotProductAttention(torch.nn.Module):
 
     def _make_plan(self, plans: PlanCache, key: PlanKey, entry: inputs.Entry, seq, q, k, v, args: CallArgs,
                    fp8: tuple | None) -> inputs.Plan:
-        """The slow path's plan for a call (the same description explain() answers), stored under key."""
-        spec = self._spec_now()
-        params = self._params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args, fp8)
+        """The slow path's plan for a call (the same description explain() answers), stored under key. A one-query
+        step over a growing cache takes the plan its key-length bucket already has (inputs.decode_bucket_call: the
+        calls of a bucket validate and decide alike), so a new token costs no new plan; its own sequence facts and
+        aux are still its own."""
+        bucket = None
+        if fp8 is None and not entry.dynamic:
+            cut = inputs.decode_bucket_call(entry.fmt, q, k, v, args, self.training)
+            if cut is not None:
+                bucket = cut[2].plan_key(q, cut[0], cut[1], self.training, _deterministic_now())
+        known = None if bucket is None else plans.decode.get(bucket)
         if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
             del entry.plans[next(iter(entry.plans))]
-        plan = entry.plans[seq.plan_key()] = inputs.make_plan(spec, params, seq.lengths)
+        if known is not None:
+            plan = entry.plans[seq.plan_key()] = known[0]
+            plans.entries.pop(known[1], None)  # the cache's previous length: a growing cache never comes back to it
+        else:
+            spec = self._spec_now()
+            params = self._params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args, fp8)
+            plan = entry.plans[seq.plan_key()] = inputs.make_plan(spec, params, seq.lengths)
         if len(plans.entries) >= MAX_SIGNATURES:
             plans.forget()
         if not entry.dynamic:
             entry.seq = seq
         plans.entries[key] = entry
+        if bucket is not None:
+            plans.remember_decode(bucket, plan, key)
         return plan
 
     def _alibi_slopes(self, slopes: torch.Tensor | None, device: torch.device) -> torch.Tensor:

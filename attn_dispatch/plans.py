@@ -11,6 +11,9 @@ as they were when the plans were made):
 - `fast`: calls whose arguments hold no per-call data (call_args.is_cacheable), keyed by shapes, dtypes, devices,
   training and requires_grad, each with its engine call bound to the tensors it was validated on (`last` is the
   last one used, checked first); `bhsd_last` the same for the SDPA function's [b, h, s, d] tensors.
+- `decode`: a one-query step's key-length bucket (the plan key of the call cut to the bucket's first length,
+  inputs.decode_bucket_call) -> (its plan, the last exact key that used it), so that each new length of a growing
+  cache takes the bucket's plan instead of validating and selecting again.
 - `context_parallel` and `kv_cache`: AttentionParams -> Plan for those paths, whose params are built per call.
 
 Thread model: a module's plans may be read by several threads at once (each lookup is one dict read); a plan is
@@ -50,13 +53,14 @@ def fast_key(q, k, v, training: bool, call: CallArgs) -> tuple:
 
 
 class PlanCache:
-    __slots__ = ("entries", "fast", "last", "bhsd_last", "context_parallel", "kv_cache", "stamp", "lock")
+    __slots__ = ("entries", "fast", "last", "bhsd_last", "decode", "context_parallel", "kv_cache", "stamp", "lock")
 
     def __init__(self) -> None:
         self.entries: dict[PlanKey, Any] = {}  # -> inputs.Entry (its plans by sequence facts)
         self.fast: dict[tuple, FastHit] = {}
         self.last: tuple = (None, None, None, None)  # (tensor guard, training, FastHit, CallArgs)
         self.bhsd_last: tuple = (None, None)  # (training, FastHit with a bhsd call)
+        self.decode: dict[tuple, tuple] = {}  # bucket key -> (Plan, the last exact PlanKey it served)
         self.context_parallel: dict = {}
         self.kv_cache: dict = {}
         self.stamp = current_stamp()
@@ -78,8 +82,14 @@ class PlanCache:
         self.fast.clear()
         self.last = (None, None, None, None)
         self.bhsd_last = (None, None)
+        self.decode.clear()
         self.context_parallel.clear()
         self.kv_cache.clear()
+
+    def remember_decode(self, bucket: tuple, plan: Plan, key: Any) -> None:
+        if len(self.decode) >= MAX_SIGNATURES:
+            self.decode.clear()
+        self.decode[bucket] = (plan, key)
 
     # --- the fast path ----------------------------------------------------------------------------------------
     def hit(self, q, k, v, training: bool, call: CallArgs) -> FastHit | None:
