@@ -22,7 +22,8 @@ Translation to Transformer Engine's terms (the module's forward):
 from __future__ import annotations
 
 import math
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +46,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     `softcap` (0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does; `mask_mod`
     ((b, h, q_idx, kv_idx) -> bool, ANDed with the mask) and `score_mod` ((score, b, h, q_idx, kv_idx) -> score)
     are FlexAttention's modifiers, which only the flex_attention engine runs."""
-    module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                recognize_masks, softcap, mask_mod, score_mod)
-    kwargs.pop("mask_note", None)
-    packed = kwargs.pop("packed_cu_seqlens", None)
+    module, kwargs, _, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                     enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
         return varlen_attention(query, key, value, packed, dropout_p, scale, enable_gqa, softcap=softcap)
-    layout = kwargs.pop("padding_layout", None)
     if layout is not None:  # keys (and queries) starting inside the row: thd views with offsets
         q, k, v = _thd_views(query, key, value, layout)
         out = module(q, k, v, qkv_format="thd", **_thd_kwargs(layout))  # [t, h * d_v], t = b * sq - q_skip
@@ -89,11 +87,8 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
                  score_mod=None) -> Decision:
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
     say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
-    module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                recognize_masks, softcap, mask_mod, score_mod)
-    note = kwargs.pop("mask_note", None)
-    packed = kwargs.pop("packed_cu_seqlens", None)
-    layout = kwargs.pop("padding_layout", None)
+    module, kwargs, note, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                        enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
     if packed is not None:
         decision = module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd",
                                   attn_mask_type="padding_causal", cu_seqlens_q=packed, cu_seqlens_kv=packed)
@@ -118,6 +113,61 @@ def _thd_kwargs(layout: PaddingLayout) -> dict[str, Any]:
     return {"attn_mask_type": layout.mask_type, "cu_seqlens_q": layout.cu_seqlens_q,
             "cu_seqlens_kv": layout.cu_seqlens_kv, "cu_seqlens_q_padded": layout.cu_seqlens_q_padded,
             "cu_seqlens_kv_padded": layout.cu_seqlens_kv_padded, "window_size": layout.window}
+
+
+class _Translation(NamedTuple):
+    """A call in the module's terms: the module, forward's keywords for a bshd call, how a bool mask was read
+    (a note for explain), and the thd routes a recognised mask takes instead (packed cu_seqlens, a padding layout)."""
+
+    module: Any
+    kwargs: dict
+    note: Any
+    packed: torch.Tensor | None
+    layout: PaddingLayout | None
+
+
+def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
+                 softcap: float = 0.0, mask_mod=None, score_mod=None) -> _Translation:
+    """_translate's answer as forward and explain act on it. A bool mask's is kept for the next call (_LAST_MASKED):
+    a model hands every layer of a step one mask tensor, so the layers after the first reuse the first one's
+    translation (no re-validation, no new reading of the mask) while that tensor, unchanged, comes with the same
+    shapes, device, gradient flags and arguments."""
+    memo = None
+    if attn_mask is not None and attn_mask.__class__ is torch.Tensor and attn_mask.dtype is torch.bool:
+        try:
+            version = attn_mask._version
+        except RuntimeError:  # an inference tensor: no version counter to tell an in-place write
+            version = None
+        if version is not None:
+            memo = (version, query.shape, key.shape, value.shape, query.device, torch.is_grad_enabled(),
+                    query.requires_grad, key.requires_grad, value.requires_grad, attn_mask.requires_grad, dropout_p,
+                    is_causal, scale, enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
+            last = _LAST_MASKED[0]
+            if last is not None and last[0]() is attn_mask and last[1] == memo and \
+                    _MODULES.get(last[2]) is last[3].module:
+                module = last[3].module
+                if module.training is not last[4]:
+                    module.train(last[4])
+                return last[3]
+    module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                recognize_masks, softcap, mask_mod, score_mod)
+    translation = _Translation(module, kwargs, kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
+                               kwargs.pop("padding_layout", None))
+    if memo is not None:
+        _LAST_MASKED[0] = (weakref.ref(attn_mask, _forget_last_masked), memo, module._sdpa_key, translation,
+                           module.training)
+    return translation
+
+
+def _forget_last_masked(ref) -> None:
+    """The kept translation's mask died: what was read from it goes too (the inverse mask, a layout's offsets)."""
+    last = _LAST_MASKED[0]
+    if last is not None and last[0] is ref:
+        _LAST_MASKED[0] = None
+
+
+# (weak ref to the mask, (its version, shapes, flags, arguments), _MODULES key, _Translation, module.training)
+_LAST_MASKED: list = [None]
 
 
 def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
@@ -156,8 +206,9 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     # a plain causal / no-mask call: a module of that type, and its cached path
     module = _module(h, hkv, d, value.shape[-1], float(scale), float(dropout_p), float(softcap), mask_type,
                      mask_mod, score_mod)
+    bias = kwargs.get("core_attention_bias") if kwargs else None
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) or (
-        isinstance(kwargs.get("core_attention_bias"), torch.Tensor) and kwargs["core_attention_bias"].requires_grad)
+        isinstance(bias, torch.Tensor) and bias.requires_grad)
     training = bool(needs_grad) or dropout_p > 0
     if module.training is not training:  # nn.Module.train() walks the module and sets attributes: ~5 us a call
         module.train(training)
@@ -176,6 +227,7 @@ def _module(h: int, hkv: int, d: int, dv: int, scale: float, dropout: float, sof
                                                      softmax_scale=scale, softcap=softcap, mask_mod=mask_mod,
                                                      score_mod=score_mod)
         module._fp8_dpa = False  # torch SDPA's semantics: the inputs' dtype, inside fp8_autocast too
+        module._sdpa_key = key  # what a kept translation checks its module against (_translation)
     return module
 
 
@@ -184,8 +236,14 @@ def _as_4d(mask: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tenso
     shape = mask.shape
     rank = len(shape)
     # broadcasts to exactly [b, h, sq, skv]: each trailing dim is 1 or that size (torch.broadcast_shapes asks the
-    # same through torch's symbolic-shape guards, ~80 us a call; this is one pass over four ints)
-    if rank > 4 or any(n != 1 and n != want for n, want in zip(shape, (b, h, sq, skv)[4 - rank:])):
+    # same through torch's symbolic-shape guards, ~80 us a call); a 4-D mask, the common case, without generator
+    # frames
+    if rank == 4:
+        n0, n1, n2, n3 = shape
+        fits = (n0 == 1 or n0 == b) and (n1 == 1 or n1 == h) and (n2 == 1 or n2 == sq) and (n3 == 1 or n3 == skv)
+    else:
+        fits = rank < 4 and all(n == 1 or n == want for n, want in zip(shape, (b, h, sq, skv)[4 - rank:]))
+    if not fits:
         raise ValueError(f"attn_mask has shape {list(shape)}; it must broadcast to [{b}, {h}, {sq}, {skv}]")
     mask4 = mask if rank == 4 else mask.reshape((1,) * (4 - rank) + tuple(shape))
     if mask4.shape[2] == sq and mask4.shape[3] == skv:

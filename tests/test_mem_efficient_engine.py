@@ -163,3 +163,17 @@ def test_a_custom_dropout_generator_is_refused(engine):
     aux = AttnAux(dropout_generator=torch.Generator())
     with pytest.raises(ValueError, match="dropout_generator"):
         engine(q, k, v, aux, _cfg("causal", dropout_p=0.1))
+
+
+def test_a_mask_written_in_place_is_read_again(engine):
+    """The bias an 'arbitrary' mask gives is kept on the mask per version: an in-place write (a new version) is
+    seen by the next call, and the same mask at other sizes gets its own bias."""
+    gen = _gen("in place")
+    mask = torch.rand(2, 1, 1, 24, generator=gen) < 0.3
+    for sq, skv in ((1, 24), (1, 24), (5, 24)):
+        q, k, v = _qkv(gen, "bshd", 2, sq, skv, 4, 2)
+        with torch.no_grad():  # one mask tensor for every call, broadcast over the queries
+            out, _, _ = engine(q, k, v, AttnAux(attention_mask=mask), _cfg("arbitrary"))
+        want, _ = reference_attention(q, k, v, attn_mask_type="arbitrary", attention_mask=mask)
+        torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+        mask[0, ..., :7] = ~mask[0, ..., :7]  # in place: the next call reads the new mask

@@ -90,3 +90,38 @@ def test_training_and_multi_query_calls_are_planned_for_their_own_length(plans_m
         module(torch.randn(B, 2, H, D, dtype=torch.float64),
                *(torch.randn(B, skv, HK, D, dtype=torch.float64) for _ in range(2)))
     assert plans_made == [DECODE_KV_STEP + 1, DECODE_KV_STEP + 2] * 2
+
+
+def test_layers_of_a_step_reuse_the_masks_translation(monkeypatch):
+    """Every layer of a step passes one mask tensor: the first layer's translation serves the others; a write to the
+    mask, other shapes or arguments translate again (and are checked again); a dead mask takes it with it."""
+    translated = []
+    translate = sdpa._translate
+
+    def counting(*args, **kwargs):
+        translated.append(args[0].shape)
+        return translate(*args, **kwargs)
+    monkeypatch.setattr(sdpa, "_translate", counting)
+    q, k, v, keep = _step(DECODE_KV_STEP + 9)
+
+    def check(**kw):
+        with torch.no_grad():
+            out = sdpa.scaled_dot_product_attention(q, k, v, keep, enable_gqa=True, **kw)
+        want, _ = reference_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask_type="arbitrary",
+                                      attention_mask=~keep, softmax_scale=kw.get("scale"))
+        torch.testing.assert_close(out.transpose(1, 2), want)
+
+    for _ in range(3):  # three layers, one mask
+        check(recognize_masks=False)
+    assert len(translated) == 1
+    keep[0, ..., 5:9] = False  # written in place: read again
+    check(recognize_masks=False)
+    check(recognize_masks=False, scale=0.5)  # another argument: translated for it
+    assert len(translated) == 3
+    with pytest.raises(ValueError, match="broadcast"):  # the same mask with one key fewer: checked, refused
+        sdpa.scaled_dot_product_attention(q, k[:, :, 1:], v[:, :, 1:], keep, enable_gqa=True, recognize_masks=False)
+    check(recognize_masks=False)
+    assert len(translated) == 5
+    assert sdpa._LAST_MASKED[0] is not None
+    del keep
+    assert sdpa._LAST_MASKED[0] is None  # what was read from the mask (its inverse) goes with it

@@ -114,6 +114,8 @@ def _diagonal_bias(rel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dtype: torch.dtype,
             device: torch.device) -> _Static:
     mask_type = cfg.attn_mask_type
+    if mask_type == "arbitrary" and cfg.bias_type != "alibi":
+        return _mask_static(aux.attention_mask, b, h, sq, skv, dtype, device)
     causal = "causal" in mask_type
     padded = mask_type.startswith("padding") and aux.cu_seqlens_q is not None
     top_left = mask_type in TOP_LEFT_MASKS
@@ -135,12 +137,6 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
 
     def build() -> _Static:
         zero = torch.zeros((), dtype=dtype, device=device)
-        if mask_type == "arbitrary" and not padded and cfg.bias_type != "alibi":
-            # the mask alone (a decode step's): four kernels, written straight into aligned rows
-            masked = _as_4d(aux.attention_mask, b, h, sq, skv)
-            keyless = masked.all(-1)
-            bias = _aligned_zeros(tuple(masked.shape), dtype, device).masked_fill_(masked, NEG_INF)
-            return _Static(bias.masked_fill_(keyless.unsqueeze(-1), 0.0), False, keyless, zero, {})
         parts = []
         if mask_type == "arbitrary":
             parts.append(_mask_bias(_as_4d(aux.attention_mask, b, h, sq, skv), dtype))
@@ -171,6 +167,38 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
         bias = bias.masked_fill(keyless.unsqueeze(-1), 0.0)
         return _Static(_aligned(bias.contiguous()), native_causal, keyless, zero, {})
     return _CACHE.get(tuple(tensors), key, build)
+
+
+def _mask_static(mask, b: int, h: int, sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> _Static:
+    """The bias of an 'arbitrary' mask alone (a decode step's), kept on the mask tensor itself per version and call
+    sizes: every layer of a step hands the engine one mask, and one attribute read finds it (the bias cache's lookup
+    by identity costs several calls), and it goes with the mask as a bias cache entry does."""
+    if mask is None or mask.dtype != torch.bool:
+        raise ValueError("attn_mask_type='arbitrary' needs aux.attention_mask, a bool tensor (True = masked out)")
+    key = (b, h, sq, skv, dtype, device)
+    try:
+        version = mask._version
+    except RuntimeError:  # an inference tensor: no version counter to tell an in-place write, so nothing is kept
+        version = None
+    if version is not None:
+        kept = getattr(mask, "_attn_dispatch_mem_efficient", None)  # (version, {call sizes: _Static})
+        if kept is not None and kept[0] == version:
+            static = kept[1].get(key)
+            if static is not None:
+                return static
+        else:
+            kept = None
+    # four kernels, written straight into aligned rows
+    masked = _as_4d(mask, b, h, sq, skv)
+    keyless = masked.all(-1)
+    bias = _aligned_zeros(tuple(masked.shape), dtype, device).masked_fill_(masked, NEG_INF)
+    static = _Static(bias.masked_fill_(keyless.unsqueeze(-1), 0.0), False, keyless,
+                     torch.zeros((), dtype=dtype, device=device), {})
+    if version is not None:
+        if kept is None:
+            kept = mask._attn_dispatch_mem_efficient = (version, {})
+        kept[1][key] = static
+    return static
 
 
 class _BiasCache:

@@ -43,7 +43,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError("position_bias is not supported by attn_dispatch (models such as T5 pass one); use "
                          "attn_implementation='sdpa'")
     q_len = query.shape[2]
-    cu = _packed_offsets(query, key, attention_mask, kwargs)
+    cu = _packed_offsets(query, key, attention_mask, kwargs) if query.shape[0] == 1 else None
     if cu is not None:  # a flattening collator's row: each sequence attends only to itself, as thd
 
         window = kwargs.get("sliding_window")  # the last `window` keys, the query's own included (transformers')
@@ -51,9 +51,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                key.shape[1] != query.shape[1], None if window is None else int(window) - 1,
                                softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    is_causal = bool(is_causal) and attention_mask is None and q_len > 1
+    if attention_mask is not None or q_len == 1:
+        is_causal = False  # a mask says it all; one query sees every key
+    else:
+        is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     if is_causal and key.shape[2] > q_len:  # SDPA's top-left causal with more keys: only the first q_len count
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     gqa = key.shape[1] != query.shape[1]
