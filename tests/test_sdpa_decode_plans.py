@@ -104,23 +104,23 @@ def test_layers_of_a_step_reuse_the_masks_translation(monkeypatch):
     monkeypatch.setattr(sdpa, "_translate", counting)
     q, k, v, keep = _step(DECODE_KV_STEP + 9)
 
-    def check(**kw):
+    def check(mask, **kw):
         with torch.no_grad():
-            out = sdpa.scaled_dot_product_attention(q, k, v, keep, enable_gqa=True, **kw)
+            out = sdpa.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, **kw)
         want, _ = reference_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask_type="arbitrary",
-                                      attention_mask=~keep, softmax_scale=kw.get("scale"))
+                                      attention_mask=~mask, softmax_scale=kw.get("scale"))
         torch.testing.assert_close(out.transpose(1, 2), want)
 
     for _ in range(3):  # three layers, one mask
-        check(recognize_masks=False)
+        check(keep, recognize_masks=False)
     assert len(translated) == 1
     keep[0, ..., 5:9] = False  # written in place: read again
-    check(recognize_masks=False)
-    check(recognize_masks=False, scale=0.5)  # another argument: translated for it
+    check(keep, recognize_masks=False)
+    check(keep, recognize_masks=False, scale=0.5)  # another argument: translated for it
     assert len(translated) == 3
     with pytest.raises(ValueError, match="broadcast"):  # the same mask with one key fewer: checked, refused
         sdpa.scaled_dot_product_attention(q, k[:, :, 1:], v[:, :, 1:], keep, enable_gqa=True, recognize_masks=False)
-    check(recognize_masks=False)
+    check(keep, recognize_masks=False)
     assert len(translated) == 5
     assert sdpa._LAST_MASKED[0] is not None
     del keep
