@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..context_parallel.efficiency import explain_lines as cp_efficiency_lines
+from ..context_parallel.efficiency import explain_lines as cp_efficiency_lines, rates_for as cp_rates_for
 from ..env import EnvFlags
 from ..inputs import plain_params
 from ..question import fp8_notes
@@ -29,5 +29,6 @@ def run(args: argparse.Namespace) -> int:
     decision = explain(params, platform, env, force=args.force).with_notes(*notes, *fp8_notes(params, platform, env))
     print(decision.model_dump_json(indent=2) if args.json else decision.summary())
     if params.cp_size > 1 and not args.json:
-        print("\n".join(["", *cp_efficiency_lines(params)]))
+        # the rates recorded on the platform's GPU (the H100's where none were)
+        print("\n".join(["", *cp_efficiency_lines(params, rates=cp_rates_for(platform.device_name))]))
     return 0 if decision.ok else 1

@@ -38,6 +38,10 @@ class Rates:
     call_ms: float      # fixed cost of each CP forward or backward call (fitted)
     step_ms: float      # cost of each ring step or merged block beyond its compute (fitted)
     source: str
+    # where a windowed call runs another engine than an unwindowed one (torch's cuDNN SDPA takes no window), that
+    # engine's measured rates; None: the same engine, the rates above
+    windowed_fwd_tflops: float | None = None
+    windowed_bwd_tflops: float | None = None
 
 
 # fwd/bwd rates: the one-GPU rows (flash_attn_4:cute, bf16, b1 h16 d128, causal, 32k and 128k) of both files,
@@ -49,7 +53,21 @@ H100_NVLINK = Rates(
     step_ms=0.74,
     source="benchmarks/results/cp/cp_h100x2.json and benchmarks/results/cp/cp_h100x4.json (bench_cp.py, torch "
            "2.11, NCCL 2.28.9, 2026-11-26)")
-RATES = {"h100": H100_NVLINK}
+# fwd/bwd rates: cp_h200x2.json's one-GPU rows, which ran torch's own providers (flash-attn-4 was not installed):
+# cuDNN SDPA (cudnn_fused:torch) unwindowed, 662 TFLOP/s forward at 32k and 555 at 128k (one rate, within 10% of
+# both), 522-529 backward; the windowed row ran FlashAttention-2 (flash_attn_2:torch), 289 forward and 308 backward,
+# and so did the windowed CP rows: windowed calls take those rates. The three fitted values minimise the squared
+# efficiency error over the 2-GPU rows of cp_h200x2.json with the checks on, predicted with the schedules that run
+# today. cp_h200x2_head_groups.json, an earlier run, checks it: a2a with 1 and 2 head groups, p2p before the reversed
+# ring (exposed_dkv_hop=True); its windowed a2a rows ran Ulysses, which a window this narrow no longer runs, and are
+# not predicted.
+H200_NVLINK = Rates(
+    "H200, NVLink (torch 2.11's cuDNN SDPA; FlashAttention-2 under a window)", fwd_tflops=605.0,
+    bwd_tflops=526.0, link_gbps=155.0, call_ms=0.27, step_ms=0.33,
+    source="benchmarks/results/cp/cp_h200x2.json and benchmarks/results/cp/cp_h200x2_head_groups.json (bench_cp.py, "
+           "torch 2.11, NCCL 2.28.9, 2026-11-28)",
+    windowed_fwd_tflops=289.0, windowed_bwd_tflops=308.0)
+RATES = {"h100": H100_NVLINK, "h200": H200_NVLINK}
 MODELLED = ("p2p", "a2a", "all_gather")
 
 
@@ -87,9 +105,17 @@ def pairs(seqlen: int, causal: bool, window) -> float:
     return total + seqlen
 
 
+def rates_for(device_name: str) -> Rates:
+    """The rates recorded on the named GPU (a platform's device name, 'NVIDIA H200'); the H100's for any other."""
+    return next((rates for key, rates in RATES.items() if key in device_name.lower()), H100_NVLINK)
+
+
 def one_gpu_ms(call: Call, rates: Rates) -> tuple[float, float]:
     flops = 4 * call.batch * call.heads * call.head_dim * pairs(call.seqlen, call.causal, call.window)
-    return flops / (rates.fwd_tflops * 1e9), BWD_FLOPS_RATIO * flops / (rates.bwd_tflops * 1e9)
+    fwd_tflops, bwd_tflops = rates.fwd_tflops, rates.bwd_tflops
+    if call.window and rates.windowed_fwd_tflops and rates.windowed_bwd_tflops:
+        fwd_tflops, bwd_tflops = rates.windowed_fwd_tflops, rates.windowed_bwd_tflops
+    return flops / (fwd_tflops * 1e9), BWD_FLOPS_RATIO * flops / (bwd_tflops * 1e9)
 
 
 def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: int = 1, *,
