@@ -35,13 +35,17 @@ class DocumentCall:
     note: str
 
 
-def documents(mask: torch.Tensor, batch: int, seqlen: int) -> tuple[torch.Tensor, int, int] | None:
+def documents(mask: torch.Tensor, batch: int, seqlen: int, *, true_keeps: bool = False,
+              view: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int] | None:
     """(int32 cu_seqlens over the batch's b * s tokens, the longest document, their count) when the [b|1, 1, s, s]
-    bool mask (True: masked out) is causal attention within consecutive documents of every batch element, else
-    None; cached on the mask tensor."""
+    bool mask (True: masked out; true_keeps: True takes part, torch SDPA's convention) is causal attention within
+    consecutive documents of every batch element, else None; cached on the mask tensor. view: the mask as
+    [b|1, 1, s, s] when `mask` itself has another shape."""
+    four = mask if view is None else view
+
     def compute():
-        keep = ~mask[:, 0]  # [B, s, s]
-        rows = torch.arange(seqlen, device=mask.device)
+        keep = four[:, 0] if true_keeps else ~four[:, 0]  # [B, s, s]
+        rows = torch.arange(seqlen, device=four.device)
         first = keep.to(torch.int8).argmax(dim=-1)  # the first key each row sees
         starts = first == rows  # [B, s]: rows that begin a document
         segment = starts.cumsum(-1)
@@ -57,7 +61,7 @@ def documents(mask: torch.Tensor, batch: int, seqlen: int) -> tuple[torch.Tensor
         longest = max(e - s for edges in bounds for s, e in zip(edges, edges[1:]))
         return torch.tensor(cu, dtype=torch.int32, device=mask.device), longest, len(cu) - 1
 
-    return cached_on((mask,), ("document_mask", batch, seqlen), compute)
+    return cached_on((mask,), ("document_mask", batch, seqlen, true_keeps), compute)
 
 
 def as_documents(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,

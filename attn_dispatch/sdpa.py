@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .decision import Decision
+from .document_masks import documents
 from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
 from .module import DotProductAttention
@@ -284,7 +285,8 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
             if pattern is not None:
                 return {"attn_mask_type": pattern, "mask_note": lambda: f"bool attn_mask recognised as {pattern!r}"}
             if b == 1 and sq == skv:
-                cu = _packed_segments(mask, mask4[0, 0])
+                found = documents(mask, 1, sq, true_keeps=True, view=mask4)  # a flattening collator's packed row
+                cu = found[0] if found is not None else None
                 if cu is not None:
                     return {"packed_cu_seqlens": cu, "mask_note": lambda: "bool attn_mask recognised as packed "
                             f"causal sequences: thd 'padding_causal' with cu_seqlens {cu.tolist()}"}
@@ -320,19 +322,3 @@ def _pattern(mask: torch.Tensor, mask2: torch.Tensor, sq: int, skv: int) -> str 
     return cached_on((mask,), ("sdpa_pattern", sq, skv), compute) or None
 
 
-def _packed_segments(mask: torch.Tensor, mask2: torch.Tensor) -> torch.Tensor | None:
-    """int32 cu_seqlens when the [t, t] bool mask is causal attention within consecutive segments (what a
-    flattening collator's packed batch gives), else None; cached on the mask tensor."""
-    def compute():
-        t = mask2.shape[0]
-        first = mask2.to(torch.int8).argmax(dim=1)  # the first key each row sees
-        rows = torch.arange(t, device=mask2.device)
-        starts = first == rows
-        segment = starts.cumsum(0)
-        expected = (segment[:, None] == segment[None, :]) & (rows[None, :] <= rows[:, None])
-        if not bool(starts[0]) or not torch.equal(mask2, expected):
-            return None
-        bounds = torch.nonzero(starts).flatten().to(torch.int32)
-        return torch.cat([bounds, torch.tensor([t], dtype=torch.int32, device=mask2.device)])
-
-    return cached_on((mask,), ("sdpa_packed",), compute)
