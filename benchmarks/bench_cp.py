@@ -38,6 +38,7 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -54,6 +55,8 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from attn_dispatch import AttentionParams, Platform, context_parallel as cp, explain, select  # noqa: E402
+from attn_dispatch.context_parallel import copy_engine  # noqa: E402
+from attn_dispatch.context_parallel._comm import group_info  # noqa: E402
 from attn_dispatch._version import __version__ as attn_dispatch_version  # noqa: E402
 from attn_dispatch.backends import AttnAux, AttnConfig, get_engine  # noqa: E402
 
@@ -95,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--a2a-size", type=int, default=2, help="a2a+p2p: ranks per a2a group (consecutive ranks)")
     ap.add_argument("--profile", action="store_true",
                     help="profile two more fwd+bwd steps of each timed CP point; per-rank summaries go into the JSON")
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --profile: each rank's kernels and CP ranges (name, stream, start, duration) of every "
+                         "profiled point, one gzipped JSON file per rank and point")
+    ap.add_argument("--transports", default="auto",
+                    help="ring transports (ATTN_DISPATCH_CP_TRANSPORT) to check and time the ring comm types with, "
+                         "comma list of auto, nccl, copy_engine; rows name the one that ran")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="time only (the correctness checks are for the recorded runs; this is for diagnostics)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--timeout-s", type=int, default=120, help="collective timeout (a failed rank cannot hang us)")
     args = ap.parse_args(argv)
@@ -103,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.comm = [c for c in args.comm.split(",") if c]
     args.window_comm = [c for c in args.window_comm.split(",") if c and c in args.comm]
     args.unchecked_comm = [c for c in args.unchecked_comm.split(",") if c and c in args.comm]
+    args.transports = [t for t in args.transports.split(",") if t]
+    for t in args.transports:
+        if t not in copy_engine.TRANSPORTS:
+            ap.error(f"--transports {t!r}: expected some of {', '.join(copy_engine.TRANSPORTS)}")
     try:
         args.a2a_head_groups = [None if g == "default" else int(g) for g in args.a2a_head_groups.split(",") if g]
     except ValueError:
@@ -340,7 +355,14 @@ def cp_point(args, seqlen: int, comm: str, engine, world: int, rank: int, device
            "a2a_head_groups": head_groups, "engine": engine_label(engine), "fwd_ms": ms_f, "fwd_bwd_ms": ms_fb,
            "tokens_per_s": b * seqlen / (ms_fb * 1e-3), "peak_mem_gb": peak_mem(device)}
     if args.profile:
-        mine = profile_steps(lambda: fwd().backward(dout), (q, k, v), device)
+        trace = None
+        if args.trace_dir:
+            label = f"w{world}_s{seqlen}_{comm}_{os.environ.get(copy_engine.TRANSPORT_ENV, 'auto')}" + \
+                (f"_g{head_groups}" if head_groups else "") + \
+                (f"_win{window[0]}" if window else "") + ("" if os.environ.get("ATTN_DISPATCH_CP_CHECKS") != "0"
+                                                         else "_unchecked")
+            trace = os.path.join(args.trace_dir, f"{label}_r{rank}.json.gz")
+        mine = profile_steps(lambda: fwd().backward(dout), (q, k, v), device, trace)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         row["profile"] = everyone
@@ -422,8 +444,9 @@ def summarise_trace(events: list[dict]) -> dict:
     return summary
 
 
-def profile_steps(step, grads, device: str) -> dict:
-    """PROFILED_STEPS more calls of step() under torch.profiler, summarised (summarise_trace)."""
+def profile_steps(step, grads, device: str, trace_path: str | None = None) -> dict:
+    """PROFILED_STEPS more calls of step() under torch.profiler, summarised (summarise_trace); trace_path: the
+    kernels and the CP ranges (cp_*) written there as gzipped JSON rows [name, stream or 'host', start us, dur us]."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -440,6 +463,13 @@ def profile_steps(step, grads, device: str) -> dict:
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
     summary = summarise_trace(events)
+    if trace_path:
+        rows = [[e.get("name", "")[:120], (e.get("args") or {}).get("stream", "host"), e["ts"], e["dur"]]
+                for e in events if "dur" in e and (e.get("cat") == "kernel" or str(e.get("name", "")).startswith(
+                    ("cp_", "_ContextParallel", "aten::_cudnn_attention", "aten::_flash_attention")))]
+        os.makedirs(os.path.dirname(trace_path), exist_ok=True)
+        with gzip.open(trace_path, "wt") as f:
+            json.dump(rows, f)
     summary["top_host_ops"] = top_ops(prof, "self_cpu_time_total")
     summary["top_device_ops"] = top_ops(prof, "self_device_time_total")
     return summary
@@ -511,6 +541,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
             os.environ["ATTN_DISPATCH_CP_CHECKS"] = "1"
         if row:
             row["cp_checks"] = checks
+            row["transport"] = transport_used(comm, world, rank)
             result["points"].append(row)
             if rank == 0:
                 print(f"[W={world}] {what} {row['engine']}: {row['fwd_bwd_ms']:.1f} ms fwd+bwd", flush=True)
@@ -532,34 +563,42 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
                                              f"divisible for {comm} at world size {world}"})
                     continue
                 local = args.check_seqlen // world
-                checks = [("causal", "vanilla", None), ("no_mask", "vanilla", None), ("causal", "learnable", None)]
-                if window:
+                checks = [] if args.skip_checks else [("causal", "vanilla", None), ("no_mask", "vanilla", None),
+                                                      ("causal", "learnable", None)]
+                if window and not args.skip_checks:
                     checks.append(("causal", "vanilla", window))
-                for groups in (args.a2a_head_groups if comm == "a2a" else [None]):
-                    label = f"{comm}" + (f" G={groups}" if groups else "")
-                    for mask, softmax, win in checks:
-                        what = f"check {label} {mask} {softmax}" + (f" window={win}" if win else "")
-                        engine, why = cp_engine(args, make_params(args, local, mask, world, comm, softmax, window=win))
-                        if engine is None:
-                            result["errors"].append({"what": what, "error": why})
-                            continue
-                        row = attempt(what, lambda: check_point(args, comm, mask, softmax, dtype_for(args), engine,
-                                                                world, rank, device, win, groups))
-                        if row:
-                            result["checks"].append(row)
-                    for win in ([None, window] if window else [None]):
-                        row = attempt(f"check {label} fp32 unfused window={win}", lambda: check_point(
-                            args, comm, "causal", "vanilla", torch.float32, get_engine("unfused:pytorch"), world, rank,
-                            device, win, groups))
-                        if row:
-                            result["checks"].append(row)
-                    for seqlen in args.seqlens:
-                        cp_row(f"S={seqlen} {label}", comm, seqlen, None, groups=groups)
-                        if comm in args.unchecked_comm:
-                            cp_row(f"S={seqlen} {label} checks off", comm, seqlen, None, checks=False, groups=groups)
-                    if window and comm in args.window_comm:
-                        cp_row(f"S={max(args.seqlens)} {label} window={window}", comm, max(args.seqlens), window,
-                               groups=groups)
+                for transport in (args.transports if comm in RING_COMMS else args.transports[:1]):
+                    os.environ[copy_engine.TRANSPORT_ENV] = transport
+                    for groups in (args.a2a_head_groups if comm == "a2a" else [None]):
+                        label = f"{comm}" + (f" G={groups}" if groups else "") + \
+                            (f" [{transport}]" if len(args.transports) > 1 else "")
+                        for mask, softmax, win in checks:
+                            what = f"check {label} {mask} {softmax}" + (f" window={win}" if win else "")
+                            engine, why = cp_engine(args, make_params(args, local, mask, world, comm, softmax,
+                                                                      window=win))
+                            if engine is None:
+                                result["errors"].append({"what": what, "error": why})
+                                continue
+                            row = attempt(what, lambda: check_point(args, comm, mask, softmax, dtype_for(args),
+                                                                    engine, world, rank, device, win, groups))
+                            if row:
+                                row["transport"] = transport_used(comm, world, rank)
+                                result["checks"].append(row)
+                        for win in ([] if args.skip_checks else [None, window] if window else [None]):
+                            row = attempt(f"check {label} fp32 unfused window={win}", lambda: check_point(
+                                args, comm, "causal", "vanilla", torch.float32, get_engine("unfused:pytorch"), world,
+                                rank, device, win, groups))
+                            if row:
+                                row["transport"] = transport_used(comm, world, rank)
+                                result["checks"].append(row)
+                        for seqlen in args.seqlens:
+                            cp_row(f"S={seqlen} {label}", comm, seqlen, None, groups=groups)
+                            if comm in args.unchecked_comm:
+                                cp_row(f"S={seqlen} {label} checks off", comm, seqlen, None, checks=False,
+                                       groups=groups)
+                        if window and comm in args.window_comm:
+                            cp_row(f"S={max(args.seqlens)} {label} window={window}", comm, max(args.seqlens), window,
+                                   groups=groups)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
@@ -570,6 +609,20 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
 # ----------------------------------------------------------------------------------------------
 # Driver
 # ----------------------------------------------------------------------------------------------
+RING_COMMS = ("p2p", "a2a+p2p")
+
+
+def transport_used(comm: str, world: int, rank: int) -> str:
+    """The ring transport this process used for comm (ATTN_DISPATCH_CP_TRANSPORT and the group's self-check)."""
+    if comm not in RING_COMMS:
+        return "nccl collectives"
+    group = groups_for(comm, world, rank)
+    ring = group[1] if isinstance(group, list) else group
+    if copy_engine.requested_transport() == "nccl":
+        return "nccl"
+    return copy_engine.transport_of(copy_engine.ring_for(group_info(ring), None, torch.device("cuda", rank)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -625,13 +678,17 @@ def targets(summary: list[dict]) -> list[dict]:
     return out
 
 
+def _ring(row: dict) -> str:
+    return f" [{row['transport']}]" if row.get("transport") in copy_engine.TRANSPORTS else ""
+
+
 def table(rows: list[dict], checks: list[dict]) -> str:
     lines = ["| GPUs | S | comm | window | engine | fwd ms | fwd+bwd ms | tokens/s | efficiency |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["seqlen"], str(r.get("window")), r["world_size"], r["comm"])):
         eff = f"{100 * r['efficiency']:.1f}%" if r.get("efficiency") is not None else "n/a"
         win = tuple(r["window"]) if r.get("window") else "-"
-        comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "")
+        comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "") + _ring(r)
         comm += "" if r.get("cp_checks", True) else " (checks off)"
         lines.append(f"| {r['world_size']} | {r['seqlen']} | {comm} | {win} | {r['engine']} | {r['fwd_ms']:.2f} | "
                      f"{r['fwd_bwd_ms']:.2f} | {r['tokens_per_s']:.4g} | {eff} |")
@@ -641,7 +698,7 @@ def table(rows: list[dict], checks: list[dict]) -> str:
         truth, same = c.get("vs_fp32_unfused"), c.get("vs_whole_sequence")
         fmt = lambda x: f"{x['max_rel_err_all_ranks']:.2e}" if isinstance(x, dict) else (x or "-")[:40]  # noqa: E731
         win = f" window={tuple(c['window'])}" if c.get("window") else ""
-        groups = f" G={c['a2a_head_groups']}" if c.get("a2a_head_groups") else ""
+        groups = (f" G={c['a2a_head_groups']}" if c.get("a2a_head_groups") else "") + _ring(c)
         lines.append(f"| {c['world_size']} | {c['comm']}{groups} {c['mask']} {c['softmax']}{win} | {c['dtype']} | "
                      f"{c['engine']} | {fmt(truth)} | {fmt(same)} | {'yes' if c['ok'] else 'NO'} |")
     profiled = [r for r in rows if r.get("profile")]
@@ -649,7 +706,7 @@ def table(rows: list[dict], checks: list[dict]) -> str:
         lines += ["", "| GPUs | S | comm | window | rank | attention ms | NCCL ms | merge ms | other kernels ms | "
                   "compute idle ms | NCCL not hidden ms | host a2a wait ms |", "|---" * 12 + "|"]
         for r in profiled:
-            comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "")
+            comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "") + _ring(r)
             for rank, p in enumerate(r["profile"]):
                 cells = [f"{p.get(k, 0.0):.2f}" for k in ("attention_ms", "nccl_ms", "merge_ms", "other_kernels_ms",
                                                          "compute_idle_ms", "nccl_not_hidden_ms", "host_a2a_wait_ms")]
@@ -658,7 +715,7 @@ def table(rows: list[dict], checks: list[dict]) -> str:
                 lines.append(head + " | ".join(cells) + " |")
         lines += ["", "Most time per step on rank 0 (ms, calls): host ops by self time; device ops by self time"]
         for r in profiled:
-            comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "")
+            comm = r["comm"] + (f" G={r['a2a_head_groups']}" if r.get("a2a_head_groups") else "") + _ring(r)
             p = r["profile"][0]
             for kind in ("top_host_ops", "top_device_ops"):
                 ops = "; ".join(f"{name[:40]} {ms:.2f} ({n:g})" for name, ms, n in p.get(kind, [])[:5])

@@ -104,6 +104,9 @@ class Ring:
         self.info = info
         self.stream = stream
 
+    def reserve(self, pieces: list[tuple[torch.Size, torch.dtype]]) -> None:
+        """The most one start will send (shapes and dtypes, the same on every rank); NCCL needs no buffer."""
+
     def start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
               send_to: int | None = None, recv_from: int | None = None) -> list:
         if not sends and not recvs:

@@ -29,6 +29,7 @@ from ..constraints.cp_bands import key_exchange
 from .support import COMM_TYPES, is_windowed, unsupported_features
 from .window_exchange import WindowExchangeAttention
 from .window_ring import WindowP2PAttention, WindowRingPlan
+from .copy_engine import ring_for
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FORMATS = ("bshd", "sbhd", "thd")
@@ -330,10 +331,11 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
     if windowed and key_exchange(comm, fmt, q.shape[sd] // 2, cfg.window_size, "fp8" in aux.extra):
         return WindowExchangeAttention(engine, cfg, aux, fmt, infos[0], q.shape[sd])
     if windowed and comm == "p2p":
-        return WindowP2PAttention(engine, WindowRingPlan(cfg, aux, fmt, q.shape[sd], infos[0]), infos[0], stream)
+        return WindowP2PAttention(engine, WindowRingPlan(cfg, aux, fmt, q.shape[sd], infos[0]), infos[0],
+                                  ring_for(infos[0], stream, q.device), training)
     if comm == "p2p":
         return P2PAttention(engine, _ring_plan(cfg, aux, fmt, causal, q.shape[sd], k.shape[sd], 1, infos[0].size),
-                            infos[0], stream)
+                            infos[0], ring_for(infos[0], stream, q.device), training)
     if comm == "all_gather":
         return AllGatherAttention(engine, cfg, aux, fmt, infos[0], causal, q.shape[sd], k.shape[sd], q.device)
     a2a = infos[0]
@@ -356,9 +358,9 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
     p2p = infos[1]
     if windowed:
         plan = WindowRingPlan(cfg, aux, fmt, q.shape[sd] * a2a.size, p2p)
-        return A2AP2PAttention(split, WindowP2PAttention(engine, plan, p2p, stream))
+        return A2AP2PAttention(split, WindowP2PAttention(engine, plan, p2p, ring_for(p2p, stream, q.device), training))
     plan = _ring_plan(cfg, aux, fmt, causal, q.shape[sd] * a2a.size, k.shape[sd] * a2a.size, a2a.size, p2p.size)
-    return A2AP2PAttention(split, P2PAttention(engine, plan, p2p, stream))
+    return A2AP2PAttention(split, P2PAttention(engine, plan, p2p, ring_for(p2p, stream, q.device), training))
 
 
 def _rank_order(fmt, size, aux: AttnAux, positional: bool, device, outer: int) -> RankOrder | None:

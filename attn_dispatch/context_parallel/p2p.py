@@ -296,12 +296,18 @@ def _finish(own: torch.Tensor, others: torch.Tensor, rows: int | None, halves: H
 
 
 class P2PAttention:
-    """cp_comm_type='p2p' for one call: forward/backward over the tensors of this rank."""
+    """cp_comm_type='p2p' for one call: forward/backward over the tensors of this rank. ring: its transport
+    (copy_engine.ring_for); training: the backward's hops are reserved with the forward's."""
 
-    def __init__(self, engine: Engine, plan: RingPlan, info: GroupInfo, stream=None):
-        self.engine, self.plan, self.info, self.ring = engine, plan, info, Ring(info, stream)
+    def __init__(self, engine: Engine, plan: RingPlan, info: GroupInfo, ring: Ring, training: bool = True):
+        self.engine, self.plan, self.info, self.ring, self.training = engine, plan, info, ring, training
 
     def forward(self, q, k, v, sink):
+        pieces = [(k.shape, k.dtype), (v.shape, v.dtype)]
+        if self.training:  # the backward sends K/V and a dK/dV sum (full rows at most) in one hop
+            sum_dtype = q.dtype if self.info.size == 2 else acc_dtype(q)
+            pieces += [(k.shape, sum_dtype), (v.shape, sum_dtype)]
+        self.ring.reserve(pieces)
         out, lse, states, held = ring_forward(self.engine, q, k, v, sink, self.plan, self.info, self.ring)
         return out, (q, k, v, out, lse, *held.buffers), states
 

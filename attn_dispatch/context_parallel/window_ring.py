@@ -44,11 +44,15 @@ class WindowRingPlan:
 
 
 class WindowP2PAttention:
-    def __init__(self, engine: Engine, plan: WindowRingPlan, info: GroupInfo, stream=None):
-        self.engine, self.plan, self.info, self.ring = engine, plan, info, Ring(info, stream)
+    def __init__(self, engine: Engine, plan: WindowRingPlan, info: GroupInfo, ring: Ring, training: bool = True):
+        self.engine, self.plan, self.info, self.ring, self.training = engine, plan, info, ring, training
 
     def forward(self, q, k, v, sink):
         plan, fmt = self.plan, self.plan.fmt
+        pieces = [(k.shape, k.dtype), (v.shape, v.dtype)]
+        if self.training:  # the backward sends K/V and a float32 dK/dV sum in one hop
+            pieces += [(k.shape, acc_dtype(q)), (v.shape, acc_dtype(q))]
+        self.ring.reserve(pieces)
         kv = Pair.of(k, v)
         acc = acc_dtype(q)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)

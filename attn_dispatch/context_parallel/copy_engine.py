@@ -1,0 +1,226 @@
+"""Ring hops by the GPUs' copy engines: each rank pulls what its peer sends from a buffer every rank of the group
+maps (torch's symmetric memory), with a device-to-device copy on the communication stream.
+
+Why not NCCL's send/recv: its kernels need SMs, and beside attention kernels that fill every SM they wait for
+them. On 4x H200 (NV18), a 64 MiB ring hop took 0.5-0.6 ms alone and 1.9 ms beside matmuls, while the same hop
+pulled by the copy engines took 0.19 ms alone and 0.21 ms beside them; in a 32k ring the hops no longer hid under
+the blocks' compute (benchmarks/results/cp/README.md).
+
+Protocol of one start() n, on the communication stream, with h = n % 2 (n counts the group's starts; every rank
+makes the same starts in the same order, the ring's schedule depending on the step only):
+  wait for the compute stream; wait for the ack of the rank that pulled our half h at start n - 2;
+  copy our sends into our half h; signal 'ready h' to the rank that pulls from us;
+  wait for 'ready h' from the rank we pull from; pull its half h into our receive tensors; signal it 'ack h'.
+Signals are device flags between the two ranks of a hop (symmetric memory's put_signal / wait_signal), so a rank
+waits only for its neighbours, not for the whole group: a late rank delays the ranks it feeds, as with NCCL.
+
+torch's symmetric memory is a private API: a group uses this transport only after a collective self-check (a pull
+of known values between neighbours) passed on every rank. ATTN_DISPATCH_CP_TRANSPORT=nccl keeps NCCL's send/recv.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ._comm import GroupInfo, Ring
+
+TRANSPORT_ENV = "ATTN_DISPATCH_CP_TRANSPORT"
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+_ALIGN = 256  # bytes: each piece of a half starts at a multiple of this
+_READY, _ACK = 1, 3  # signal channels: ready h = _READY + h, ack h = _ACK + h (channel 0: the self-check's barrier)
+
+
+def requested_transport() -> str:
+    raw = os.environ.get(TRANSPORT_ENV, "auto")
+    if raw not in TRANSPORTS:
+        raise ValueError(f"environment variable {TRANSPORT_ENV}={raw!r} is not accepted; use one of "
+                         f"{', '.join(TRANSPORTS)}")
+    return raw
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _Pool:
+    """One group's symmetric buffer (two halves), its peers' mappings, and the count of starts so far."""
+
+    def __init__(self, info: GroupInfo, device: torch.device):
+        self.info, self.device = info, device
+        self.half_bytes = 0
+        self.starts = 0
+        self.handle = self.local = None
+        self.peers: list[torch.Tensor] = []
+        self.retired: list = []  # earlier buffers: a peer may still read them when we grow
+        self.puller: list[int | None] = [None, None]  # who pulled each half last, and has an ack for us
+
+    def reserve(self, nbytes: int, stream) -> None:
+        """Collective (every rank asks the same size): make each half hold at least nbytes. The acks still due on
+        the old buffer's signal pads are taken first, on the communication stream."""
+        if nbytes <= self.half_bytes:
+            return
+        import torch.distributed._symmetric_memory as symm_mem  # private API, checked by self_check
+        half = _aligned(max(nbytes, 2 * self.half_bytes))
+        if self.handle is not None:
+            with torch.cuda.stream(stream):
+                self.take_acks()
+            self.retired.append((self.local, self.handle, self.peers))
+        local = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(local, self.info.group)
+        self.peers = [handle.get_buffer(r, (2 * half,), torch.uint8) for r in range(self.info.size)]
+        self.local, self.handle, self.half_bytes = local, handle, half
+
+    def take_acks(self, half: int | None = None) -> None:
+        for h in (0, 1) if half is None else (half,):
+            if self.puller[h] is not None:
+                self.handle.wait_signal(self.puller[h], channel=_ACK + h)
+                self.puller[h] = None
+
+
+class _Pending:
+    """A start in flight: its tensors stay referenced until the compute stream waits for it."""
+
+    def __init__(self, event, keep):
+        self.event, self.keep = event, keep
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+        self.keep = None
+
+
+_POOLS: dict = {}
+
+
+class CopyEngineRing(Ring):
+    """Ring's interface (start / wait / reserve), the bytes moved by the copy engines. See the module docstring."""
+
+    def __init__(self, info: GroupInfo, stream, device: torch.device):
+        super().__init__(info, stream)
+        key = (info.group.group_name, device)
+        self.pool = _POOLS.get(key) or _POOLS.setdefault(key, _Pool(info, device))
+        self.device = device
+
+    def reserve(self, pieces: list[tuple[torch.Size, torch.dtype]]) -> None:
+        self.pool.reserve(sum(_aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype in pieces),
+                          self.stream or _side_stream(self.device))
+
+    def start(self, sends, recvs, *, send_to: int | None = None, recv_from: int | None = None) -> list:
+        if not sends and not recvs:
+            return []
+        info, pool = self.info, self.pool
+        src = (info.rank - 1) % info.size if recv_from is None else info.global_ranks.index(recv_from)
+        dst = (info.rank + 1) % info.size if send_to is None else info.global_ranks.index(send_to)
+        offsets, total = [], 0
+        for t, _ in sends:
+            offsets.append(total)
+            total += _aligned(t.numel() * t.element_size())
+        if total > pool.half_bytes:
+            raise RuntimeError(f"internal error: a ring hop of {total} bytes exceeds the {pool.half_bytes} reserved")
+        h = pool.starts % 2
+        base = h * pool.half_bytes
+        pool.starts += 1
+        stream = self.stream or _side_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            pool.take_acks(h)
+            for (t, _), off in zip(sends, offsets):
+                _view(pool.local, base + off, t).copy_(t)
+            pool.handle.put_signal(dst, channel=_READY + h)
+            pool.handle.wait_signal(src, channel=_READY + h)
+            off = 0
+            for t, _ in recvs:
+                t.copy_(_view(pool.peers[src], base + off, t))
+                off += _aligned(t.numel() * t.element_size())
+            pool.handle.put_signal(src, channel=_ACK + h)
+            pool.puller[h] = dst
+            event = torch.cuda.Event()
+            event.record(stream)
+        return [_Pending(event, (sends, recvs))]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    return buf[offset:offset + nbytes].view(like.dtype).view(like.shape)
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """High priority: the barrier kernel is scheduled ahead of the attention blocks waiting for SMs."""
+    stream = _SIDE.get(device)
+    if stream is None:
+        stream = _SIDE[device] = torch.cuda.Stream(device=device, priority=-1)
+    return stream
+
+
+_CHECKED: dict = {}
+
+
+def self_check(info: GroupInfo, device: torch.device) -> str | None:
+    """Collective, once per group: None when every rank pulled its neighbour's known values through symmetric
+    memory, else why not (the same answer on every rank)."""
+    key = (info.group.group_name, device)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    reason = None
+    try:
+        pool = _Pool(info, device)
+        pool.reserve(_ALIGN, torch.cuda.current_stream())
+        mine = torch.full((64,), info.rank + 1, dtype=torch.int32, device=device)
+        got = torch.empty_like(mine)
+        _view(pool.local, 0, mine).copy_(mine)
+        pool.handle.barrier(channel=0)
+        got.copy_(_view(pool.peers[(info.rank - 1) % info.size], 0, mine))
+        pool.handle.put_signal((info.rank + 1) % info.size, channel=_READY)  # the signals start() uses
+        pool.handle.wait_signal((info.rank - 1) % info.size, channel=_READY)
+        pool.handle.barrier(channel=0)
+        expected = (info.rank - 1) % info.size + 1
+        if not bool((got == expected).all()):
+            reason = f"a pull from rank {(info.rank - 1) % info.size} read wrong values"
+    except Exception as exc:  # noqa: BLE001 - any failure of the private API means: use NCCL
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+    flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=info.group)
+    if reason is None and int(flag.item()) == 0:
+        reason = "the self-check failed on another rank of the group"
+    _CHECKED[key] = reason
+    return reason
+
+
+def ring_for(info: GroupInfo, stream, device: torch.device) -> Ring:
+    """The ring transport for a group: copy engines where the group runs NCCL on CUDA, the environment allows it
+    and the self-check passed; else NCCL's (or gloo's) send/recv."""
+    wanted = requested_transport()
+    if wanted == "nccl":
+        return Ring(info, stream)
+    if device.type != "cuda" or info.backend != "nccl":
+        if wanted == "copy_engine":
+            raise RuntimeError(f"{TRANSPORT_ENV}=copy_engine needs CUDA tensors and an NCCL group; this call has "
+                               f"{device.type} tensors on a {info.backend} group. Unset it or set it to auto")
+        return Ring(info, stream)
+    reason = self_check(info, device)
+    if reason is None:
+        return CopyEngineRing(info, stream, device)
+    if wanted == "copy_engine":
+        raise RuntimeError(f"{TRANSPORT_ENV}=copy_engine, but the copy-engine ring cannot run on this group: "
+                           f"{reason}. Unset it (auto falls back to NCCL) or fix the cause")
+    return Ring(info, stream)
+
+
+def transport_of(ring: Ring) -> str:
+    """'copy_engine', or the group's backend ('nccl', 'gloo') whose send/recv the ring uses."""
+    return "copy_engine" if isinstance(ring, CopyEngineRing) else ring.info.backend
