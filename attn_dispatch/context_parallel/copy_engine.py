@@ -82,11 +82,11 @@ class _Pool:
 class _Pending:
     """A start in flight: its tensors stay referenced until the compute stream waits for it."""
 
-    def __init__(self, event, keep):
-        self.event, self.keep = event, keep
+    def __init__(self, event, keep, device_index: int):
+        self.event, self.keep, self.device_index = event, keep, device_index
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device_index).wait_event(self.event)
         self.keep = None
 
 
@@ -122,8 +122,12 @@ class CopyEngineRing(Ring):
         base = h * pool.half_bytes
         pool.starts += 1
         stream = self.stream or _side_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        # the device index given, not looked up: current_stream() and torch.cuda.stream() without one cost tens of
+        # microseconds of host time each, and a ring step's host time is on the critical path of short blocks
+        compute = torch.cuda.current_stream(self.device.index)
+        stream.wait_stream(compute)
+        torch.cuda.set_stream(stream)
+        try:
             pool.take_acks(h)
             for (t, _), off in zip(sends, offsets):
                 _view(pool.local, base + off, t).copy_(t)
@@ -137,7 +141,9 @@ class CopyEngineRing(Ring):
             pool.puller[h] = dst
             event = torch.cuda.Event()
             event.record(stream)
-        return [_Pending(event, (sends, recvs))]
+        finally:
+            torch.cuda.set_stream(compute)
+        return [_Pending(event, (sends, recvs), self.device.index)]
 
 
 def _numel(shape) -> int:

@@ -1,7 +1,8 @@
 """The copy-engine ring (copy_engine.py) against NCCL's send/recv on 2+ GPUs: the same call through both
-transports gives bitwise the same output and gradients (a transport moves bytes, it does no arithmetic), and the
-whole-sequence float64 reference agrees with both. Causal p2p, a windowed ring wider than a chunk, and the a2a+p2p
-ring where 4 GPUs are visible."""
+transports gives bitwise the same output (a transport moves bytes, it does no arithmetic; forward kernels are
+deterministic) and gradients within the backward kernels' own run-to-run spread (their dq sums use atomics), and the
+whole-sequence float64 reference agrees with both. A hop that read a buffer being rewritten
+would be far off. Causal p2p and a windowed ring wider than a chunk, on 4 GPUs where visible, else 2."""
 from __future__ import annotations
 
 import os
@@ -44,13 +45,16 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
                 out = cp.attention(None, q, k, v, AttnAux(), cfg, cp_group=dist.group.WORLD, cp_comm_type=comm)
                 out.backward(local[3])
                 got[transport] = [out.detach(), q.grad, k.grad, v.grad]
-            same = all(torch.equal(a, b) for a, b in zip(got["nccl"], got["copy_engine"]))
+            same = torch.equal(got["nccl"][0], got["copy_engine"][0])
+            apart = [float((a.double() - b.double()).norm() / b.double().norm())
+                     for a, b in zip(got["nccl"][1:], got["copy_engine"][1:])]
             leaves = [t.double().requires_grad_() for t in whole[:3]]
             ref, _ = reference_attention(*leaves, attn_mask_type="causal", window_size=window, softmax_scale=d ** -0.5)
             ref.backward(whole[3].double())
             refs = [cp.shard(t, "bshd", world, rank) for t in (ref.detach(), *(x.grad for x in leaves))]
             errs = [float((a.double() - b).norm() / b.norm()) for a, b in zip(got["copy_engine"], refs)]
-            results.append({"case": f"{comm} {window}", "bitwise_same": same, "rel_errors": errs})
+            results.append({"case": f"{comm} {window}", "out_bitwise_same": same, "grads_apart": apart,
+                            "rel_errors": errs})
         os.environ[copy_engine.TRANSPORT_ENV] = "auto"
         results.append({"self_check": copy_engine.self_check(group_info(dist.group.WORLD),
                                                              torch.device("cuda", rank))})
@@ -61,7 +65,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_copy_engine_ring_matches_nccl_bitwise():
+def test_copy_engine_ring_matches_nccl():
     world = 4 if torch.cuda.device_count() >= 4 else 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
@@ -71,7 +75,8 @@ def test_copy_engine_ring_matches_nccl_bitwise():
         for row in rows:
             assert "error" not in row, (rank, row)
             if "case" in row:
-                assert row["bitwise_same"], (rank, row)
+                assert row["out_bitwise_same"], (rank, row)
+                assert max(row["grads_apart"]) < 5e-3, (rank, row)
                 assert max(row["rel_errors"]) < 2e-2, (rank, row)
             else:
                 assert row["self_check"] is None, (rank, row)
