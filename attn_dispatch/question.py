@@ -63,11 +63,13 @@ def ask(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torc
         args: CallArgs) -> Question:
     """The question forward's path asks selection for this call (validating it as that path does)."""
     mode, fp8 = route(module, args)
-    read: tuple[str, ...] = ()  # how the call was read, when not as given
+    read: tuple[str, ...] = ()  # what the path adds: how the call was read when not as given, how CP moves data
     if mode == KV_CACHE:
         params = attend.describe(module, q, k, v, args)
     elif mode == CONTEXT_PARALLEL:
         params = module_glue.describe(module, q, k, v, args, fp8).params
+        transport = module_glue.transport_note(module, params, q.device)
+        read = (transport,) if transport else ()
     else:
         packed = module._as_documents(q, k, v, args, fp8) if args.attention_mask is not None else None
         if packed is not None:

@@ -314,6 +314,13 @@ def _run_module(case, leaves, sink, cu, cp_group, dout, local):
     out = module(*leaves, **kwargs)
     assert module.last_decision is not None and module.last_decision.chosen == "unfused:pytorch", \
         module.last_decision
+    asked = module.explain(*leaves, **kwargs)  # the answer is what ran, notes included
+    assert asked.notes == module.last_decision.notes, (asked.notes, module.last_decision.notes)
+    ring = [n for n in asked.notes if n.startswith("ring hops:")]
+    if case["comm"] in ("p2p", "a2a+p2p") and tuple(case["window"] or (-1, -1))[0] == -1:
+        assert ring == ["ring hops: gloo's send/recv"], asked.notes
+    elif case["comm"] in ("all_gather", "a2a"):
+        assert not ring, asked.notes
     out.backward(local(dout).reshape(out.shape))
     return out.unflatten(-1, (h, -1)), module.softmax_offset.grad if sink is not None else None
 

@@ -42,3 +42,21 @@ def test_unknown_transport_is_rejected_with_the_choices(gloo_group, monkeypatch)
     monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nvlink")
     with pytest.raises(ValueError, match="ATTN_DISPATCH_CP_TRANSPORT='nvlink'.*auto, nccl, copy_engine"):
         copy_engine.ring_for(gloo_group, None, torch.device("cpu"))
+
+
+def test_explanations_say_how_ring_hops_travel(monkeypatch):
+    monkeypatch.delenv(copy_engine.TRANSPORT_ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    describe = copy_engine.describe_transport
+    assert describe("gloo", "g", torch.device("cpu")) == "ring hops: gloo's send/recv"
+    assert "if the group's one-time self-check" in describe("nccl", "never-checked", cuda)
+    monkeypatch.setitem(copy_engine._CHECKED, ("ok", cuda), None)
+    assert describe("nccl", "ok", cuda) == ("ring hops: pulled by the copy engines from symmetric memory (the "
+                                            "group's self-check passed)")
+    monkeypatch.setitem(copy_engine._CHECKED, ("bad", cuda), "RuntimeError: no peer access")
+    assert describe("nccl", "bad", cuda) == ("ring hops: NCCL's send/recv (the copy-engine self-check failed: "
+                                             "RuntimeError: no peer access)")
+    monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "copy_engine")
+    assert describe("nccl", "bad", cuda).startswith("ring hops: none, the call raises")
+    monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nccl")
+    assert describe("nccl", "ok", cuda) == "ring hops: NCCL's send/recv (ATTN_DISPATCH_CP_TRANSPORT=nccl)"

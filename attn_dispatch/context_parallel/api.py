@@ -320,6 +320,16 @@ def _describe(sig: list[int]) -> str:
     return text + f" a2a head groups={sig[-1]}"
 
 
+def ring_hops(comm: str, fmt: str, attn_mask_type: str, window_size, local_len: int, fp8: bool) -> bool:
+    """Whether _build runs the call over a ring (p2p.py, window_ring.py; the ring of a2a+p2p), whose hops
+    copy_engine.ring_for carries, rather than collectives or a window's key exchange. local_len: this rank's
+    tokens (bshd/sbhd)."""
+    if comm not in ("p2p", "a2a+p2p"):
+        return False
+    windowed = is_windowed(attn_mask_type, window_size)
+    return not (windowed and key_exchange(comm, fmt, local_len // 2, window_size, fp8))
+
+
 def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo], stream, training: bool,
            groups: int):
     fmt = cfg.qkv_format

@@ -227,6 +227,30 @@ def ring_for(info: GroupInfo, stream, device: torch.device) -> Ring:
     return Ring(info, stream)
 
 
+def describe_transport(backend: str, group_name: str, device: torch.device) -> str:
+    """What ring_for gives a group, for explanations: never collective (the self-check's answer only where a call
+    already ran it)."""
+    wanted = requested_transport()
+    if wanted == "nccl":
+        return f"ring hops: NCCL's send/recv ({TRANSPORT_ENV}=nccl)"
+    if device.type != "cuda" or backend != "nccl":
+        if wanted == "copy_engine":
+            return (f"ring hops: none, the call raises: {TRANSPORT_ENV}=copy_engine needs CUDA tensors and an NCCL "
+                    f"group ({device.type} tensors, a {backend} group)")
+        return f"ring hops: {backend}'s send/recv"
+    key = (group_name, device)
+    if key not in _CHECKED:
+        fallback = "the call raises" if wanted == "copy_engine" else "NCCL's send/recv"
+        return ("ring hops: pulled by the copy engines from symmetric memory if the group's one-time self-check "
+                f"(collective, at its first context-parallel call) passes, else {fallback}")
+    reason = _CHECKED[key]
+    if reason is None:
+        return "ring hops: pulled by the copy engines from symmetric memory (the group's self-check passed)"
+    if wanted == "copy_engine":
+        return f"ring hops: none, the call raises: {TRANSPORT_ENV}=copy_engine but the self-check failed: {reason}"
+    return f"ring hops: NCCL's send/recv (the copy-engine self-check failed: {reason})"
+
+
 def transport_of(ring: Ring) -> str:
     """'copy_engine', or the group's backend ('nccl', 'gloo') whose send/recv the ring uses."""
     return "copy_engine" if isinstance(ring, CopyEngineRing) else ring.info.backend

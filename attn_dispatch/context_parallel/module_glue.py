@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from .. import inputs, sequences
 from ..call_args import CallArgs
-from .api import attention, fail_collectively
+from . import copy_engine
+from .api import attention, fail_collectively, ring_hops
 from .engines import SelectedPerBlock
 from .sharding import cp_size_of, local_cu_seqlens
 
@@ -33,6 +34,9 @@ def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Cal
     module.last_decision = plan.decision
     out = attention(plan.engine, q, k, v, aux, plan.cfg, cp_group=group, cp_global_ranks=module.cp_global_ranks,
                     cp_stream=module.cp_stream, cp_comm_type=module.cp_comm_type)
+    transport = transport_note(module, plan.params, q.device)  # as explain() words it, now the transport is known
+    if transport is not None:
+        module.last_decision = plan.decision.with_notes(transport)
     return out.reshape(*out.shape[:-2], -1)
 
 
@@ -71,6 +75,15 @@ def describe(module, q, k, v, args: CallArgs, fp8: tuple | None = None) -> Descr
         region, output_fp8 = fp8
         params = params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
     return Described(params, seq, mask_type, amax_group)
+
+
+def transport_note(module, params, device: torch.device) -> str | None:
+    """How this call's ring hops travel (copy_engine.ring_for), or None where the call runs no ring."""
+    if not ring_hops(params.cp_comm_type, params.qkv_format, params.attn_mask_type, tuple(params.window_size),
+                     params.max_seqlen_q, params.fp8):
+        return None
+    group = module.cp_group[1] if params.cp_comm_type == "a2a+p2p" else module.cp_group
+    return copy_engine.describe_transport(str(dist.get_backend(group)), group.group_name, device)
 
 
 def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
