@@ -4,7 +4,7 @@ maps (torch's symmetric memory), with a device-to-device copy on the communicati
 Why not NCCL's send/recv: its kernels need SMs, and beside attention kernels that fill every SM they wait for
 them. On 4x H200 (NV18), a 64 MiB ring hop took 0.5-0.6 ms alone and 1.9 ms beside matmuls, while the same hop
 pulled by the copy engines took 0.19 ms alone and 0.21 ms beside them; in a 32k ring the hops no longer hid under
-the blocks' compute (benchmarks/results/cp/README.md).
+the blocks' compute (benchmarks/results/README.md, context parallelism).
 
 Protocol of one start() n, on the communication stream, with h = n % 2 (n counts the group's starts; every rank
 makes the same starts in the same order, the ring's schedule depending on the step only):
