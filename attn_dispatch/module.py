@@ -26,7 +26,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils.checkpoint import checkpoint
 
-from . import call_args, document_masks, inputs, question, selection, sequences, validation
+from . import call_args, inputs, question, selection, sequences, validation
 from .backends.base import EngineRefused
 from .backends.base import AttnAux
 from .backends.unfused import draw_dropout_seed
@@ -43,7 +43,6 @@ from .backends.cudnn_fused_fp8 import FP8Call
 from .fp8 import FP8ScalingState
 from .fp8.recipe import DelayedScaling, Float8CurrentScaling
 
-_FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
 _MISS = object()  # _fast_forward found no validated plan
 _MODULE_CALL = torch.nn.Module.__call__
 _MODULE_CALL_EAGER = torch.compiler.disable(_MODULE_CALL)
@@ -350,29 +349,12 @@ class DotProductAttention(torch.nn.Module):
         # microseconds) is skipped.
         dispatch = self._dispatch_opaque if torch.compiler.is_compiling() else self._dispatch
         if args.attention_mask is not None:
-            packed = self._as_documents(q, k, v, args, fp8)
+            packed = question.as_documents(self, q, k, v, args, fp8)
             if packed is not None:
                 return packed.restore(dispatch(packed.q, packed.k, packed.v, packed.args, fp8))
         return dispatch(q, k, v, args, fp8)
 
-    def _as_documents(self, q, k, v, args: CallArgs, fp8: tuple | None):
-        """A plain call whose bool mask is causal documents, as the thd call it is (document_masks), or None."""
-        fmt, mask_type, window = self._resolve(args)
-        # a forced backend runs the call as given (it may not take thd: forced means forced)
-        plain = fp8 is None and not self._user_mods and not self.return_max_logit and self.backend is None
-        return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, plain)
-
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------
-    def _fp8_context(self, args: CallArgs) -> tuple | None:
-        """(region, output in FP8) when this call runs in FP8: inside fp8_autocast with fp8_dpa; None otherwise."""
-        region = _fp8_autocast.current_region() if self._fp8_dpa else None
-        if region is None:
-            if args.fp8_output:
-                raise ValueError("fp8_output=True needs FP8 attention: call the module inside "
-                                 "attn_dispatch.fp8_autocast(recipe=DelayedScaling(fp8_dpa=True))")
-            return None
-        return region, bool(args.fp8_output or region.recipe.fp8_mha)
-
     def _fp8_call(self, fp8: tuple, device: torch.device):
         """The engine's FP8 data for this call: the module's scaling state (made, or fitted to a new recipe)."""
         region, output_fp8 = fp8
@@ -454,51 +436,20 @@ class DotProductAttention(torch.nn.Module):
         asked = question.ask(self, query_layer, key_layer, value_layer, CallArgs(**kwargs))
         return selection.explain(asked.params, force=self.backend, policy=self.policy).with_notes(*asked.notes)
 
-    # ------------------------------------------------------------------------------------------
-    def _describe(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
-        """Validated (params, sequence facts) of a plain call: the slow path's description, which the plan cache
-        keys (_prepare) and explain() answers. fp8: (region, output in FP8) inside fp8_autocast."""
-        fmt, mask_type, window = self._resolve(args)
-        _guard_ranks(fmt, q, k, v)
-        seq = sequences.sequence_info(fmt, mask_type, q, k, args)
-        return self._params(self._spec_now(), fmt, mask_type, window, q, k, v, seq, args, fp8), seq
-
-    def _params(self, spec: validation.ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq,
-                args: CallArgs, fp8: tuple | None):
-        """A plain call's AttentionParams, for the plan cache and explain() alike."""
-        params = inputs.build_params(spec, fmt, mask_type, window, q, k, v, seq, args, self.training)
-        return params if fp8 is None else _fp8_params(params, fp8)
-
-    def _resolve(self, args: CallArgs) -> tuple[str, str, tuple[int, int]]:
-        """(qkv_format, mask type, window) of a call: its own, or the module's."""
-        qkv_format, attn_mask_type, window_size = args.qkv_format, args.attn_mask_type, args.window_size
-        fmt = self.qkv_format if qkv_format is None else qkv_format
-        if fmt not in _FORMAT_RANK:
-            raise ValueError(f"qkv_format={fmt!r} is not supported; expected one of {', '.join(QKV_FORMATS)}")
-        if attn_mask_type is None:
-            mask_type = self.attn_mask_type
-        else:
-            mask_type = validation.normalize_mask_type(attn_mask_type)
-        if window_size is None and mask_type == self.attn_mask_type:
-            window = self.window_size
-        else:
-            window = validation.check_window(self._window_arg if window_size is None else window_size, mask_type)
-        return fmt, mask_type, window
-
     def _prepare(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
         """(Plan, AttnAux) for a call. The raw arguments' static facts key a cache entry, so a repeated call
         skips validation; tensor contents (cu_seqlens, padding masks) are re-checked, cached on the tensors.
-        fp8: (region, output in FP8) of an FP8 call (see _fp8_context)."""
+        fp8: (region, output in FP8) of an FP8 call (question.fp8_context)."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            _guard_ranks(self._resolve(args)[0], q, k, v)  # raises ValueError
+            validation.check_ranks(validation.resolve_call(self, args)[0], q, k, v)  # raises ValueError
         key = PlanKey(args.plan_key(q, k, v, self.training, _deterministic_now()),
                       None if fp8 is None else (fp8[0].recipe.kind, fp8[1]))
         plans = self._plans
         plans.drop_if_stale()
         entry = plans.entries.get(key)
         if entry is None:
-            fmt, mask_type, window = self._resolve(args)
-            _guard_ranks(fmt, q, k, v)
+            fmt, mask_type, window = validation.resolve_call(self, args)
+            validation.check_ranks(fmt, q, k, v)
             entry = inputs.Entry(fmt, mask_type, window, dynamic=fmt == "thd" or has_padding(mask_type))
         if entry.dynamic or entry.seq is None:
             seq = sequences.sequence_info(entry.fmt, entry.mask_type, q, k, args)
@@ -544,7 +495,8 @@ class DotProductAttention(torch.nn.Module):
             plans.entries.pop(known[1], None)  # the cache's previous length: a growing cache never comes back to it
         else:
             spec = self._spec_now()
-            params = self._params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args, fp8)
+            params = question.plan_params(spec, entry.fmt, entry.mask_type, entry.window, q, k, v, seq, args,
+                                          self.training, fp8)
             plan = entry.plans[seq.plan_key()] = inputs.make_plan(spec, params, seq.lengths)
         if len(plans.entries) >= MAX_SIGNATURES:
             plans.forget()
@@ -634,19 +586,6 @@ _deterministic_now = torch.are_deterministic_algorithms_enabled
 _FP8_REGIONS = _fp8_autocast.ACTIVE
 # __call__'s shortcut reads nn.Module's private hook registries: on only with the private switch on.
 _SHORTCUT = PRIVATE_TORCH
-
-
-def _fp8_params(params, fp8: tuple):
-    region, output_fp8 = fp8
-    return params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
-
-
-def _guard_ranks(fmt: str, q, k, v) -> None:
-    rank = _FORMAT_RANK[fmt]
-    for name, x in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != rank:
-            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} is {shape}; qkv_format={fmt!r} needs a {rank}-D tensor")
 
 
 def _kv_channels(kv_channels: Any) -> tuple[int, int]:

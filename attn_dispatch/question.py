@@ -9,24 +9,19 @@ describers; `DotProductAttention.explain` is `ask` answered by selection, so wha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from . import selection
+from . import document_masks, selection, sequences, validation
 from .call_args import CallArgs
 from .constraints.cudnn_fused_fp8 import backward_text
 from .context_parallel import module_glue
 from .env import EnvFlags
-from .fp8 import speed
-from .inputs import plain_params
+from .fp8 import autocast as fp8_autocast, speed
+from .inputs import build_params, plain_params
 from .kv_cache import attend
 from .params import AttentionParams
 from .platform import Platform
 from .policy.profile import profile_for
-
-if TYPE_CHECKING:
-    from .module import DotProductAttention
 
 PLAIN, CONTEXT_PARALLEL, KV_CACHE = "plain", "context_parallel", "kv_cache"
 
@@ -43,11 +38,11 @@ class Question:
     fp8: tuple | None = None
 
 
-def route(module: "DotProductAttention", args: CallArgs) -> tuple[str, tuple | None]:
+def route(module: torch.nn.Module, args: CallArgs) -> tuple[str, tuple | None]:
     """(the path that serves this call, its FP8 context); raises for a combination no path takes."""
     if not isinstance(args.fp8_output, bool):
         raise ValueError(f"fp8_output={args.fp8_output!r} must be True or False")
-    fp8 = module._fp8_context(args)
+    fp8 = fp8_context(module, args)
     if args.inference_params is not None:
         if fp8 is not None:
             raise ValueError("FP8 attention with a KV cache (inference_params) is not supported by attn-dispatch "
@@ -59,7 +54,7 @@ def route(module: "DotProductAttention", args: CallArgs) -> tuple[str, tuple | N
     return PLAIN, fp8
 
 
-def ask(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def ask(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         args: CallArgs) -> Question:
     """The question forward's path asks selection for this call (validating it as that path does)."""
     mode, fp8 = route(module, args)
@@ -71,15 +66,53 @@ def ask(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torc
         transport = module_glue.transport_note(module, params, q.device)
         read = (transport,) if transport else ()
     else:
-        packed = module._as_documents(q, k, v, args, fp8) if args.attention_mask is not None else None
+        packed = as_documents(module, q, k, v, args, fp8) if args.attention_mask is not None else None
         if packed is not None:
             q, k, v, args, read = packed.q, packed.k, packed.v, packed.args, (packed.note,)
-        params = module._describe(q, k, v, args, fp8)[0]
+        params = describe_plain(module, q, k, v, args, fp8)[0]
     params, notes = plain_params(params)
     notes = read + notes
     if fp8 is not None:
         notes += fp8_notes(params, Platform.detect(), EnvFlags.from_environ())
     return Question(mode, params, notes, fp8)
+
+
+def fp8_context(module: torch.nn.Module, args: CallArgs) -> tuple | None:
+    """(region, output in FP8) when this call runs in FP8: inside fp8_autocast with fp8_dpa; None otherwise."""
+    region = fp8_autocast.current_region() if module._fp8_dpa else None
+    if region is None:
+        if args.fp8_output:
+            raise ValueError("fp8_output=True needs FP8 attention: call the module inside "
+                             "attn_dispatch.fp8_autocast(recipe=DelayedScaling(fp8_dpa=True))")
+        return None
+    return region, bool(args.fp8_output or region.recipe.fp8_mha)
+
+
+def as_documents(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
+    """A plain call whose bool mask is causal documents, as the thd call it is (document_masks), or None."""
+    fmt, mask_type, window = validation.resolve_call(module, args)
+    # a forced backend runs the call as given (it may not take thd: forced means forced)
+    plain = fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
+    return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, plain)
+
+
+def describe_plain(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None = None):
+    """Validated (params, sequence facts) of a plain call: the slow path's description, which the plan cache
+    keys and explain() answers. fp8: (region, output in FP8) inside fp8_autocast."""
+    fmt, mask_type, window = validation.resolve_call(module, args)
+    validation.check_ranks(fmt, q, k, v)
+    seq = sequences.sequence_info(fmt, mask_type, q, k, args)
+    return plan_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, args, module.training, fp8), seq
+
+
+def plan_params(spec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq, args: CallArgs,
+                training: bool, fp8: tuple | None) -> AttentionParams:
+    """A plain call's AttentionParams, for the plan cache and explain() alike."""
+    params = build_params(spec, fmt, mask_type, window, q, k, v, seq, args, training)
+    if fp8 is None:
+        return params
+    region, output_fp8 = fp8
+    return params.replace(fp8=True, fp8_recipe=region.recipe.kind, fp8_output=output_fp8)
 
 
 BF16_BASELINE = "cudnn_fused:frontend"  # what the FP8 measurement timed against (fp8/speed.py)

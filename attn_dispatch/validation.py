@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .params import BIAS_TYPES, MASK_TYPES, has_padding, normalize_window
+from .params import BIAS_TYPES, MASK_TYPES, QKV_FORMATS, has_padding, normalize_window
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -203,3 +203,30 @@ def default_alibi_slopes(num_heads: int) -> torch.Tensor:
         extra = torch.pow(2.0 ** (-4.0 / n), torch.arange(1, 1 + 2 * (num_heads - n), 2))
         slopes = torch.cat([slopes, extra])
     return slopes.to(torch.float32)
+
+
+_FORMAT_RANK = {"bshd": 4, "sbhd": 4, "thd": 3}
+
+
+def check_ranks(fmt: str, q: Any, k: Any, v: Any) -> None:
+    """q, k and v are tensors of the format's rank."""
+    rank = _FORMAT_RANK[fmt]
+    for name, x in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} is {shape}; qkv_format={fmt!r} needs a {rank}-D tensor")
+
+
+def resolve_call(module: Any, args: Any) -> tuple[str, str, tuple[int, int]]:
+    """(qkv_format, mask type, window) of a call to a DotProductAttention `module`: the call's own (CallArgs
+    `args`), else the module's."""
+    qkv_format, attn_mask_type, window_size = args.qkv_format, args.attn_mask_type, args.window_size
+    fmt = module.qkv_format if qkv_format is None else qkv_format
+    if fmt not in _FORMAT_RANK:
+        raise ValueError(f"qkv_format={fmt!r} is not supported; expected one of {', '.join(QKV_FORMATS)}")
+    mask_type = module.attn_mask_type if attn_mask_type is None else normalize_mask_type(attn_mask_type)
+    if window_size is None and mask_type == module.attn_mask_type:
+        window = module.window_size
+    else:
+        window = check_window(module._window_arg if window_size is None else window_size, mask_type)
+    return fmt, mask_type, window

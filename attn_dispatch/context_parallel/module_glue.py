@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import inputs, sequences
+from .. import inputs, sequences, validation
 from ..call_args import CallArgs
 from . import copy_engine
 from .api import attention, fail_collectively, ring_hops
@@ -24,7 +24,7 @@ from .sharding import cp_size_of, local_cu_seqlens
 def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs, fp8: tuple | None = None
             ) -> Any:
     """The module's output ([s, b, h*dv] / [b, s, h*dv] / [t, h*dv]) for this rank's shard. fp8: (region, output in
-    FP8) of a call inside fp8_autocast (module._fp8_context)."""
+    FP8) of a call inside fp8_autocast (question.fp8_context)."""
     group = module.cp_group
     try:
         plan, aux = _prepare(module, q, k, v, args, fp8)
@@ -55,7 +55,7 @@ def describe(module, q, k, v, args: CallArgs, fp8: tuple | None = None) -> Descr
     """Validate a CP call as the module would and describe it (forward plans from this, explain answers it)."""
     cp_size = cp_size_of(module.cp_group)
     amax_group = _fp8_amax_group(fp8[0], module.cp_group, module.cp_comm_type) if fp8 is not None else None
-    fmt, mask_type, window = module._resolve(args)
+    fmt, mask_type, window = validation.resolve_call(module, args)
     if args.checkpoint_core_attention:
         raise ValueError("checkpoint_core_attention=True is not supported under context parallelism; the ring "
                          "already recomputes nothing it does not need (pass False)")

@@ -6,7 +6,7 @@ new queries are the last positions of their sequences); so do we. 'no_mask'/'pad
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,9 +15,6 @@ from ..inputs import make_plan
 from ..validation import check_window, normalize_mask_type
 from ..params import AttentionParams, is_causal
 from .inference_params import InferenceParams, KVCacheError
-
-if TYPE_CHECKING:
-    from ..module import DotProductAttention
 
 CAUSAL_UNDER_CACHE = "padding_causal_bottom_right"
 NON_CAUSAL_UNDER_CACHE = "padding"
@@ -33,7 +30,7 @@ def _bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _resolve(module: "DotProductAttention", args: CallArgs) -> tuple[str, str, tuple]:
+def _resolve(module: torch.nn.Module, args: CallArgs) -> tuple[str, str, tuple]:
     qkv_format, attn_mask_type, window_size = args.qkv_format, args.attn_mask_type, args.window_size
     fmt = module.qkv_format if qkv_format is None else qkv_format
     if fmt not in ("bshd", "sbhd", "thd"):
@@ -51,7 +48,7 @@ def _resolve(module: "DotProductAttention", args: CallArgs) -> tuple[str, str, t
     return fmt, CAUSAL_UNDER_CACHE if causal else NON_CAUSAL_UNDER_CACHE, window
 
 
-def _check_call(module: "DotProductAttention", ip: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _check_call(module: torch.nn.Module, ip: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fmt: str, args: CallArgs) -> None:
     if not isinstance(ip, InferenceParams):
         raise TypeError(f"inference_params must be an attn_dispatch.InferenceParams; got {type(ip).__name__}")
@@ -125,7 +122,7 @@ def _check_lengths(ip: InferenceParams, args: CallArgs) -> None:
             raise KVCacheError(f"{name}={given!r} is below the step's {limit}; leave it out")
 
 
-def params_for(module: "DotProductAttention", ip: InferenceParams, q: torch.Tensor, k: torch.Tensor,
+def params_for(module: torch.nn.Module, ip: InferenceParams, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, mask: str, window: tuple[int, int]) -> AttentionParams:
     spec = module._spec_now()
     step = ip.current_step
@@ -140,7 +137,7 @@ def params_for(module: "DotProductAttention", ip: InferenceParams, q: torch.Tens
         kv_page_size=ip.page_size if ip.is_paged else None)
 
 
-def describe(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def describe(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              args: CallArgs) -> AttentionParams:
     """Validate a KV-cache step as forward does (nothing is written) and describe it as selection sees it."""
     ip = args.inference_params
@@ -149,7 +146,7 @@ def describe(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v:
     return params_for(module, ip, q, k, v, mask, window)
 
 
-def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def forward(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             args: CallArgs) -> torch.Tensor:
     """The step's output, heads merged as forward returns it; args.inference_params is the cache."""
     ip = args.inference_params
@@ -168,6 +165,6 @@ def forward(module: "DotProductAttention", q: torch.Tensor, k: torch.Tensor, v: 
     return ip.scatter_out(out.flatten(-2), fmt, q)
 
 
-def _plan(module: "DotProductAttention", params: AttentionParams):
+def _plan(module: torch.nn.Module, params: AttentionParams):
     plans = module._plans
     return plans.by_params(plans.kv_cache, params, lambda: make_plan(module._spec_now(), params))
