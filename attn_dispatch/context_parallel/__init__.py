@@ -7,8 +7,9 @@
     out = cp.gather(out_local, "bshd", group)                  # whole sequence again (not differentiable)
 
 Comm types: 'p2p' (ring), 'all_gather', 'a2a' (Ulysses), 'a2a+p2p' (cp_group = [a2a_group, p2p_group]).
-attn_dispatch.constraints.context_parallel says what each supports (sliding windows included); transport is
-torch.distributed (gloo on CPU, NCCL on GPUs).
+attn_dispatch.constraints.context_parallel says what each supports (sliding windows included). Transport:
+torch.distributed's collectives and send/recv (gloo on CPU, NCCL on GPUs), except ring hops on CUDA with an NCCL
+group, which the copy engines pull from symmetric memory once the group's self-check passes (copy_engine.py).
 """
 from .api import attention
 from .sharding import (RankOrder, chunks_of_rank, cp_rank_of, cp_size_of, gather, local_cu_seqlens, shard,
