@@ -1,6 +1,6 @@
 """torch.distributed plumbing for context parallelism: who the neighbours are, ring exchanges, collective checks.
 
-Transport is always torch.distributed (gloo on CPU, NCCL on GPUs); nothing here moves bytes by itself.
+Collectives and send/recv through torch.distributed (gloo on CPU, NCCL on GPUs); copy_engine.py carries ring hops on CUDA.
 """
 from __future__ import annotations
 
