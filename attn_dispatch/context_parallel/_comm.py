@@ -1,6 +1,6 @@
 """torch.distributed plumbing for context parallelism: who the neighbours are, ring exchanges, collective checks.
 
-Collectives and send/recv through torch.distributed (gloo on CPU, NCCL on GPUs); copy_engine.py carries ring hops on CUDA.
+Collectives and send/recv by torch.distributed (gloo on CPU, NCCL on GPUs); copy_engine.py carries CUDA ring hops.
 """
 from __future__ import annotations
 
