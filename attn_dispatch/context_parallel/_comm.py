@@ -120,10 +120,15 @@ class Ring:
         ops = [dist.P2POp(dist.isend, t, dst, self.info.group, tag) for t, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, src, self.info.group, tag) for t, tag in recvs]
         if any(t.is_cuda for t, _ in sends + recvs):
-            stream = self.stream or side_stream(sends[0][0].device if sends else recvs[0][0].device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            device = sends[0][0].device if sends else recvs[0][0].device
+            stream = self.stream or side_stream(device)
+            compute = torch.cuda.current_stream(device.index)  # the index given: no device lookup on the host
+            stream.wait_stream(compute)
+            torch.cuda.set_stream(stream)
+            try:
                 return dist.batch_isend_irecv(ops)
+            finally:
+                torch.cuda.set_stream(compute)
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
