@@ -10,7 +10,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .inputs import arg_signature
+
+def arg_signature(x: Any, grad: bool = False) -> Any:
+    """A hashable summary of an optional tensor argument (or a pair of them); the type for anything else,
+    which validation then rejects."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.device, x.requires_grad) if grad else (x.shape, x.dtype, x.device)
+    if isinstance(x, (tuple, list)):
+        return tuple(arg_signature(e) for e in x)
+    return type(x)
 
 
 class CallArgs(NamedTuple):

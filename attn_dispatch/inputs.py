@@ -5,22 +5,20 @@ facts; plans.py keeps the plans a module made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from . import selection
 from .backends import ENGINE_CLASSES, EngineUnavailableError, get_engine
 from .backends.base import AttnAux, AttnConfig, Engine
+from .call_args import CallArgs
 from .decision import Decision
 from .env import PRIVATE_TORCH
 from .freshness import current_stamp
 from .params import AttentionParams, SeqLengths
 from .sequences import SeqInfo, packed_facts
 from .validation import ModuleSpec, check_attention_mask, check_bias, check_qkv
-
-if TYPE_CHECKING:
-    from .call_args import CallArgs
 
 
 @dataclass
@@ -98,18 +96,6 @@ def _load_tensor_guards() -> Any:
 
 
 _TensorGuards = _load_tensor_guards() if PRIVATE_TORCH else None
-
-
-def arg_signature(x: Any, grad: bool = False) -> Any:
-    """A hashable summary of an optional tensor argument (or a pair of them); the type for anything else,
-    which validation then rejects."""
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.dtype, x.device, x.requires_grad) if grad else (x.shape, x.dtype, x.device)
-    if isinstance(x, (tuple, list)):
-        return tuple(arg_signature(e) for e in x)
-    return type(x)
 
 
 # A one-query inference step over more than this many keys (a decode step over a growing cache) is decided for its

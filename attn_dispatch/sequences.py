@@ -3,17 +3,16 @@ host once per tensor and version (tensor_cache), so a cu_seqlens tensor shared b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .backends.base import PackedFacts
+from .call_args import CallArgs
 from .params import SeqLengths, has_padding, keyless_rows, packed_fills
 from .tensor_cache import cached_on, known_values, same_values
 from .validation import positive_int, show_values
 
-if TYPE_CHECKING:
-    from .call_args import CallArgs
 
 @dataclass
 class SeqInfo:
