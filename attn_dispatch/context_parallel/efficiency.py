@@ -1,19 +1,25 @@
 """Predicted context-parallel efficiency: a step's fwd+bwd time on P GPUs against one GPU on the whole sequence,
 from measured compute and transfer rates, so a comm type can be picked without a trial run. Pure arithmetic.
 
-The model (per comm type, one rank; t(bytes) = bytes / link rate):
-- p2p: P ring steps of equal work (load-balanced); step i's K/V transfer hides under step i-1's compute:
+The model (per comm type, one rank; t(bytes) = bytes / rate):
+- p2p: P ring steps of equal work (load-balanced); step i's K/V hop hides under step i-1's compute, each step's
+  critical path being the longer of the two plus a per-step cost (host issue, merge):
   forward = c + (P-1) (max(c, t(kv)) + step). Backward (p2p.py) runs the ring reversed from the K/V block the
   forward ended on and ends on the local diagonal block: step i computes while the next step's K/V (none for the
   diagonal) and the previous block's dK/dV sum (float32, 2 t(kv), for P > 2; one engine result, t(kv), for P = 2)
   travel, so backward = sum_i max(c_bwd, moving_i) + (P-1) step: the last hop, the sum to its owner, runs under
   the diagonal block and nothing is left exposed. With a window (window_ring.py), only the steps the window
   reaches, the forward's ring again (K/V and a float32 sum triple the bytes for P > 2), then one exposed hop of
-  dK/dV to the owner; p2p's backward ran so too before the reversed ring (exposed_dkv_hop=True: the recorded runs
-  the rates are fitted to). A window within the neighbouring chunks moves only its keys, as all_gather does
-  (window_exchange.py); so does a2a.
+  dK/dV to the owner; p2p's backward ran so too before the reversed ring (exposed_dkv_hop=True: runs recorded
+  then). A window within the neighbouring chunks moves only its keys, as all_gather does (window_exchange.py); so
+  does a2a.
+  A ring hop's rate is its transport's (copy_engine.ring_for): the copy engines' pull, which needs no SMs and runs
+  as fast beside attention as alone, or NCCL's send/recv, whose kernels slow down beside attention kernels
+  (nccl_ring_gbps; an exposed hop, with nothing beside it, runs at link_gbps).
 - a2a: q, k, v (then out) cross all-to-alls around whole-sequence attention on heads / P; with G head groups the
   exchanges overlap attention except 1/G of them: max(c, comm) (G-1)/G + (c + comm)/G, and the same backward.
+- a2a+p2p: one-shot all-to-alls over the a2a group of A ranks (q, k, v to heads, out back; dout, then dq, dk, dv),
+  nothing overlapped, around the p2p ring of P / A ranks on heads / A (its K/V hop: as many bytes as p2p's on P).
 - all_gather: the K/V it needs gathered before, the float32 dK/dV reduce-scattered after; nothing overlaps.
 Every call adds `call_ms` (host work, checks) and every merged block `step_ms`.
 One GPU: compute alone at the same rates. FLOPs: 4 b h d per (query, key) pair forward, 2.5x that backward
@@ -24,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..constraints.cp_bands import key_exchange, steps_needed
+from .copy_engine import TRANSPORT_ENV, requested_transport
 from .head_groups import resolve_head_groups
 
 BWD_FLOPS_RATIO = 2.5
@@ -34,7 +41,7 @@ class Rates:
     machine: str
     fwd_tflops: float   # attention forward, measured
     bwd_tflops: float   # attention backward, measured (FLOPs = BWD_FLOPS_RATIO x forward's)
-    link_gbps: float    # one rank's transfer rate as the CP code achieves it (fitted)
+    link_gbps: float    # one rank's rate through NCCL with nothing beside it: collectives, an exposed hop (fitted)
     call_ms: float      # fixed cost of each CP forward or backward call (fitted)
     step_ms: float      # cost of each ring step or merged block beyond its compute (fitted)
     source: str
@@ -42,6 +49,10 @@ class Rates:
     # engine's measured rates; None: the same engine, the rates above
     windowed_fwd_tflops: float | None = None
     windowed_bwd_tflops: float | None = None
+    # a ring hop's rate beside attention kernels (p2p, the ring of a2a+p2p): NCCL's send/recv (None: link_gbps) and
+    # the copy engines' pull (copy_engine.py; None: not measured on this GPU, where 'auto' is predicted as NCCL)
+    nccl_ring_gbps: float | None = None
+    copy_engine_gbps: float | None = None
 
 
 # fwd/bwd rates: the one-GPU rows (flash_attn_4:cute, bf16, b1 h16 d128, causal, 32k and 128k) of both files,
@@ -56,19 +67,27 @@ H100_NVLINK = Rates(
 # fwd/bwd rates: cp_h200x2.json's one-GPU rows, which ran torch's own providers (flash-attn-4 was not installed):
 # cuDNN SDPA (cudnn_fused:torch) unwindowed, 662 TFLOP/s forward at 32k and 555 at 128k (one rate, within 10% of
 # both), 522-529 backward; the windowed row ran FlashAttention-2 (flash_attn_2:torch), 289 forward and 308 backward,
-# and so did the windowed CP rows: windowed calls take those rates. The three fitted values minimise the squared
-# efficiency error over the 2-GPU rows of cp_h200x2.json with the checks on, predicted with the schedules that run
-# today. cp_h200x2_head_groups.json, an earlier run, checks it: a2a with 1 and 2 head groups, p2p before the reversed
-# ring (exposed_dkv_hop=True); its windowed a2a rows ran Ulysses, which a window this narrow no longer runs, and are
-# not predicted.
+# and so did the windowed CP rows: windowed calls take those rates. The 4x H200 files' one-GPU rows agree as closely.
+# copy_engine_gbps is measured, not fitted: a 64 MiB hop pulled in 0.21 ms beside matmuls (0.19 alone; the ring
+# microbenchmark in benchmarks/results/README.md); in every recorded row those hops hide under the blocks' compute,
+# so no row could pin it. The four fitted values minimise the squared efficiency error over the 26 rows with the
+# checks on (2 and 4 GPUs) of cp_h200x4.json (NCCL's ring; p2p, a2a, a2a+p2p) and cp_h200x4_transport.json (p2p by
+# either transport), each predicted with the schedule and transport it ran (tests/test_cp_efficiency.py refits
+# them). They reproduce those files within 1.8 points on average, 4.7 at worst; the runs left out check them:
+# cp_h200x2.json (1.6, 4.1), cp_h200x4_transport_host.json (after the ring's host cut; 1.7, 2.7) and
+# cp_h200x2_head_groups.json, an earlier run (a2a with 1 and 2 head groups, p2p before the reversed ring:
+# exposed_dkv_hop=True; its windowed a2a rows ran Ulysses, which a window this narrow no longer runs, and are not
+# predicted; 3.3, 7.3). NCCL's ring rate is what the rows fit, not one hop's: a 4-GPU trace shows 65-75 GB/s for a
+# hop while a block runs beside it all along.
 H200_NVLINK = Rates(
     "H200, NVLink (torch 2.11's cuDNN SDPA; FlashAttention-2 under a window)", fwd_tflops=605.0,
-    bwd_tflops=526.0, link_gbps=155.0, call_ms=0.27, step_ms=0.33,
-    source="benchmarks/results/cp/cp_h200x2.json and benchmarks/results/cp/cp_h200x2_head_groups.json (bench_cp.py, "
-           "torch 2.11, NCCL 2.28.9, 2026-11-28)",
-    windowed_fwd_tflops=289.0, windowed_bwd_tflops=308.0)
+    bwd_tflops=526.0, link_gbps=195.0, call_ms=0.6, step_ms=0.35,
+    source="benchmarks/results/cp/cp_h200x4.json and benchmarks/results/cp/cp_h200x4_transport.json, checked on "
+           "benchmarks/results/cp/cp_h200x2.json (bench_cp.py, torch 2.11, NCCL 2.28.9, 2026-11-28)",
+    windowed_fwd_tflops=289.0, windowed_bwd_tflops=308.0, nccl_ring_gbps=125.0, copy_engine_gbps=320.0)
 RATES = {"h100": H100_NVLINK, "h200": H200_NVLINK}
-MODELLED = ("p2p", "a2a", "all_gather")
+MODELLED = ("p2p", "a2a", "all_gather", "a2a+p2p")
+TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,7 @@ class Call:
     causal: bool = True
     window: tuple[int, int] | None = None
     elem_bytes: int = 2
+    a2a_size: int = 2  # a2a+p2p: ranks in the a2a group (the ring has cp_size / a2a_size)
 
 
 @dataclass(frozen=True)
@@ -118,31 +138,65 @@ def one_gpu_ms(call: Call, rates: Rates) -> tuple[float, float]:
     return flops / (fwd_tflops * 1e9), BWD_FLOPS_RATIO * flops / (bwd_tflops * 1e9)
 
 
+def ring_transport(rates: Rates, transport: str = "auto") -> str:
+    """The transport a ring's hops are predicted with: 'auto' is copy_engine.ring_for's default, the copy engines
+    where they were measured on this GPU (NVLink), else NCCL's send/recv."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not modelled; use one of {', '.join(TRANSPORTS)}")
+    if transport == "auto":
+        return "copy_engine" if rates.copy_engine_gbps else "nccl"
+    if transport == "copy_engine" and not rates.copy_engine_gbps:
+        raise ValueError(f"transport='copy_engine': no copy-engine rate was measured on {rates.machine}; "
+                         "use 'nccl' or 'auto'")
+    return transport
+
+
+def _ring(p: int, steps: int, cf: float, cb: float, hop: float, lone_hop: float, step: float,
+          exposed_dkv_hop: bool) -> tuple[float, float]:
+    """(forward, backward) ms of a ring of p ranks over `steps` blocks of cf / cb ms each: a K/V hop takes `hop` beside
+    a block's compute, `lone_hop` with nothing beside it (the exposed dK/dV hop)."""
+    fwd = cf + (steps - 1) * (max(cf, hop) + step)
+    if exposed_dkv_hop:  # the forward's ring again, then the sums' hop to their owners
+        travel = hop if p == 2 else 3 * hop
+        return fwd, cb + (steps - 1) * (max(cb, travel) + step) + (lone_hop if steps > 1 else 0.0)
+    # reversed: step i moves the next K/V (none for the diagonal, the last) and the previous block's sum
+    dkv_sum = hop if p == 2 else 2 * hop
+    moving = [(hop if i + 1 < p - 1 else 0.0) + (dkv_sum if i > 0 else 0.0) for i in range(p)]
+    return fwd, sum(max(cb, m) for m in moving) + (p - 1) * step
+
+
 def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: int = 1, *,
-            exposed_dkv_hop: bool = False) -> Prediction:
-    """exposed_dkv_hop: p2p's backward without a window as it ran before the reversed ring (runs recorded then)."""
+            transport: str = "auto", exposed_dkv_hop: bool = False) -> Prediction:
+    """transport: the ring's hops (p2p, the ring of a2a+p2p): 'auto' (what runs by default), 'copy_engine', 'nccl'.
+    exposed_dkv_hop: p2p's backward without a window as it ran before the reversed ring (runs recorded then)."""
     if comm not in MODELLED:
         raise ValueError(f"comm={comm!r} has no efficiency model; modelled: {', '.join(MODELLED)}")
     p = call.cp_size
+    a2a_size = call.a2a_size if comm == "a2a+p2p" else 1
+    if p % a2a_size:
+        raise ValueError(f"call.a2a_size={a2a_size} must divide call.cp_size={p} for comm='a2a+p2p'")
+    ring_size = p // a2a_size
     fwd1, bwd1 = one_gpu_ms(call, rates)
     local = call.batch * call.seqlen / p  # tokens per rank
-    kv = 2 * local * call.kv_heads * call.head_dim * call.elem_bytes
+    kv = 2 * local * call.kv_heads * call.head_dim * call.elem_bytes  # also a2a+p2p's hop: P/A tokens, heads / A
     q = local * call.heads * call.head_dim * call.elem_bytes
-    t = lambda n: n / (rates.link_gbps * 1e6)  # noqa: E731 - ms
+    t = lambda n: n / (rates.link_gbps * 1e6)  # noqa: E731 - ms through NCCL with nothing beside it
+    if ring_transport(rates, transport) == "copy_engine":
+        hop = lone_hop = kv / (rates.copy_engine_gbps * 1e6)  # the copy engines need no SMs: the same beside compute
+    else:
+        hop, lone_hop = kv / ((rates.nccl_ring_gbps or rates.link_gbps) * 1e6), t(kv)
     step = rates.step_ms
     exchange = comm == "all_gather" or (call.window is not None
                                         and key_exchange(comm, "bshd", call.seqlen // (2 * p), call.window))
-    if comm == "p2p" and not exchange:
-        steps = steps_needed(p, call.seqlen // (2 * p), call.window) if call.window else p
-        cf, cb = fwd1 / p / steps, bwd1 / p / steps
-        fwd = cf + (steps - 1) * (max(cf, t(kv)) + step)
-        if call.window or exposed_dkv_hop:  # the forward's ring again, then the sums' hop to their owners
-            travel = t(kv) if p == 2 else 3 * t(kv)
-            bwd = cb + (steps - 1) * (max(cb, travel) + step) + (t(kv) if steps > 1 else 0.0)
-        else:  # reversed: step i moves the next K/V (none for the diagonal, the last) and the previous block's sum
-            dkv_sum = t(kv) if p == 2 else 2 * t(kv)
-            moving = [(t(kv) if i + 1 < p - 1 else 0.0) + (dkv_sum if i > 0 else 0.0) for i in range(p)]
-            bwd = sum(max(cb, m) for m in moving) + (p - 1) * step
+    if comm in ("p2p", "a2a+p2p") and not exchange:
+        windowed = call.window is not None
+        steps = steps_needed(ring_size, call.seqlen // (2 * ring_size), call.window) if windowed else ring_size
+        fwd, bwd = _ring(ring_size, steps, fwd1 / p / steps, bwd1 / p / steps, hop, lone_hop, step,
+                         windowed or exposed_dkv_hop)
+        if comm == "a2a+p2p":  # one-shot all-to-alls: q, k, v to heads and out back; dout, then dq, dk, dv
+            share = (a2a_size - 1) / a2a_size
+            fwd += t((2 * q + kv) * share)
+            bwd += t((2 * q + kv) * share)
     elif comm == "a2a" and not exchange:
         share, g = (p - 1) / p, a2a_head_groups
         cf, cb = fwd1 / p, bwd1 / p
@@ -161,27 +215,50 @@ def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: 
     return Prediction(comm, fwd, fwd + bwd, fwd1 + bwd1, (fwd1 + bwd1) / (p * (fwd + bwd)))
 
 
-def explain_lines(params, a2a_head_groups: int | None = None, rates: Rates = H100_NVLINK) -> list[str]:
+def explain_lines(params, a2a_head_groups: int | None = None, rates: Rates = H100_NVLINK,
+                  transport: str | None = None) -> list[str]:
     """What `attn-dispatch explain --cp-size N` prints under the decision: each comm type's predicted efficiency.
-    params: AttentionParams with max_seqlen_q the LOCAL length (the CP convention)."""
+    params: AttentionParams with max_seqlen_q the LOCAL length (the CP convention). transport: the ring's, as
+    ATTN_DISPATCH_CP_TRANSPORT names it; None: what that variable asks for now."""
     window = tuple(params.window_size) if params.has_sliding_window else None
+    a2a_size = params.cp_a2a_size or 2
     call = Call(params.cp_size, params.max_seqlen_q * params.cp_size, params.num_heads, params.num_gqa_groups,
                 params.head_dim_qk, params.batch_size, params.is_causal, window,
-                elem_bytes=4 if str(params.dtype) in ("fp32", "float32") else 2)
+                elem_bytes=4 if str(params.dtype) in ("fp32", "float32") else 2, a2a_size=a2a_size)
+    wanted = requested_transport() if transport is None else transport
+    ring = ring_transport(rates, "auto" if wanted == "copy_engine" else wanted)  # unmeasured copy engines: NCCL's
+    other = "nccl" if ring == "copy_engine" else ("copy_engine" if rates.copy_engine_gbps else None)
     lines = [f"predicted CP efficiency on {params.cp_size} GPUs: fwd+bwd against one GPU on the whole sequence "
              f"({call.seqlen} tokens = --seqlen x --cp-size)",
              f"  rates of {rates.machine}: {rates.source}; model: attn_dispatch/context_parallel/efficiency.py"]
     for comm in MODELLED:
         note, groups = "", 1
+        split = {"a2a": call.cp_size, "a2a+p2p": a2a_size}.get(comm)
+        if split and (params.num_heads % split or params.num_gqa_groups % split or call.cp_size % split):
+            lines.append(f"  {comm:<10}    n/a  heads {params.num_heads}/{params.num_gqa_groups} or cp size "
+                         f"{call.cp_size} not divisible by {split}")
+            continue
         if comm == "a2a":
-            if params.num_heads % call.cp_size or params.num_gqa_groups % call.cp_size:
-                lines.append(f"  {comm:<10}    n/a  heads {params.num_heads}/{params.num_gqa_groups} are not divisible "
-                             f"by {call.cp_size}")
-                continue
             groups = resolve_head_groups(a2a_head_groups, params.num_heads, params.num_gqa_groups, call.cp_size,
                                          call.batch * params.max_seqlen_q * params.head_dim_qk)
             note = f"  ({groups} head groups; 1 group: {100 * predict(comm, call, rates, 1).efficiency:.1f}%)"
-        pred = predict(comm, call, rates, groups)
+        if other and (comm == "p2p" or comm == "a2a+p2p" and call.cp_size > a2a_size):
+            alt = predict(comm, call, rates, transport=other).efficiency
+            note = f"  ({'NCCL send/recv' if other == 'nccl' else 'copy engines'}: {100 * alt:.1f}%)"
+        if comm == "a2a+p2p":
+            note = f"  (a2a group of {a2a_size}, ring of {call.cp_size // a2a_size})" + note
+        pred = predict(comm, call, rates, groups, transport=ring)
         lines.append(f"  {comm:<10} {100 * pred.efficiency:5.1f}%  {pred.fwd_bwd_ms:8.2f} ms fwd+bwd per rank "
                      f"(one GPU {pred.one_gpu_fwd_bwd_ms:.2f} ms){note}")
-    return lines
+    return lines + ["  " + _ring_words(rates, wanted, ring)]
+
+
+def _ring_words(rates: Rates, wanted: str, ring: str) -> str:
+    if ring == "copy_engine":
+        return (f"ring hops (p2p, a2a+p2p): pulled by the copy engines, {rates.copy_engine_gbps:.0f} GB/s "
+                f"({TRANSPORT_ENV}={wanted}: where the group's self-check passes)")
+    rate = f"NCCL's send/recv, {rates.nccl_ring_gbps or rates.link_gbps:.0f} GB/s beside attention"
+    if wanted == "nccl":
+        return f"ring hops (p2p, a2a+p2p): {rate} ({TRANSPORT_ENV}=nccl)"
+    return (f"ring hops (p2p, a2a+p2p): {rate} (the copy-engine ring, what {TRANSPORT_ENV}={wanted} runs where "
+            f"its self-check passes, was not measured on this GPU)")
