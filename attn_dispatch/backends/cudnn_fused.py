@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..constraints.cudnn_fused import diagonal_band, graph_bucket
+from ..constraints.cudnn_common import graph_bucket, rejection_signature
+from ..constraints.cudnn_fused import diagonal_band
 from ..runtime_facts import record_rejection
 from ..env import PRIVATE_TORCH
 from ..params import TOP_LEFT_MASKS
@@ -41,7 +42,6 @@ from ..tensor_cache import cached_on, capturing
 from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView, _thd_positions
-from ..constraints.cudnn_fused import rejection_signature
 from ..params import AttentionParams
 from ..synthetic import make_call
 
@@ -559,7 +559,7 @@ class CudnnFrontendEngine(Engine):
         return buf
 
     def _signature(self, call: _Call, cfg: AttnConfig, dtype: torch.dtype, phase: str, bias) -> tuple:
-        """The table's rejection signature of this call (constraints.cudnn_fused.rejection_signature)."""
+        """The table's rejection signature of this call (constraints.cudnn_common.rejection_signature)."""
         shape = slopes = None
         if bias is not None and cfg.bias_type == "post_scale_bias":
             shape = ("1" if bias.shape[0] == 1 else "b") + ("1" if bias.shape[1] == 1 else "h") + "ss"

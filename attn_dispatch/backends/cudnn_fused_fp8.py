@@ -38,7 +38,7 @@ from ..fp8.state import BACKWARD, FORWARD, INDEX, FP8ScalingState
 from . import cudnn_fused as _cd
 from ._cudnn_graph import CudnnGraphError, build_graph, contiguous_strides
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult
-from ..constraints.cudnn_fused import rejection_signature
+from ..constraints.cudnn_common import rejection_signature
 from ..params import AttentionParams
 
 E4M3 = torch.float8_e4m3fn
@@ -337,7 +337,7 @@ class CudnnFP8Engine(Engine):
                     fp8.state.dtypes["do"], call.fmt == "thd" and self.cudnn.backend_version() >= 90500)
 
     def _signature(self, call: Any, cfg: AttnConfig, dtype: torch.dtype, phase: str, fp8: FP8Call) -> tuple:
-        """The table's rejection signature (constraints.cudnn_fused.rejection_signature) of this call."""
+        """The table's rejection signature (constraints.cudnn_common.rejection_signature) of this call."""
         p = AttentionParams(dtype=dtype, qkv_format=call.fmt, batch_size=call.b, num_heads=call.h,
                             num_gqa_groups=call.hkv, head_dim_qk=call.dqk, head_dim_v=call.dv,
                             max_seqlen_q=call.max_q, max_seqlen_kv=call.max_kv, attn_mask_type=cfg.attn_mask_type,

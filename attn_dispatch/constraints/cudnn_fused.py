@@ -15,6 +15,9 @@ compared as cudnnGetVersion() integers, as TE does (8907 = 8.9.7, 91002 = 9.10.2
 Where our probe (`attn-dispatch probe`) saw a configuration TE excludes run and match the float64 reference,
 forward and backward, the rule is relaxed for the observed stack only (`probed`: sm90, cuDNN >= 9.19.0 and
 cudnn-frontend >= 1.32.0 or torch >= 2.11, per provider); older stacks keep TE's rule.
+
+The helpers and rules the FP8 table (constraints/cudnn_fused_fp8.py) reads too live in constraints/cudnn_common.py;
+this module composes the family's tables, the FP8 one included.
 """
 from __future__ import annotations
 
@@ -28,18 +31,21 @@ from ..params import AttentionParams, has_padding
 from ..platform import Platform, parse_version
 from . import common, kv_decode
 from .base import Check, Failure, Table, fail
+from .cudnn_common import (FE_VALIDATE, PROBE_H100, PROBED_TEXT, TE_CPP, cudnn_int, cudnn_text, deterministic_demanded,
+                           effective_bias, effective_mask, graph_seqlens, probed, rejected_in_this_process,
+                           rule_backward_single_token, rule_determinism, rule_head_dim_limit, rule_hopper_mla_bwd_bug,
+                           rule_mask_type, rule_qkv_format, rule_thd_ragged_stats, version_of)
+from .cudnn_common import rejection_signature as rejection_signature  # re-exported: tests read it from here
+from .cudnn_fused_fp8 import FP8_TABLE
 
-TE_CPP = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_arbitrary_seqlen)"
 TE_PY = common.TE_SELECTION
 TE_KV = common.TE_KV_FILTER
 TE_M512 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (F16_max512_seqlen)"
 FE_DOCS = "cudnn-frontend docs/operations/Attention.md (support matrix, cuDNN 9.18.1)"
 FE_TESTS = "cudnn-frontend test/python/test_mhas.py (version skips)"
 TORCH_SDP = "pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (can_use_cudnn_attention)"
-FE_VALIDATE = "cudnn-frontend 1.32 cudnn/_sdpa_validate.py (_validate_common, _validate_backward)"
 FE_SURFACE = "cudnn-frontend include/cudnn_frontend/node/sdpa_support_surface.h (C++ validate, in 1.32's binding)"
 OURS = "attn_dispatch.backends.cudnn_fused (our engine)"
-PROBE_H100 = "probe on H100, cuDNN 9.19.0, 2026-11-23 (benchmarks/results/probe_h100.json)"
 
 SUB_ARBITRARY = "F16_arbitrary_seqlen"
 SUB_MAX512 = "F16_max512_seqlen"
@@ -48,99 +54,15 @@ Rule = Callable[[AttentionParams, Platform, EnvFlags], "Failure | None"]
 
 
 # --------------------------------------------------------------------------------------------
-# Version helpers
+# Helpers
 # --------------------------------------------------------------------------------------------
-def cudnn_int(plat: Platform) -> int | None:
-    """cuDNN as cudnnGetVersion() reports it: 8.9.7 -> 8907, 9.10.2 -> 91002; None when absent."""
-    return _cudnn_int_of(plat.cudnn_version)
-
-
-@functools.lru_cache(maxsize=256)
-def _cudnn_int_of(text: str | None) -> int | None:
-    v = parse_version(text)  # parsed once per distinct string: a fresh decision runs dozens of these checks
-    if v is None:
-        return None
-    major, minor, patch = (list(v.release) + [0, 0, 0])[:3]
-    return major * 1000 + minor * 100 + patch if major < 9 else major * 10000 + minor * 100 + patch
-
-
-@functools.lru_cache(maxsize=256)
-def _version_of(text: str | None) -> Version | None:
-    return parse_version(text)
-
-
-# The stack the H100 probe ran on (PROBE_H100): relaxations of TE's rules hold from these versions on.
-PROBED_SM = 90
-PROBED_CUDNN = 91900
-PROBED_PACKAGES = {"frontend": ("cudnn-frontend", Version("1.32.0")), "torch": ("torch", Version("2.11"))}
-PROBED_TEXT = {"frontend": "sm90, cuDNN >= 9.19.0, cudnn-frontend >= 1.32.0",
-               "torch": "sm90, cuDNN >= 9.19.0, torch >= 2.11"}
-
-
-def probed(plat: Platform, provider: str) -> bool:
-    """True on the stack the H100 probe observed for this provider (or a newer one of the same architecture)."""
-    c = cudnn_int(plat)
-    if plat.device_type != "cuda" or plat.sm != PROBED_SM or c is None or c < PROBED_CUDNN:
-        return False
-    package, minimum = PROBED_PACKAGES[provider]
-    found = _version_of(plat.torch_version if package == "torch" else plat.package(package).version)
-    return found is not None and found.release >= minimum.release
-
-
-def version_text(number: int) -> str:
-    if number >= 90000:
-        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
-    return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
-
-
-def _cudnn_text(plat: Platform) -> str:
-    return plat.cudnn_version or "none"
-
-
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def effective_mask(p: AttentionParams) -> str:
-    """The mask cuDNN is asked for. thd always carries sequence lengths, so its mask is the padding variant;
-    a bottom-right causal mask on equal, unpadded lengths is the top-left one (TE's fused_attn_arbitrary_seqlen
-    impl does the same rewrite)."""
-    mask = p.attn_mask_type
-    if p.qkv_format == "thd" and not has_padding(mask) and mask != "arbitrary":
-        mask = "padding" if mask == "no_mask" else "padding_" + mask
-    if mask == "causal_bottom_right" and p.max_seqlen_q == p.max_seqlen_kv:
-        mask = "causal"
-    return mask
-
-
-def effective_bias(p: AttentionParams) -> tuple[str, str | None]:
-    """(bias type, bias shape) cuDNN is asked for. TE (get_attention_backend) turns ALiBi with [b, h] slopes or
-    with sq != skv into a post-scale bias ('bhss' / '1hss'); so does our engine."""
-    if p.bias_type == "alibi" and (p.alibi_slopes_shape == "bh" or p.max_seqlen_q != p.max_seqlen_kv):
-        return "post_scale_bias", "bhss" if p.alibi_slopes_shape == "bh" else "1hss"
-    return p.bias_type, p.bias_shape
-
-
-def deterministic_demanded(p: AttentionParams, env: EnvFlags) -> bool:
-    return p.deterministic or not env.allow_nondeterministic
 
 
 def _has_window(p: AttentionParams) -> bool:
     """A window beyond what the mask alone gives: TE's test is window != (-1, -1) and != (-1, 0)."""
     return p.window_size not in ((-1, -1), (-1, 0))
-
-
-def graph_bucket(n: int) -> int:
-    """The S extent of a thd graph for a longest sequence of n tokens: the next power of two (>= 64), so a varying
-    batch reuses a handful of graphs (cuDNN bounds the work by the sequence-length tensors, not by this)."""
-    return max(64, 1 << max(0, n - 1).bit_length())
-
-
-def graph_seqlens(p: AttentionParams) -> tuple[int, int]:
-    """(s_q, s_kv) of the graph the frontend engine declares: the tensors' extents (bshd/sbhd), bucketed (thd)."""
-    if p.qkv_format == "thd":
-        return graph_bucket(p.max_seqlen_q), graph_bucket(p.max_seqlen_kv)
-    return p.max_seqlen_q, p.max_seqlen_kv
 
 
 def diagonal_band(mask: str, window: tuple[int, int], sq: int, skv: int,
@@ -173,7 +95,7 @@ def rule_cudnn_runtime(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fai
     if c is None:
         return fail("no cuDNN runtime on this platform", "install cuDNN >= 9 (pip install nvidia-cudnn-cu12)")
     if c < 8900:
-        return fail(f"cuDNN {_cudnn_text(plat)} has no F16 arbitrary-seqlen fused attention (needs >= 8.9.0)",
+        return fail(f"cuDNN {cudnn_text(plat)} has no F16 arbitrary-seqlen fused attention (needs >= 8.9.0)",
                     "upgrade cuDNN to >= 9.0")
     return None
 
@@ -181,7 +103,7 @@ def rule_cudnn_runtime(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fai
 def rule_known_bad_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     c = cudnn_int(plat)
     if c in (91000, 91001):
-        return fail(f"cuDNN {_cudnn_text(plat)} has known bugs in F16 SDPA (TE excludes 9.10.0 and 9.10.1)",
+        return fail(f"cuDNN {cudnn_text(plat)} has known bugs in F16 SDPA (TE excludes 9.10.0 and 9.10.1)",
                     "upgrade cuDNN to >= 9.10.2")
     return None
 
@@ -194,10 +116,10 @@ def rule_arch_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
     if ok:
         return None
     if sm >= 100:
-        return fail(f"sm{sm} (Blackwell) needs cuDNN >= 9.7.0 for fused attention; found {_cudnn_text(plat)}",
+        return fail(f"sm{sm} (Blackwell) needs cuDNN >= 9.7.0 for fused attention; found {cudnn_text(plat)}",
                     "upgrade cuDNN to >= 9.7.0")
     return fail(f"sm{sm} needs cuDNN >= 8.9.3 for fused attention (before that only sm80 and sm90); "
-                f"found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.3")
+                f"found {cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.3")
 
 
 def rule_seqlen_multiple_of_64(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
@@ -212,7 +134,7 @@ def rule_seqlen_multiple_of_64(p: AttentionParams, plat: Platform, env: EnvFlags
     targets = {name: _round_up(n, 64) for name, n in bad}
     pad = (f"pad to {next(iter(targets.values()))}" if len(set(targets.values())) == 1
            else "pad " + ", ".join(f"{name} to {n}" for name, n in targets.items()))
-    return fail(f"cuDNN {_cudnn_text(plat)} (< 9.0) needs sequence lengths that are multiples of 64: {what}",
+    return fail(f"cuDNN {cudnn_text(plat)} (< 9.0) needs sequence lengths that are multiples of 64: {what}",
                 f"cuDNN >= 9.0 lifts this; or {pad}")
 
 
@@ -220,7 +142,7 @@ def rule_gqa(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | Non
     c = cudnn_int(plat)
     if c is not None and c < 8907 and p.num_heads != p.num_gqa_groups:
         return fail(f"GQA/MQA (num_heads={p.num_heads}, num_gqa_groups={p.num_gqa_groups}) needs cuDNN >= 8.9.7; "
-                    f"found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.7, or repeat the kv heads")
+                    f"found {cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.7, or repeat the kv heads")
     return None
 
 
@@ -236,130 +158,7 @@ def rule_head_dim_qk_ne_v(p: AttentionParams, plat: Platform, env: EnvFlags) -> 
     c = cudnn_int(plat)
     if c is not None and c < 8906 and p.head_dim_qk != p.head_dim_v:
         return fail(f"head_dim_qk={p.head_dim_qk} != head_dim_v={p.head_dim_v} needs cuDNN >= 8.9.6; "
-                    f"found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.6")
-    return None
-
-
-def head_dim_limit_problem(p: AttentionParams, plat: Platform) -> tuple[str, str] | None:
-    """None when one of TE's head-dim alternatives holds; else (why, fix)."""
-    c, sm = cudnn_int(plat), plat.sm
-    if c is None:
-        return None
-    dqk, dv, train = p.head_dim_qk, p.head_dim_v, p.is_training
-    if dqk <= 128 and dv <= 128:
-        return None
-    if dqk <= 256 and dv <= 256 and sm == 90 and ((not train and c >= 90100) or (train and c >= 90500)):
-        return None
-    if not train and sm >= 100 and c >= 90900 and p.max_seqlen_q > 1:
-        return None  # "9.9: any head_dim + Blackwell + fprop + non_paged + sq > 1"
-    if not train and c >= 91002 and (p.max_seqlen_q > 1 or not p.is_causal):
-        return None  # "9.10.2: any head_dim + any arch + fprop"
-    if train and dqk == 192 and dv == 128 and sm >= 100 and c >= 91100:
-        return None  # "9.11: d_qk = 192, d_v = 128 + Blackwell + bprop"
-    dims = f"head_dim_qk={dqk}, head_dim_v={dv}"
-    where = f"sm{sm}, cuDNN {_cudnn_text(plat)}"
-    if dqk <= 256 and dv <= 256:
-        if train:
-            return (f"{dims}: head dims above 128 in training need Hopper (sm90) with cuDNN >= 9.5.0 "
-                    f"(or d_qk=192, d_v=128 on Blackwell with cuDNN >= 9.11); this is {where}",
-                    "use head dims <= 128, or run on sm90 with cuDNN >= 9.5")
-        return (f"{dims}: head dims above 128 in inference need sm90 with cuDNN >= 9.1.0, or cuDNN >= 9.10.2 "
-                f"on any arch; this is {where}", "upgrade cuDNN to >= 9.10.2")
-    if train:
-        return (f"{dims}: head dims above 256 are forward-only (cuDNN >= 9.10.2); no backward; this is {where}",
-                "use head dims <= 256 for training")
-    return (f"{dims}: head dims above 256 need cuDNN >= 9.10.2 (9.9.0 on Blackwell); this is {where}",
-            "upgrade cuDNN to >= 9.10.2")
-
-
-def rule_head_dim_limit(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    problem = head_dim_limit_problem(p, plat)
-    return fail(*problem) if problem else None
-
-
-# (d_qk, d_v) pairs inside TE's Hopper MLA-backward exclusion that the probe ran and checked (PROBE_H100).
-PROBED_MLA_BWD = ((128, 256), (256, 128))
-
-
-def rule_hopper_mla_bwd_bug(p: AttentionParams, plat: Platform, env: EnvFlags, *, provider: str) -> Failure | None:
-    c, dqk, dv = cudnn_int(plat), p.head_dim_qk, p.head_dim_v
-    if (c is not None and 91100 <= c < 91300 and p.is_training and plat.sm == 90 and 128 < dqk <= 192
-            and 64 < dv <= 128 and dv != 128 and dqk != 192):
-        return fail(f"cuDNN {_cudnn_text(plat)} on sm90: backward with head_dim_qk={dqk} in (128, 192] and "
-                    f"head_dim_v={dv} in (64, 128] needs d_qk = 192 or d_v = 128 (cuDNN 9.11-9.12)",
-                    "upgrade cuDNN to >= 9.13, or use (192, 128)")
-    if (c is not None and c >= 91100 and p.is_training and plat.sm == 90 and dqk >= 128 and dv >= 128
-            and not (dqk == 192 and dv == 128) and dqk != dv):
-        if (dqk, dv) in PROBED_MLA_BWD and probed(plat, provider):
-            return None  # ran and matched the reference, forward and backward (PROBE_H100)
-        probed_pairs = " and ".join(f"({a}, {b})" for a, b in PROBED_MLA_BWD)
-        return fail(f"cuDNN {_cudnn_text(plat)} on sm90: backward with 128 <= head dims <= 256 and "
-                    f"head_dim_qk={dqk} != head_dim_v={dv} is excluded (TE: '9.11+ bug ... Hopper + bprop + MLA'); "
-                    f"only {probed_pairs} are verified, on {PROBED_TEXT[provider]}",
-                    "use equal head dims, or (192, 128)" + (
-                        "" if (dqk, dv) not in PROBED_MLA_BWD else f", or upgrade to {PROBED_TEXT[provider]}"))
-    return None
-
-
-def rule_mask_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    """TE's mask clause per cuDNN version, on the mask cuDNN is actually asked for."""
-    c = cudnn_int(plat)
-    if c is None:
-        return None
-    mask, sq, skv, fmt = effective_mask(p), p.max_seqlen_q, p.max_seqlen_kv, p.qkv_format
-    bias, dropout = effective_bias(p)[0], p.dropout > 0 and p.is_training
-    if mask == "arbitrary":
-        return fail("attn_mask_type='arbitrary' (a full boolean mask) has no cuDNN fused kernel",
-                    "express it as padding/causal/sliding window, or use the unfused backend")
-    aligned = sq % 64 == 0 and skv % 64 == 0
-    if mask in ("no_mask", "causal"):
-        if c < 8906 and mask != "causal":
-            return fail(f"cuDNN {_cudnn_text(plat)} (< 8.9.6) supports only the causal mask",
-                        "upgrade cuDNN to >= 8.9.6")
-        if c < 90700 and fmt == "thd":
-            return fail(f"thd with {mask!r} needs cuDNN >= 9.7.0", "use a padding mask type with thd")
-        return None
-    if mask in ("padding", "padding_causal"):
-        if c < 8906:
-            return fail(f"padding masks need cuDNN >= 8.9.6; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.6")
-        if fmt == "thd" and c < 90100:
-            return fail(f"thd (ragged) with padding masks needs cuDNN >= 9.1.0; found {_cudnn_text(plat)}",
-                        "upgrade cuDNN to >= 9.1")
-        return None
-    if mask == "causal_bottom_right":
-        if c >= 90700:
-            return None if sq <= skv else fail(
-                f"causal_bottom_right needs max_seqlen_q <= max_seqlen_kv; got {sq} > {skv}",
-                "use the top-left causal mask, or swap the roles of q and kv")
-        if c < 90300:
-            return fail(f"causal_bottom_right needs cuDNN >= 9.3.0; found {_cudnn_text(plat)}",
-                        "upgrade cuDNN to >= 9.3")
-        return _br_restrictions(mask, c, aligned, sq, skv, bias, dropout, plat)
-    # padding_causal_bottom_right
-    if c >= 90700:
-        return None if sq <= skv else fail(
-            f"padding_causal_bottom_right needs max_seqlen_q <= max_seqlen_kv; got {sq} > {skv}",
-            "use padding_causal (top-left)")
-    if c < 90600:
-        return fail(f"padding_causal_bottom_right needs cuDNN >= 9.6.0; found {_cudnn_text(plat)}",
-                    "upgrade cuDNN to >= 9.6")
-    return _br_restrictions(mask, c, aligned, sq, skv, bias, dropout, plat)
-
-
-def _br_restrictions(mask: str, c: int, aligned: bool, sq: int, skv: int, bias: str, dropout: bool,
-                     plat: Platform) -> Failure | None:
-    problems = []
-    if not aligned:
-        problems.append(f"max_seqlen_q={sq} and max_seqlen_kv={skv} must be multiples of 64")
-    if sq > skv:
-        problems.append(f"max_seqlen_q={sq} must be <= max_seqlen_kv={skv}")
-    if bias != "no_bias":
-        problems.append(f"no bias (got {bias})")
-    if dropout:
-        problems.append("no dropout")
-    if problems:
-        return fail(f"{mask} on cuDNN {_cudnn_text(plat)} (< 9.7) needs: " + "; ".join(problems),
-                    "cuDNN >= 9.7.0 lifts all but max_seqlen_q <= max_seqlen_kv")
+                    f"found {cudnn_text(plat)}", "upgrade cuDNN to >= 8.9.6")
     return None
 
 
@@ -374,7 +173,7 @@ def rule_bias_type(p: AttentionParams, plat: Platform, env: EnvFlags, *, provide
         return fail("pre_scale_bias (bias added before scaling) is not supported by cuDNN's fused kernels",
                     "fold the scale into the bias and use post_scale_bias")
     if c < 8906:
-        return fail(f"{bias} needs cuDNN >= 8.9.6; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.0")
+        return fail(f"{bias} needs cuDNN >= 8.9.6; found {cudnn_text(plat)}", "upgrade cuDNN to >= 9.0")
     if bias == "alibi":
         problems = []
         if sm < 90:
@@ -392,7 +191,7 @@ def rule_bias_type(p: AttentionParams, plat: Platform, env: EnvFlags, *, provide
     # post_scale_bias
     if sm >= 90 or c >= 90000:
         return None
-    return fail(f"post_scale_bias on sm{sm} needs cuDNN >= 9.0 (8.9.x: Hopper only); found {_cudnn_text(plat)}",
+    return fail(f"post_scale_bias on sm{sm} needs cuDNN >= 9.0 (8.9.x: Hopper only); found {cudnn_text(plat)}",
                 "upgrade cuDNN to >= 9.0")
 
 
@@ -423,7 +222,7 @@ def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags, *, pr
     mask, sq, skv = effective_mask(p), p.max_seqlen_q, p.max_seqlen_kv
     bias, dropout = effective_bias(p)[0], p.dropout > 0 and p.is_training
     if c < 90200:
-        return fail(f"sliding window {p.window_size} needs cuDNN >= 9.2.0; found {_cudnn_text(plat)}",
+        return fail(f"sliding window {p.window_size} needs cuDNN >= 9.2.0; found {cudnn_text(plat)}",
                     "upgrade cuDNN to >= 9.2")
     common_problems = []
     if sq > skv:
@@ -443,7 +242,7 @@ def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags, *, pr
         pass  # the engine declares a diagonal band (left + 1, right); the probe ran it (PROBE_H100)
     elif c < 90600:
         return fail(f"window {p.window_size} with attn_mask_type={p.attn_mask_type!r} needs cuDNN >= 9.6.0 "
-                    f"(9.2 takes only (left, 0) windows with no/causal masks on bshd/sbhd); found {_cudnn_text(plat)}",
+                    f"(9.2 takes only (left, 0) windows with no/causal masks on bshd/sbhd); found {cudnn_text(plat)}",
                     "upgrade cuDNN to >= 9.6")
     elif mask not in ("causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"):
         return fail(f"a window {p.window_size} with right != 0 needs attn_mask_type in causal_bottom_right, padding, "
@@ -454,21 +253,6 @@ def rule_sliding_window(p: AttentionParams, plat: Platform, env: EnvFlags, *, pr
         common_problems.append("equal sequence lengths for bottom-right windows on Blackwell before cuDNN 9.7.1")
     if common_problems:
         return fail(f"sliding window {p.window_size} needs: " + "; ".join(common_problems))
-    return None
-
-
-def rule_qkv_format(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    c, sm = cudnn_int(plat), plat.sm
-    if c is None or p.qkv_format != "thd":
-        return None
-    if sm < 90:
-        return fail(f"thd (ragged) needs Hopper or newer; this is sm{sm}", "use bshd with a padding mask")
-    if c < 90100:
-        return fail(f"thd needs cuDNN >= 9.1.0; found {_cudnn_text(plat)}", "upgrade cuDNN")
-    if p.num_heads != p.num_gqa_groups and c < 90600:
-        return fail(f"thd with GQA/MQA needs cuDNN >= 9.6.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.6")
-    if sm >= 120:
-        return fail("Transformer Engine disables cuDNN fused attention for thd on sm120", "use bshd with padding")
     return None
 
 
@@ -485,42 +269,13 @@ def rule_softmax_type(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
         return None
     if c < 91301:
         return fail(f"softmax_type={p.softmax_type!r} (a softmax sink) needs cuDNN >= 9.13.1; "
-                    f"found {_cudnn_text(plat)}",
+                    f"found {cudnn_text(plat)}",
                     "upgrade cuDNN to >= 9.13.1")
     if p.qkv_format == "thd":
         return fail(f"softmax_type={p.softmax_type!r} with thd is disabled by Transformer Engine for fused attention",
                     "use bshd/sbhd")
     # Under context parallelism our per-block calls are vanilla and the sink enters the final merge once
     # (attn_dispatch.context_parallel), so Transformer Engine's "sinks under CP need a2a" does not apply.
-    return None
-
-
-def rule_determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    c, sm = cudnn_int(plat), plat.sm
-    if c is None or not p.is_training:
-        return None
-    bias, dropout = effective_bias(p)[0], p.dropout > 0
-    if sm >= 100 and dropout and bias != "no_bias":
-        return fail(f"on sm{sm} the backward with both dropout and a bias is not supported (TE: Blackwell bwd)",
-                    "drop the bias or the dropout")
-    if not deterministic_demanded(p, env):
-        return None
-    why = "deterministic=True" if p.deterministic else "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
-    fix = "allow non-deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1)"
-    if sm >= 100:
-        if c < 91801 or dropout or bias != "no_bias":
-            return fail(f"{why}: a deterministic backward on sm{sm} needs cuDNN >= 9.18.1, no dropout and no bias "
-                        f"(found cuDNN {_cudnn_text(plat)}, dropout={p.dropout}, bias={bias})",
-                        "upgrade cuDNN to >= 9.18.1 / drop dropout and bias, or " + fix)
-        return None
-    if sm >= 90:
-        if c < 8905:
-            return fail(f"{why}: a deterministic backward needs cuDNN >= 8.9.5", "upgrade cuDNN, or " + fix)
-    elif c < 90000:
-        return fail(f"{why}: a deterministic backward on sm{sm} needs cuDNN >= 9.0 (Hopper only before)",
-                    "upgrade cuDNN to >= 9.0, or " + fix)
-    if p.bias_requires_grad and p.bias_type == "post_scale_bias":
-        return fail(f"{why}: the bias gradient has no deterministic kernel", "detach the bias, or " + fix)
     return None
 
 
@@ -573,13 +328,6 @@ def rule_diagonal_band(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fai
                 "use a top-left causal mask (or equal lengths), drop the bias/dropout, or another backend")
 
 
-def rule_backward_single_token(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    if p.is_training and graph_seqlens(p) == (1, 1):
-        return fail("cuDNN's SDPA backward rejects s_q = s_kv = 1 ('s_q = s_kv = 1 is not supported')",
-                    "use another backend for single-token training, or is_training=False")
-    return None
-
-
 def rule_decode_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if p.softmax_type != "vanilla" and graph_seqlens(p)[0] == 1:
         return fail(f"softmax_type={p.softmax_type!r} with max_seqlen_q=1: cuDNN's kernels reject a sink token in "
@@ -595,7 +343,7 @@ def max512_problems(p: AttentionParams, plat: Platform) -> list[str]:
     """Why TE's F16_max512_seqlen sub-backend cannot run this call (empty list: it can)."""
     c, sm, out = cudnn_int(plat), plat.sm, []
     if c is None or c < 8901:
-        out.append(f"cuDNN >= 8.9.1 (found {_cudnn_text(plat)})")
+        out.append(f"cuDNN >= 8.9.1 (found {cudnn_text(plat)})")
     if sm not in (80, 90):
         out.append(f"sm80 or sm90 exactly (this is sm{sm})")
     for name, n in (("max_seqlen_q", p.max_seqlen_q), ("max_seqlen_kv", p.max_seqlen_kv)):
@@ -737,16 +485,8 @@ FRONTEND_TABLE.add(
 _cudnn_rules(FRONTEND_TABLE)
 _add(FRONTEND_TABLE, "sub_backend_pin", "NVTE_FUSED_ATTN_BACKEND pins a sub-backend that can run the call",
      "environment", TE_M512 + "; env override 'NVTE_FUSED_ATTN_BACKEND'", rule_sub_backend_pin)
-
-
-@FRONTEND_TABLE.check("thd_ragged_stats", requires="thd: cuDNN >= 9.6 (ragged softmax stats)", topic="format",
-                      source=OURS + " (lse for thd is cuDNN's ragged stats tensor, cuDNN 9.6+)")
-def _thd_ragged_stats(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
-    c = cudnn_int(plat)
-    if p.qkv_format == "thd" and c is not None and c < 90600:
-        return fail(f"attn-dispatch's thd path returns the log-sum-exp through cuDNN's ragged stats, which need "
-                    f"cuDNN >= 9.6.0; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.6, or use bshd with padding")
-    return None
+_add(FRONTEND_TABLE, "thd_ragged_stats", "thd: cuDNN >= 9.6 (ragged softmax stats)", "format",
+     OURS + " (lse for thd is cuDNN's ragged stats tensor, cuDNN 9.6+)", rule_thd_ragged_stats)
 
 
 @FRONTEND_TABLE.check("kv_cache_paged", requires="a paged KV cache: cuDNN >= 9.5.0; head dims <= 128 up to cuDNN 9.9",
@@ -758,10 +498,10 @@ def _kv_cache_paged(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
     if not p.kv_cache_paged or c is None:
         return None
     if c < 90500:
-        return fail(f"cuDNN's paged attention needs cuDNN >= 9.5.0; found {_cudnn_text(plat)}",
+        return fail(f"cuDNN's paged attention needs cuDNN >= 9.5.0; found {cudnn_text(plat)}",
                     "upgrade cuDNN, or use a contiguous cache (InferenceParams(is_paged=False))")
     if c < 91000 and max(p.head_dim_qk, p.head_dim_v) > 128:
-        return fail(f"cuDNN {_cudnn_text(plat)} runs paged attention with head dims <= 128 only (got "
+        return fail(f"cuDNN {cudnn_text(plat)} runs paged attention with head dims <= 128 only (got "
                     f"{p.head_dim_qk}, {p.head_dim_v})", "upgrade cuDNN to >= 9.10, or use a contiguous cache")
     return None
 
@@ -780,7 +520,7 @@ def _alibi_padding(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
 def _frontend_sink(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if p.softmax_type == "vanilla":
         return None
-    fe = _version_of(plat.package("cudnn-frontend").version)
+    fe = version_of(plat.package("cudnn-frontend").version)
     if fe is not None and fe < parse_version("1.14.1"):
         return fail(f"softmax_type={p.softmax_type!r} needs cudnn-frontend >= 1.14.1 (sink_token); found {fe}",
                     "pip install -U 'nvidia-cudnn-frontend>=1.14.1'")
@@ -794,26 +534,11 @@ def _cudnn_rejected(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failur
                                     "choose another backend (it is excluded for this signature from now on)")
 
 
-def rejected_in_this_process(p: AttentionParams, plat: Platform, env: EnvFlags, phases: tuple[str, str],
-                             what: str, fix: str) -> Failure | None:
-    """The failure for a call whose graph cuDNN refused earlier in this process (the live platform's runtime facts,
-    recorded by the engines), by phase: phases[0] (the forward) always, phases[1] (the backward) in training."""
-    rejections = plat.facts.rejections
-    if not rejections:
-        return None
-    det = deterministic_demanded(p, env)
-    for phase in phases if p.is_training else phases[:1]:
-        message = rejections.get(rejection_signature(p, det, phase))
-        if message:
-            return fail(f"cuDNN rejected this {what} ({phase} graph) in this process: {message}", fix)
-    return None
-
-
 @FRONTEND_TABLE.note
 def _dropout_bug_note(p: AttentionParams, plat: Platform) -> str | None:
     c = cudnn_int(plat)
     if p.dropout and p.is_training and c is not None and 91100 < c < 91400:
-        return (f"torch refuses dropout with cuDNN {_cudnn_text(plat)} (9.11.x-9.13.x) in its own cuDNN SDPA; "
+        return (f"torch refuses dropout with cuDNN {cudnn_text(plat)} (9.11.x-9.13.x) in its own cuDNN SDPA; "
                 "the frontend graphs are not restricted by Transformer Engine")
     return None
 
@@ -856,7 +581,7 @@ def _torch_cudnn_sdpa(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fail
         return fail(f"torch {plat.torch_version} on this platform has no cuDNN SDPA "
                     "(needs a CUDA build with cuDNN >= 9)",
                     "install a CUDA build of torch >= 2.5, or nvidia-cudnn-frontend for the frontend provider")
-    torch_version = _version_of(plat.torch_version)
+    torch_version = version_of(plat.torch_version)
     if torch_version is None or torch_version < _TORCH_MIN:
         return fail(f"torch {plat.torch_version} predates the attn_bias argument of "
                     "_scaled_dot_product_cudnn_attention (torch >= 2.5)", "pip install -U 'torch>=2.5'")
@@ -907,7 +632,7 @@ def _torch_deterministic(p: AttentionParams, plat: Platform, env: EnvFlags) -> F
 def _torch_dropout(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     c = cudnn_int(plat)
     if p.dropout and p.is_training and c is not None and 91100 < c < 91400:
-        return fail(f"torch disables cuDNN SDPA with dropout on cuDNN {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.14")
+        return fail(f"torch disables cuDNN SDPA with dropout on cuDNN {cudnn_text(plat)}", "upgrade cuDNN to >= 9.14")
     return None
 
 
@@ -935,25 +660,10 @@ def _torch_pin(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | N
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Rejections observed at run time (the engine records cuDNN's message; the frontend table reports it)
-# --------------------------------------------------------------------------------------------
-
-
-def rejection_signature(p: AttentionParams, deterministic: bool, phase: str) -> tuple:
-    """What a cuDNN graph's support depends on, computable from AttentionParams and from a call alike."""
-    bias, shape = effective_bias(p)
-    return (p.dtype, p.qkv_format, p.num_heads, p.num_gqa_groups, p.head_dim_qk, p.head_dim_v, p.max_seqlen_q,
-            p.max_seqlen_kv, effective_mask(p), tuple(p.window_size), bias, shape, p.dropout > 0, p.softmax_type,
-            deterministic and phase == "bwd", phase)
-
-
 @FRONTEND_TABLE.note
 def _kv_decode(p: AttentionParams, plat: Platform) -> str | None:
     return kv_decode.note(FRONTEND_TABLE.id, p, plat, "cudnn-frontend 1.32 cudnn/sdpa/fwd/kernels (decode kernels "
                           "for sm100 and newer only); measured by benchmarks/bench_kv_decode.py")
 
-
-from .cudnn_fused_fp8 import FP8_TABLE  # noqa: E402 - it builds on the rules above
 
 TABLES = [FRONTEND_TABLE, TORCH_TABLE, FP8_TABLE]

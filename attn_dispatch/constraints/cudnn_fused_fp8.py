@@ -9,7 +9,7 @@ attn-dispatch's graphs do not carry a feature.
 
 With NVTE_FP8_DPA_BWD=0 (Transformer Engine's meaning) a training call runs the FP8 forward and the bf16 cuDNN fused
 backward: the FP8 backward's own limits (d = 128 on Hopper, no thd, its determinism clause) give way to the bf16
-engine's backward rules, which this table takes from constraints/cudnn_fused.py.
+engine's backward rules, which this table takes from constraints/cudnn_common.py.
 """
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ from ..params import AttentionParams
 from ..platform import Platform
 from . import common
 from .base import Check, Failure, Table, fail
-from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD
-from .cudnn_fused import (FE_VALIDATE, TE_CPP, _cudnn_text, _thd_ragged_stats, cudnn_int, deterministic_demanded,
-                          rejected_in_this_process, rule_backward_single_token, rule_determinism, rule_head_dim_limit,
-                          rule_hopper_mla_bwd_bug, rule_mask_type, rule_qkv_format, version_text)
-from .context_parallel import fp8_failures
+from .context_parallel import FP8_SOURCE as CP_FP8_SOURCE, TE_CP_FP8_THD, fp8_failures
+from .cudnn_common import (FE_VALIDATE, TE_CPP, cudnn_int, cudnn_text, deterministic_demanded, rejected_in_this_process,
+                           rule_backward_single_token, rule_determinism, rule_head_dim_limit, rule_hopper_mla_bwd_bug,
+                           rule_mask_type, rule_qkv_format, rule_thd_ragged_stats, version_text)
 
 TE_FP8 = "Transformer Engine fused_attn.cpp nvte_get_fused_attn_backend (FP8 clause)"
 TE_FP8_PY = common.TE_SELECTION + " (FP8 filters)"
@@ -80,7 +79,7 @@ def _cudnn_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
     if c >= 90700:
         return None
     if c < 90201:
-        return fail(f"FP8 SDPA needs cuDNN >= 9.2.1; found {_cudnn_text(plat)}", "upgrade cuDNN to >= 9.7")
+        return fail(f"FP8 SDPA needs cuDNN >= 9.2.1; found {cudnn_text(plat)}", "upgrade cuDNN to >= 9.7")
     # 9.2.1 - 9.6: d = 128, seqlens multiples of 128, no_mask/causal only
     problems = []
     if (p.head_dim_qk, p.head_dim_v) != (128, 128):
@@ -90,7 +89,7 @@ def _cudnn_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
     if p.attn_mask_type not in ("no_mask", "causal"):
         problems.append(f"no_mask or causal (got {p.attn_mask_type!r})")
     if problems:
-        return fail(f"cuDNN {_cudnn_text(plat)} (< 9.7) runs FP8 SDPA only with " + "; ".join(problems),
+        return fail(f"cuDNN {cudnn_text(plat)} (< 9.7) runs FP8 SDPA only with " + "; ".join(problems),
                     "upgrade cuDNN to >= 9.7 (any length, padding masks, other head dims)")
     return None
 
@@ -170,7 +169,7 @@ def _determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure |
     c = cudnn_int(plat) or 0
     if plat.sm < 90 or c < 91900:
         return fail(f"a deterministic FP8 backward needs sm90+ and cuDNN >= 9.19; found sm{plat.sm}, "
-                    f"{_cudnn_text(plat)}", "allow non-deterministic algorithms, or upgrade cuDNN")
+                    f"{cudnn_text(plat)}", "allow non-deterministic algorithms, or upgrade cuDNN")
     if plat.sm >= 100 and c < 91800:
         return fail("a deterministic FP8 backward on Blackwell needs cuDNN >= 9.18", "upgrade cuDNN")
     return None
@@ -198,10 +197,10 @@ def _fp8_output_training(p: AttentionParams, plat: Platform, env: EnvFlags) -> F
     return None
 
 
-# The bf16 engine's rules that bound its backward, as its own table declares them (constraints/cudnn_fused.py);
+# The bf16 engine's rules that bound its backward, as its own tables declare them (constraints/cudnn_fused.py);
 # the FP8 forward's own limits (masks, bias, window, head dims <= 256 on Hopper) are narrower than the bf16 forward's.
 _F16_BACKWARD_RULES = (rule_head_dim_limit, functools.partial(rule_hopper_mla_bwd_bug, provider="frontend"),
-                       rule_qkv_format, _thd_ragged_stats, rule_mask_type, rule_determinism,
+                       rule_qkv_format, rule_thd_ragged_stats, rule_mask_type, rule_determinism,
                        rule_backward_single_token)
 
 
