@@ -1,7 +1,7 @@
 """DotProductAttention.forward's arguments after q, k, v, as one value.
 
 forward builds a CallArgs once from its keywords (a call passing only q, k, v shares QKV_ONLY) and hands it on:
-to selection's slow path (the module's _prepare/_describe), explain(), the KV cache and context parallelism.
+to selection's slow path (module._prepare, question.describe_plain), explain(), the KV cache and context parallelism.
 The plan cache's key is derived from it here, in one place.
 """
 from __future__ import annotations
