@@ -36,8 +36,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from attn_dispatch import DotProductAttention, Platform, scaled_dot_product_attention, selection
+from attn_dispatch import AttentionParams, DotProductAttention, Platform, scaled_dot_product_attention, selection
 from attn_dispatch.policy.timing import TimerSettings, time_interleaved
+from attn_dispatch.validation import bias_shape_label
 
 H, D = 16, 128
 DTYPE = torch.bfloat16
@@ -167,6 +168,40 @@ def additive_bias(s: int, device) -> Call:
 CASES = {"documents": (documents, 16384), "prefix_lm": (prefix_lm, 8192), "block_sparse": (block_sparse, 8192),
          "alibi_padding": (alibi_padding, 4096), "softcap_padding": (softcap_padding, 4096),
          "additive_bias": (additive_bias, 8192)}
+
+
+def call_params(call: Call, heads: int, dim: int, train: bool) -> AttentionParams:
+    """The call as the module's forced engines take it: the mask as given (the default pick may read a document
+    mask as thd; a forced engine runs the mask it was given), its bias, ALiBi slopes and softcap."""
+    kw = call.module_kwargs
+    bias, slopes = kw.get("core_attention_bias"), kw.get("alibi_slopes")
+    return AttentionParams(dtype="bf16", qkv_format="bshd", batch_size=call.b, num_heads=heads, head_dim_qk=dim,
+                           max_seqlen_q=call.s, attn_mask_type=call.mask_type,
+                           bias_type=kw.get("core_attention_bias_type", "no_bias"),
+                           bias_shape=None if bias is None else bias_shape_label(bias, call.b, heads, call.s, call.s),
+                           alibi_slopes_shape=None if slopes is None else ("h" if slopes.dim() == 1 else "bh"),
+                           softcap=call.softcap, is_training=train)
+
+
+def row_params(row: dict, train: bool) -> dict:
+    """A recorded call's params: its own record, or, for runs recorded before rows kept them, the case's builder at
+    a small size on the CPU (its mask type, bias, slopes and softcap) at the row's sizes."""
+    if "params" in row:
+        return row["params"]
+    small = CASES[row["call"]][0](64, torch.device("cpu"))
+    return call_params(small, row["h"], row["d"], train).replace(batch_size=row["b"], max_seqlen_q=row["s"],
+                                                                  max_seqlen_kv=row["s"]).to_dict()
+
+
+def profile_rows(result: dict) -> list[dict]:
+    """A run's calls as the performance profile's masked entries take them (policy.profile.build's `masked`): each
+    call's params and the step time of every engine forced through the module (columns module:<provider>; the
+    default pick, the SDPA functions and the structured call are not providers)."""
+    train = result["environment"]["train"]
+    return [{"label": row["call"], "params": row_params(row, train),
+             "times_ms": {name.removeprefix("module:"): ms for name, ms in row["times_ms"].items()
+                          if name.startswith("module:") and name.count(":") == 2}}
+            for row in result["calls"]]
 
 _MODULES: dict[tuple, DotProductAttention] = {}
 DEVICE = torch.device("cuda")
@@ -304,6 +339,7 @@ def run_call(name: str, s: int, seed: int) -> dict:
     default = _module((call.mask_type, "bshd", call.softcap, None)).last_decision
     row = {
         "call": name, "b": call.b, "s": call.s, "h": H, "d": D, "mask_type": call.mask_type, "notes": call.notes,
+        "params": call_params(call, H, D, TRAIN).to_dict(),
         "attended_pairs": flops / (4.0 * D * (3.5 if TRAIN else 1.0)),
         "default_pick": default.chosen if default else None,
         "default_reason": default.policy_reason[:400] if default else None,

@@ -10,6 +10,8 @@ providers both timed (policy.profile.combine_runs; a stock-torch run times torch
 records its machine (the run's device name). The stack named is the full-stack runs' (flash-attn-4 installed).
 A run of a refresh grid (cases.REFRESH_GRIDS: fit-thd) replaces the earlier runs of its calls on its machine.
 Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add each provider's host and GPU time.
+bench_masks.py runs (masked calls: softcap, ALiBi, a bias, arbitrary masks) become the profile's `masked` entries,
+which rank the providers of calls with those modifiers (policy/modified.py); the rate model never reads them.
 """
 from __future__ import annotations
 
@@ -25,16 +27,18 @@ from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_masks  # noqa: E402
 import results_manifest  # noqa: E402
 
 
-def shipped_sources(manifest: Path = results_manifest.MANIFEST) -> list[str]:
+def shipped_sources(manifest: Path = results_manifest.MANIFEST, *, masked: bool = False) -> list[str]:
     """The result files the shipped profile is built from: exactly the manifest's `profile-source` entries, each
-    checked against its sha256 (a renamed, edited or missing file is an error, never a silently different profile).
+    checked against its sha256 (a renamed, edited or missing file is an error, never a silently different profile):
+    the bench_user_step.py runs (entries naming their grid), or with `masked` the bench_masks.py runs (no grid).
     Held-out grids, measurements that were not adopted (the H200's fit and split runs, the dense fit) and evidence
     files are other roles: results/README.md says why each source set is what it is."""
     return [str(results_manifest.verified_path(e, manifest))
-            for e in results_manifest.entries("profile-source", manifest)]
+            for e in results_manifest.entries("profile-source", manifest) if ("grid" in e) != masked]
 
 
 def write_manifest(paths: list[str], manifest: Path = results_manifest.MANIFEST) -> None:
@@ -60,6 +64,22 @@ def load_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
                      "replaces": grid in REFRESH_GRIDS, "refreshes": data.get("refreshes", [])})
         envs.append(env)
     return runs, envs
+
+
+def load_masked_runs(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """(bench_masks.py runs as build()'s `masked` runs, their environments), in the order of the files' names."""
+    runs, envs = [], []
+    for path in sorted(paths, key=lambda p: (Path(p).name, p)):
+        data = read_results(path)
+        if "calls" not in data or "environment" not in data:
+            raise ValueError(f"{path}: not a bench_masks.py result (no calls/environment)")
+        runs.append({"machine": data["environment"]["device"], "rows": bench_masks.profile_rows(data), "path": path})
+        envs.append(data["environment"])
+    return runs, envs
+
+
+def is_masked_run(path: str) -> bool:
+    return "calls" in read_results(path)
 
 
 def full_stack(env: dict) -> bool:
@@ -98,16 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.shipped:
         if args.results:
             ap.error("--shipped names its own sources: give no result files")
-        args.results, args.out = shipped_sources(), args.out or str(PROFILE_DIR / f"{args.arch}.json")
-    if not args.results or not args.out:
-        ap.error("give result files and --out, or --shipped")
-    runs, envs = load_runs(args.results)
+        step_paths, masked_paths = shipped_sources(), shipped_sources(masked=True)
+        args.out = args.out or str(PROFILE_DIR / f"{args.arch}.json")
+    else:
+        masked_paths = [p for p in args.results if is_masked_run(p)]
+        step_paths = [p for p in args.results if p not in masked_paths]
+    if not step_paths or not args.out:
+        ap.error("give result files (bench_user_step.py runs, and any bench_masks.py runs) and --out, or --shipped")
+    runs, envs = load_runs(step_paths)
+    masked, masked_envs = load_masked_runs(masked_paths)
     stack, date = stack_of(envs)
-    profile = build(runs, arch=args.arch, stack=stack, date=date)
+    date = max([date] + [env["date"][:10] for env in masked_envs])  # the newest measurement the profile holds
+    profile = build(runs, arch=args.arch, stack=stack, date=date, masked=masked)
     Path(args.out).write_text(json.dumps(profile, separators=(",", ":")))
     per_machine = {m: sum(e["machine"] == i for e in profile["entries"]) for i, m in enumerate(profile["machines"])}
-    print(f"{len(profile['entries'])} entries ({', '.join(f'{m}: {n}' for m, n in per_machine.items())}) from "
-          f"{len(runs)} runs -> {args.out} ({Path(args.out).stat().st_size / 1024:.0f} KiB)")
+    print(f"{len(profile['entries'])} entries ({', '.join(f'{m}: {n}' for m, n in per_machine.items())}) and "
+          f"{len(profile.get('masked', []))} masked calls from {len(runs) + len(masked)} runs ({len(masked)} of "
+          f"bench_masks.py) -> {args.out} ({Path(args.out).stat().st_size / 1024:.0f} KiB)")
     return 0
 
 

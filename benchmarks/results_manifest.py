@@ -24,7 +24,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MANIFEST = RESULTS / "manifest.json"
 ROLES = {
     "profile-source": "bench_user_step.py runs the shipped profile (attn_dispatch/policy/profiles/sm90.json) is built "
-                      "from: build_profile.py --shipped reads exactly these",
+                      "from, and bench_masks.py runs that rank the providers of calls with modifiers (its masked "
+                      "entries): build_profile.py --shipped reads exactly these",
     "held-out": "bench_user_step.py runs of grids drawn and committed before they were measured, timed with the "
                 "profile of their day: what the README's accuracy numbers are computed from (evaluate_profile.py, "
                 "static_bound.py)",

@@ -35,8 +35,23 @@ def test_every_entry_names_its_machine_stack_date_and_what_it_shows():
 
 def test_every_benchmark_run_entry_names_the_grid_its_file_records():
     for e in results_manifest.entries():
-        if e["role"] != "evidence":
-            assert e["grid"] == read_results(results_manifest.RESULTS / e["file"])["grid"], e["file"]
+        if e["role"] == "evidence":
+            continue
+        data = read_results(results_manifest.RESULTS / e["file"])
+        if "calls" in data:  # a bench_masks.py run (a profile source of masked calls): it has no grid
+            assert e["role"] == "profile-source" and "grid" not in e, e["file"]
+        else:
+            assert e["grid"] == data["grid"], e["file"]
+
+
+def test_the_shipped_profile_holds_the_masked_calls_of_its_bench_masks_sources():
+    masked = build_profile.shipped_sources(masked=True)
+    assert masked and all("masks/" in p for p in masked)
+    shipped = json.loads((PROFILE_DIR / "sm90.json").read_text())
+    runs, _ = build_profile.load_masked_runs(masked)
+    machines = {run["machine"] for run in runs}
+    assert {shipped["machines"][e["machine"]] for e in shipped["masked"]} == machines
+    assert all(e["modifiers"] and e["times_ms"] for e in shipped["masked"])
 
 
 def test_the_shipped_command_rebuilds_the_shipped_profile_byte_for_byte(tmp_path, capsys):
@@ -49,8 +64,8 @@ def test_the_shipped_command_rebuilds_the_shipped_profile_byte_for_byte(tmp_path
 
 @pytest.fixture
 def one_source(tmp_path) -> tuple[Path, Path]:
-    """A manifest in tmp_path naming one real source file, copied beside it."""
-    entry = results_manifest.entries("profile-source")[0]
+    """A manifest in tmp_path naming one real source file (a bench_user_step.py run), copied beside it."""
+    entry = next(e for e in results_manifest.entries("profile-source") if "grid" in e)
     copy = tmp_path / entry["file"]
     copy.parent.mkdir(parents=True)
     shutil.copy(results_manifest.RESULTS / entry["file"], copy)

@@ -2,15 +2,18 @@
 architecture, with no timing at run time. A bucket the measured policy has tuned on this machine overrides the
 profile (local timings beat a prediction); without a profile for the architecture, Transformer Engine's order
 decides, and the reason says so. KV-cache decode steps are predicted by the memory-bound model of
-policy/decode.py instead (the profile has no decode rows)."""
+policy/decode.py instead (the profile has no decode rows). A call with a modifier (softcap, a bias, an arbitrary mask,
+a mask_mod / score_mod, ...: profile.modifiers) is never predicted from the rows, which have none: the nearest masked
+call measured with the same modifiers ranks its providers (policy/modified.py), else the order decides, and the
+reason says which."""
 from __future__ import annotations
 
 from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
-from . import decode
+from . import decode, modified
 from .base import Choice
 from .order import without_last_resort
-from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
+from .profile import PROFILE_DIR, Prediction, Profile, arch_of, modifiers, profile_for
 
 PREDICTED = "ms per step, predicted"  # the unit of a Choice made from the profile's prediction
 
@@ -43,6 +46,11 @@ class AutoPolicy:
             shipped = ", ".join(sorted(p.stem for p in self.directory.glob("*.json"))) or "none"
             return Choice(eligible[0], f"no performance profile for {arch} (shipped: {shipped}); Transformer "
                                        "Engine's preference order decides")
+        if modifiers(params):  # the rate model's rows have none: a measured masked call ranks, or the order
+            ranking = modified.nearest_ranking(profile, params, platform.device_name, eligible)
+            if ranking is None:
+                return Choice(eligible[0], modified.unranked_reason(profile, params, eligible))
+            return Choice(ranking.chosen, modified.ranking_reason(profile, ranking, params))
         prediction = profile.predict(params, machine=platform.device_name)
         chosen = prediction.best(eligible)
         if chosen is None:

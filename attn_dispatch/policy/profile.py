@@ -32,6 +32,9 @@ is the packed calls' host time (Profile.parts; CostModel.packed_twin says why).
 benchmarks/results/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
+A call with a modifier (modifiers(): softcap, a bias or ALiBi, an arbitrary mask, a user's mask_mod / score_mod,
+dropout, ...) is a kind of its own: the rate model's rows have none, so it is predicted from none of them. The
+profile's `masked` entries hold what bench_masks.py measured of such calls (policy/modified.py ranks by them).
 """
 from __future__ import annotations
 
@@ -118,8 +121,39 @@ class CostModel:
 COST_MODEL = CostModel()
 
 
+def modifiers(p: AttentionParams) -> tuple[str, ...]:
+    """What the call does to the scores (or to the kernels that compute them) beyond its mask type and window: none
+    of the rate model's rows (bench_user_step.py grids: plain masks and windows, bf16) did any of it, and each
+    changes an engine's kernel and cost (a tanh per score for softcap, a bias read per score, a block mask built
+    from an arbitrary mask or a mask_mod, a function per score, an RNG per score for dropout, a sink in the softmax,
+    an ordered accumulation in a deterministic backward, other kernels for fp8 or float32). float16 is taken as
+    bfloat16 (the same kernels at the same tensor-core rate); return_max_logit adds only the row max every kernel
+    keeps."""
+    found = []
+    if p.attn_mask_type == "arbitrary":
+        found.append("an arbitrary mask")
+    if p.mask_mod:
+        found.append("a mask_mod")
+    if p.bias_type != "no_bias":
+        found.append({"alibi": "ALiBi", "pre_scale_bias": "a pre-scale bias"}.get(p.bias_type, "a post-scale bias"))
+    if p.softcap:
+        found.append("softcap")
+    if p.score_mod:
+        found.append("a score_mod")
+    if p.dropout:
+        found.append("dropout")
+    if p.softmax_type != "vanilla":
+        found.append(f"{p.softmax_type} softmax")
+    if p.deterministic and p.is_training:
+        found.append("a deterministic backward")
+    if p.fp8 or p.dtype not in ("bfloat16", "float16"):
+        found.append("fp8" if p.fp8 else p.dtype)
+    return tuple(found)
+
+
 def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, dict[str, float], str]:
-    """(kind, log2 sizes, memory format) of a call, as the profile compares calls."""
+    """(kind, log2 sizes, memory format) of a call, as the profile compares calls. A call with modifiers() has them
+    last in its kind (joined by ' and '): only calls with the same ones are of its kind."""
     left, right = p.window_size
     span = p.max_seqlen_kv
     if p.has_sliding_window and left >= 0:
@@ -130,6 +164,9 @@ def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, 
     kind = (p.is_training, mask, p.has_padding)
     if p.inference_kv_cache:  # a decode/prefill step over a cache: compared only with measured cache steps
         kind += ("kv-cache paged" if p.kv_cache_paged else "kv-cache",)
+    modified = modifiers(p)
+    if modified:
+        kind += (" and ".join(modified),)
     log2 = {"d_qk": math.log2(p.head_dim_qk), "d_v": math.log2(p.head_dim_v), "sq": math.log2(p.max_seqlen_q),
             "skv": math.log2(p.max_seqlen_kv), "span": math.log2(max(1, span)),
             "bh": math.log2(p.batch_size * p.num_heads), "gqa": math.log2(p.gqa_ratio)}
@@ -289,6 +326,28 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class MaskedCall:
+    """A call with modifiers() that bench_masks.py measured: each provider's step time (ms) forced through the
+    module, on one machine. Not a rate model's row: policy/modified.py ranks the providers of a call with the same
+    modifiers by it."""
+
+    label: str
+    machine: str
+    kind: tuple
+    modifiers: tuple[str, ...]
+    sizes: tuple[float, ...]
+    fmt: str
+    times_ms: dict[str, float]
+    runs: int = 1
+
+    def distance(self, p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+        """The rate model's distance from a call: weighted log2 sizes, and the format penalty."""
+        _, log2, fmt = features(p, model)
+        return (sum(w * abs(log2[f] - v) for w, f, v in zip(model.weights, _FEATURES, self.sizes))
+                + (model.format_mismatch if fmt != self.fmt else 0.0))
+
+
+@dataclass(frozen=True)
 class _Neighbours:
     """The entries a prediction compares, in the order that breaks ties of distance (the platform's machine's
     first, then the profile's order), with each entry's sizes and format as indices into the distinct `values` of
@@ -379,6 +438,10 @@ class Profile:
             self.entries.append(Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine,
                                       e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"]),
                                       e.get("host_ms", {}), e.get("gpu_ms", {}), e.get("work_unwindowed", 0.0)))
+        self.masked: list[MaskedCall] = [
+            MaskedCall(e["label"], self.machines[e["machine"]], tuple(e["kind"]), tuple(e["modifiers"]),
+                       tuple(e["log2"][f] for f in _FEATURES), e["fmt"], e["times_ms"], e.get("runs", 1))
+            for e in data.get("masked", ())]
         # Host floors per (machine or None for all, provider, training, packed or None for either): the few least
         # times with their calls' shapes (leave-one-out leaves a shape out of the floor too), and how many calls.
         self._floors: dict[tuple, list[tuple[float, tuple]]] = {}
@@ -735,11 +798,12 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
 
 
 def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
-          model: CostModel = COST_MODEL) -> dict[str, Any]:
+          model: CostModel = COST_MODEL, masked: list[dict] = ()) -> dict[str, Any]:
     """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
     (the same parameters) on one machine, from any number of runs, make one entry (combine_runs), with the host and
-    GPU times of the providers some run split (pooled_splits)."""
-    machines = sorted({run["machine"] for run in runs})
+    GPU times of the providers some run split (pooled_splits). `masked`: runs of the same form whose calls have
+    modifiers() (bench_masks.py's, as rows), kept apart as the profile's `masked` entries (MaskedCall)."""
+    machines = sorted({run["machine"] for run in [*runs, *masked]})
     entries = []
     splits = pooled_splits(runs)
     for key, (label, params_dict, times, count) in pooled_calls(runs).items():
@@ -756,4 +820,35 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
         if split:
             entries[-1]["host_ms"] = {p: float(f"{h:.4g}") for p, (h, _) in split.items()}
             entries[-1]["gpu_ms"] = {p: float(f"{g:.4g}") for p, (_, g) in split.items()}
-    return {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
+    profile = {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
+    if masked:
+        profile["masked"] = masked_entries(masked, machines, model)
+    return profile
+
+
+def masked_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
+    """The profile's `masked` entries: rows of one call (the same parameters: the policy tells two masks of the same
+    size apart no more than this) on one machine make one, its label naming every case measured, its times combined
+    over the rows as combine_runs combines runs."""
+    grouped: dict[tuple[str, str], tuple[list[str], dict, list[dict[str, float]]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            times = _provider_times(row)
+            if times:
+                names, _, found = grouped.setdefault((run["machine"], _call_key(row["params"])),
+                                                     ([], row["params"], []))
+                names.append(row["label"])
+                found.append(times)
+    entries = []
+    for (machine, _), (names, params_dict, found) in grouped.items():
+        params = AttentionParams(**params_dict)
+        mods = modifiers(params)
+        if not mods:
+            raise ValueError(f"masked call {names[0]!r} ({params.describe()}) has no modifier: a plain call's times "
+                             "belong in a bench_user_step.py run")
+        kind, log2, fmt = features(params, model)
+        entries.append({"label": f"{' + '.join(dict.fromkeys(names))}: {params.describe()}",
+                        "machine": machines.index(machine), "runs": len(found), "kind": list(kind),
+                        "modifiers": list(mods), "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt,
+                        "times_ms": {k: float(f"{v:.5g}") for k, v in combine_runs(found).items()}})
+    return entries
