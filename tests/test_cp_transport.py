@@ -3,6 +3,7 @@ send-recv is kept where the copy engines cannot run, and forcing them there rais
 from __future__ import annotations
 
 import datetime
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,15 +49,18 @@ def test_explanations_say_how_ring_hops_travel(monkeypatch):
     monkeypatch.delenv(copy_engine.TRANSPORT_ENV, raising=False)
     cuda = torch.device("cuda", 0)
     describe = copy_engine.describe_transport
-    assert describe("gloo", "g", torch.device("cpu")) == "ring hops: gloo's send/recv"
-    assert "if the group's one-time self-check" in describe("nccl", "never-checked", cuda)
-    monkeypatch.setitem(copy_engine._CHECKED, ("ok", cuda), None)
-    assert describe("nccl", "ok", cuda) == ("ring hops: pulled by the copy engines from symmetric memory (the "
-                                            "group's self-check passed)")
-    monkeypatch.setitem(copy_engine._CHECKED, ("bad", cuda), "RuntimeError: no peer access")
-    assert describe("nccl", "bad", cuda) == ("ring hops: NCCL's send/recv (the copy-engine self-check failed: "
-                                             "RuntimeError: no peer access)")
+    ok, bad, fresh, reborn = (SimpleNamespace(group_name=n) for n in ("ok", "bad", "fresh", "ok"))
+    assert describe("gloo", ok, torch.device("cpu")) == "ring hops: gloo's send/recv"
+    assert "if the group's one-time self-check" in describe("nccl", fresh, cuda)
+    monkeypatch.setitem(copy_engine._CHECKED, ("ok", cuda), (ok, None))
+    assert describe("nccl", ok, cuda) == ("ring hops: pulled by the copy engines from symmetric memory (the "
+                                          "group's self-check passed)")
+    # a new group under a destroyed one's name is not the checked group
+    assert "if the group's one-time self-check" in describe("nccl", reborn, cuda)
+    monkeypatch.setitem(copy_engine._CHECKED, ("bad", cuda), (bad, "RuntimeError: no peer access"))
+    assert describe("nccl", bad, cuda) == ("ring hops: NCCL's send/recv (the copy-engine self-check failed: "
+                                           "RuntimeError: no peer access)")
     monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "copy_engine")
-    assert describe("nccl", "bad", cuda).startswith("ring hops: none, the call raises")
+    assert describe("nccl", bad, cuda).startswith("ring hops: none, the call raises")
     monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nccl")
-    assert describe("nccl", "ok", cuda) == "ring hops: NCCL's send/recv (ATTN_DISPATCH_CP_TRANSPORT=nccl)"
+    assert describe("nccl", ok, cuda) == "ring hops: NCCL's send/recv (ATTN_DISPATCH_CP_TRANSPORT=nccl)"

@@ -90,6 +90,8 @@ class _Pending:
         self.keep = None
 
 
+# Keyed by (group name, device); an entry also holds its group, since a process that destroys its groups and makes
+# new ones reuses their names: an entry of a destroyed group is made anew, never used.
 _POOLS: dict = {}
 
 
@@ -99,7 +101,10 @@ class CopyEngineRing(Ring):
     def __init__(self, info: GroupInfo, stream, device: torch.device):
         super().__init__(info, stream)
         key = (info.group.group_name, device)
-        self.pool = _POOLS.get(key) or _POOLS.setdefault(key, _Pool(info, device))
+        pool = _POOLS.get(key)
+        if pool is None or pool.info.group is not info.group:
+            pool = _POOLS[key] = _Pool(info, device)
+        self.pool = pool
         self.device = device
 
     def reserve(self, pieces: list[tuple[torch.Size, torch.dtype]]) -> None:
@@ -180,8 +185,8 @@ def self_check(info: GroupInfo, device: torch.device) -> str | None:
     """Collective, once per group: None when every rank pulled its neighbour's known values through symmetric
     memory, else why not (the same answer on every rank)."""
     key = (info.group.group_name, device)
-    if key in _CHECKED:
-        return _CHECKED[key]
+    if key in _CHECKED and _CHECKED[key][0] is info.group:
+        return _CHECKED[key][1]
     reason = None
     try:
         pool = _Pool(info, device)
@@ -203,7 +208,7 @@ def self_check(info: GroupInfo, device: torch.device) -> str | None:
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=info.group)
     if reason is None and int(flag.item()) == 0:
         reason = "the self-check failed on another rank of the group"
-    _CHECKED[key] = reason
+    _CHECKED[key] = (info.group, reason)
     return reason
 
 
@@ -227,7 +232,7 @@ def ring_for(info: GroupInfo, stream, device: torch.device) -> Ring:
     return Ring(info, stream)
 
 
-def describe_transport(backend: str, group_name: str, device: torch.device) -> str:
+def describe_transport(backend: str, group, device: torch.device) -> str:
     """What ring_for gives a group, for explanations: never collective (the self-check's answer only where a call
     already ran it)."""
     wanted = requested_transport()
@@ -238,12 +243,12 @@ def describe_transport(backend: str, group_name: str, device: torch.device) -> s
             return (f"ring hops: none, the call raises: {TRANSPORT_ENV}=copy_engine needs CUDA tensors and an NCCL "
                     f"group ({device.type} tensors, a {backend} group)")
         return f"ring hops: {backend}'s send/recv"
-    key = (group_name, device)
-    if key not in _CHECKED:
+    checked = _CHECKED.get((group.group_name, device))
+    if checked is None or checked[0] is not group:
         fallback = "the call raises" if wanted == "copy_engine" else "NCCL's send/recv"
         return ("ring hops: pulled by the copy engines from symmetric memory if the group's one-time self-check "
                 f"(collective, at its first context-parallel call) passes, else {fallback}")
-    reason = _CHECKED[key]
+    reason = checked[1]
     if reason is None:
         return "ring hops: pulled by the copy engines from symmetric memory (the group's self-check passed)"
     if wanted == "copy_engine":

@@ -83,7 +83,7 @@ def transport_note(module, params, device: torch.device) -> str | None:
                      params.max_seqlen_q, params.fp8):
         return None
     group = module.cp_group[1] if params.cp_comm_type == "a2a+p2p" else module.cp_group
-    return copy_engine.describe_transport(str(dist.get_backend(group)), group.group_name, device)
+    return copy_engine.describe_transport(str(dist.get_backend(group)), group, device)
 
 
 def _prepare(module, q, k, v, args: CallArgs, fp8: tuple | None = None):
