@@ -14,15 +14,20 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from attn_dispatch import AttentionParams
+from attn_dispatch.backends import AttnAux, get_engine
+from attn_dispatch.backends.base import AttnConfig
 from attn_dispatch.cli import main
 from attn_dispatch.context_parallel import efficiency as eff
+from attn_dispatch.context_parallel import head_groups
+from attn_dispatch.context_parallel._comm import GroupInfo
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cp"
 FILES = ("cp_h100x2.json", "cp_h100x4.json")
-WORST_ERROR = 0.13     # efficiency points (0.13 = 13%) on any row
-MEAN_ERROR = 0.05
+WORST_ERROR = 0.12     # efficiency points (0.12 = 12%) on any row, as the user guide states them
+MEAN_ERROR = 0.04
 
 
 def _rows(name: str, world_sizes=(2, 4)):
@@ -146,9 +151,9 @@ H200_FIT = ("cp_h200x4.json", "cp_h200x4_transport.json")   # NCCL's ring; p2p b
 H200_EARLIER = "cp_h200x2_head_groups.json"  # p2p's backward before the reversed ring; a2a with 1 and 2 head groups
 H200_CHECKS = ("cp_h200x2.json", "cp_h200x4_transport_host.json", H200_EARLIER)
 # efficiency points per file, (mean, worst) over its CP rows, as the user guide states them
-H200_ERRORS = {"cp_h200x4.json": (0.018, 0.047), "cp_h200x4_transport.json": (0.018, 0.042),
-               "cp_h200x2.json": (0.016, 0.041), "cp_h200x4_transport_host.json": (0.017, 0.027),
-               H200_EARLIER: (0.033, 0.073)}
+H200_ERRORS = {"cp_h200x4.json": (0.018, 0.046), "cp_h200x4_transport.json": (0.018, 0.038),
+               "cp_h200x2.json": (0.015, 0.040), "cp_h200x4_transport_host.json": (0.016, 0.031),
+               H200_EARLIER: (0.033, 0.074)}
 
 
 def _h200_predicted(name: str, row, cfg, rates: eff.Rates = eff.H200_NVLINK) -> eff.Prediction:
@@ -257,10 +262,42 @@ def test_transport_choice():
         eff.predict("p2p", eff.Call(4, 32768, 16, 16, 128), eff.H200_NVLINK, transport="nvlink")
 
 
+def test_a2a_counts_the_bytes_its_all_to_alls_send(monkeypatch):
+    """The model's a2a exchanges are the bytes A2AAttention hands its all-to-alls (q, k, v, then out forward; dout,
+    then dq, dk, dv backward), less the slice each rank keeps: with compute free and no fixed costs, a direction's
+    time is its bytes x (P-1)/P at the link rate. GQA, so that q's and k/v's sizes differ."""
+    sent: dict[str, int] = {}
+
+    class Counted:  # stands in for the all-to-all: counts what is sent, hands it back as received (same shape)
+        def __init__(self, send, info, label):
+            direction = label.split("_")[0]
+            sent[direction] = sent.get(direction, 0) + send.numel() * send.element_size()
+            self.recv = send.clone()
+
+        def wait(self):
+            return self.recv
+
+    monkeypatch.setattr(head_groups, "AllToAll", Counted)
+    size, batch, seqlen, heads, kv_heads, head_dim = 2, 2, 16, 8, 4, 16
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(batch, seqlen // size, heads, head_dim, generator=gen)
+    k, v = (torch.randn(batch, seqlen // size, kv_heads, head_dim, generator=gen) for _ in range(2))
+    order = head_groups.seq_order("bshd", size, seqlen // size, q.device, True)
+    a2a = head_groups.A2AAttention(get_engine("unfused:pytorch"), AttnConfig("bshd", "causal", (-1, 0), 0.25),
+                                   AttnAux(), "bshd", GroupInfo(None, size, 0, (0, 1)), order, 1)
+    out, saved, states = a2a.forward(q, k, v, None)
+    a2a.backward(torch.randn(out.shape, generator=gen), saved, states, None)
+    comm_only = dataclasses.replace(eff.H200_NVLINK, fwd_tflops=1e30, bwd_tflops=1e30, call_ms=0.0, step_ms=0.0)
+    pred = eff.predict("a2a", eff.Call(size, seqlen, heads, kv_heads, head_dim, batch, elem_bytes=4), comm_only)
+    to_bytes = comm_only.link_gbps * 1e6 * size / (size - 1)
+    assert pred.fwd_ms * to_bytes == pytest.approx(sent["fwd"])
+    assert (pred.fwd_bwd_ms - pred.fwd_ms) * to_bytes == pytest.approx(sent["bwd"])
+
+
 @pytest.mark.parametrize("rates", [eff.H100_NVLINK, eff.H200_NVLINK], ids=["h100", "h200"])
 def test_a2a_p2p_composes_its_two_schedules(rates):
-    """a2a+p2p with an a2a group of one is p2p; with the whole group as its a2a group, its backward is a2a's in one
-    head group (a2a's forward counts one q-sized exchange more than q, k, v in and out back)."""
+    """a2a+p2p with an a2a group of one is p2p; with the whole group as its a2a group, it is a2a in one head group:
+    the same bytes each way (q, k, v in and out back; dout in and dq, dk, dv back)."""
     for size, seqlen, window in ((2, 32768, None), (4, 32768, None), (4, 131072, None), (8, 65536, (16384, 0))):
         call = eff.Call(size, seqlen, 16, 16, 128, window=window)
         single = eff.predict("a2a+p2p", dataclasses.replace(call, a2a_size=1), rates)
@@ -268,7 +305,7 @@ def test_a2a_p2p_composes_its_two_schedules(rates):
         if window is None:
             whole = eff.predict("a2a+p2p", dataclasses.replace(call, a2a_size=size), rates)
             a2a = eff.predict("a2a", call, rates, 1)
-            assert whole.fwd_bwd_ms - whole.fwd_ms == pytest.approx(a2a.fwd_bwd_ms - a2a.fwd_ms)
+            assert whole.fwd_ms == pytest.approx(a2a.fwd_ms) and whole.fwd_bwd_ms == pytest.approx(a2a.fwd_bwd_ms)
     with pytest.raises(ValueError, match="call.a2a_size=3 must divide call.cp_size=4"):
         eff.predict("a2a+p2p", eff.Call(4, 32768, 16, 16, 128, a2a_size=3), rates)
 
