@@ -57,7 +57,7 @@ PLAIN = [(dict(max_seqlen_q=s, attn_mask_type="causal"), {"x:a": 0.01 * s / 64, 
     (dict(attn_mask_type="arbitrary"), "an arbitrary mask"), (dict(mask_mod=True), "a mask_mod"),
     (dict(bias_type="alibi"), "ALiBi"), (dict(bias_type="post_scale_bias", bias_shape="1hss"), "a post-scale bias"),
     (dict(softcap=30.0), "softcap"), (dict(score_mod=True), "a score_mod"), (dict(dropout=0.1), "dropout"),
-    (dict(softmax_type="off-by-one"), "off-by-one softmax"), (dict(deterministic=True), "a deterministic backward"),
+    (dict(deterministic=True), "a deterministic backward"),
     (dict(dtype="float32"), "float32")])
 def test_each_modifier_is_named_and_makes_a_kind_of_its_own(change, named):
     plain = AttentionParams(max_seqlen_q=1024, attn_mask_type="causal" if "attn_mask_type" not in change else
@@ -66,6 +66,9 @@ def test_each_modifier_is_named_and_makes_a_kind_of_its_own(change, named):
     assert modifiers(plain) == () and modifiers(call) == (named,)
     assert features(call)[0] == features(plain)[0][:3] + (named,) and features(call)[0] != features(plain)[0]
     assert modifiers(plain.replace(dtype="float16")) == () and modifiers(plain.replace(return_max_logit=True)) == ()
+    # a sink adds one logit per row, not per score: predicted from the plain rows
+    assert modifiers(plain.replace(softmax_type="learnable")) == () and modifiers(
+        plain.replace(softmax_type="off-by-one")) == ()
     assert modifiers(plain.replace(deterministic=True, is_training=False)) == ()  # no backward to order
 
 

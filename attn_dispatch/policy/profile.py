@@ -125,10 +125,10 @@ def modifiers(p: AttentionParams) -> tuple[str, ...]:
     """What the call does to the scores (or to the kernels that compute them) beyond its mask type and window: none
     of the rate model's rows (bench_user_step.py grids: plain masks and windows, bf16) did any of it, and each
     changes an engine's kernel and cost (a tanh per score for softcap, a bias read per score, a block mask built
-    from an arbitrary mask or a mask_mod, a function per score, an RNG per score for dropout, a sink in the softmax,
-    an ordered accumulation in a deterministic backward, other kernels for fp8 or float32). float16 is taken as
-    bfloat16 (the same kernels at the same tensor-core rate); return_max_logit adds only the row max every kernel
-    keeps."""
+    from an arbitrary mask or a mask_mod, a function per score, an RNG per score for dropout, an ordered
+    accumulation in a deterministic backward, other kernels for fp8 or float32). float16 is taken as bfloat16 (the
+    same kernels at the same tensor-core rate); return_max_logit adds only the row max every kernel keeps, and a
+    sink softmax (off-by-one, learnable) one logit per row, not per score: the plain rows predict both."""
     found = []
     if p.attn_mask_type == "arbitrary":
         found.append("an arbitrary mask")
@@ -142,8 +142,6 @@ def modifiers(p: AttentionParams) -> tuple[str, ...]:
         found.append("a score_mod")
     if p.dropout:
         found.append("dropout")
-    if p.softmax_type != "vanilla":
-        found.append(f"{p.softmax_type} softmax")
     if p.deterministic and p.is_training:
         found.append("a deterministic backward")
     if p.fp8 or p.dtype not in ("bfloat16", "float16"):
