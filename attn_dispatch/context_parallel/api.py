@@ -324,10 +324,12 @@ def ring_hops(comm: str, fmt: str, attn_mask_type: str, window_size, local_len: 
     """Whether _build runs the call over a ring (p2p.py, window_ring.py; the ring of a2a+p2p), whose hops
     copy_engine.ring_for carries, rather than collectives or a window's key exchange. local_len: this rank's
     tokens (bshd/sbhd)."""
-    if comm not in ("p2p", "a2a+p2p"):
-        return False
-    windowed = is_windowed(attn_mask_type, window_size)
-    return not (windowed and key_exchange(comm, fmt, local_len // 2, window_size, fp8))
+    return comm in ("p2p", "a2a+p2p") and not _exchanges_keys(comm, fmt, attn_mask_type, window_size, local_len, fp8)
+
+
+def _exchanges_keys(comm: str, fmt: str, attn_mask_type: str, window_size, local_len: int, fp8: bool) -> bool:
+    """Whether a windowed call fetches just its window's keys (window_exchange.py) instead of its comm's schedule."""
+    return is_windowed(attn_mask_type, window_size) and key_exchange(comm, fmt, local_len // 2, window_size, fp8)
 
 
 def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[GroupInfo], stream, training: bool,
@@ -338,7 +340,7 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
         cfg = dataclasses.replace(cfg, attn_mask_type="padding_causal" if causal else "padding")
     sd = SEQ_DIM[fmt]
     windowed = is_windowed(cfg.attn_mask_type, cfg.window_size)
-    if windowed and key_exchange(comm, fmt, q.shape[sd] // 2, cfg.window_size, "fp8" in aux.extra):
+    if _exchanges_keys(comm, fmt, cfg.attn_mask_type, cfg.window_size, q.shape[sd], "fp8" in aux.extra):
         return WindowExchangeAttention(engine, cfg, aux, fmt, infos[0], q.shape[sd])
     if windowed and comm == "p2p":
         return WindowP2PAttention(engine, WindowRingPlan(cfg, aux, fmt, q.shape[sd], infos[0]), infos[0],

@@ -19,6 +19,7 @@ of known values between neighbours) passed on every rank. ATTN_DISPATCH_CP_TRANS
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -109,7 +110,7 @@ class CopyEngineRing(Ring):
         self.device = device
 
     def reserve(self, pieces: list[tuple[torch.Size, torch.dtype]]) -> None:
-        self.pool.reserve(sum(_aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype in pieces),
+        self.pool.reserve(sum(_aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in pieces),
                           self.stream or _side_stream(self.device))
 
     def start(self, sends, recvs, *, send_to: int | None = None, recv_from: int | None = None) -> list:
@@ -150,17 +151,6 @@ class CopyEngineRing(Ring):
         finally:
             torch.cuda.set_stream(compute)
         return [_Pending(event, (sends, recvs), self.device.index)]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

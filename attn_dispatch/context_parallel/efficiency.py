@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..constraints.cp_bands import key_exchange, steps_needed
-from .copy_engine import TRANSPORT_ENV, requested_transport
+from .copy_engine import TRANSPORT_ENV, TRANSPORTS, requested_transport
 from .head_groups import resolve_head_groups
 
 BWD_FLOPS_RATIO = 2.5
@@ -89,7 +89,6 @@ H200_NVLINK = Rates(
     windowed_fwd_tflops=289.0, windowed_bwd_tflops=308.0, nccl_ring_gbps=120.0, copy_engine_gbps=320.0)
 RATES = {"h100": H100_NVLINK, "h200": H200_NVLINK}
 MODELLED = ("p2p", "a2a", "all_gather", "a2a+p2p")
-TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def ring_transport(rates: Rates, transport: str = "auto") -> str:
     """The transport a ring's hops are predicted with: 'auto' is copy_engine.ring_for's default, the copy engines
     where they were measured on this GPU (NVLink), else NCCL's send/recv."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r} is not modelled; use one of {', '.join(TRANSPORTS)}")
+        raise ValueError(f"transport={transport!r} is not modelled; use one of {', '.join(sorted(TRANSPORTS))}")
     if transport == "auto":
         return "copy_engine" if rates.copy_engine_gbps else "nccl"
     if transport == "copy_engine" and not rates.copy_engine_gbps:
