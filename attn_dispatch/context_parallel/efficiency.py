@@ -70,10 +70,10 @@ H100_NVLINK = Rates(
 # cuDNN SDPA (cudnn_fused:torch) unwindowed, 662 TFLOP/s forward at 32k and 555 at 128k (one rate, within 10% of
 # both), 522-529 backward; the windowed row ran FlashAttention-2 (flash_attn_2:torch), 289 forward and 308 backward,
 # and so did the windowed CP rows: windowed calls take those rates. The 4x H200 files' one-GPU rows agree as closely.
-# copy_engine_gbps is measured, not fitted: a 64 MiB hop pulled in 0.21 ms beside matmuls (0.19 alone; the ring
-# microbenchmark in benchmarks/results/README.md); in every recorded row those hops hide under the blocks' compute,
-# so no row could pin it. The four fitted values minimise the squared efficiency error over the 26 rows with the
-# checks on (2 and 4 GPUs) of cp_h200x4.json (NCCL's ring; p2p, a2a, a2a+p2p) and cp_h200x4_transport.json (p2p by
+# copy_engine_gbps is measured, not fitted: a 64 MiB hop pulled in 0.21 ms beside matmuls (0.19 alone;
+# benchmarks/results/cp/ring_transport_h200x4.json); in every recorded row those hops hide under the blocks'
+# compute, so no row could pin it. The four fitted values minimise the squared efficiency error over the 26 rows with
+# the checks on (2 and 4 GPUs) of cp_h200x4.json (NCCL's ring; p2p, a2a, a2a+p2p) and cp_h200x4_transport.json (p2p by
 # either transport), each predicted with the schedule and transport it ran (tests/test_cp_efficiency.py refits
 # them). They reproduce those files within 1.8 points on average, 4.6 at worst; the runs left out check them:
 # cp_h200x2.json (1.5, 4.0), cp_h200x4_transport_host.json (after the ring's host cut; 1.6, 3.1) and
