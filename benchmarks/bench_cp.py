@@ -87,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=20.0, help="cap on timed seconds per point")
+    ap.add_argument("--chain", type=int, default=1,
+                    help="calls run back to back in each timed sample, as a model's layers run (no sync or barrier "
+                         "between them, so the host may run ahead of the GPU); times are per call. 1: each call "
+                         "starts from an idle GPU after a barrier")
     ap.add_argument("--window", type=int, default=4096,
                     help="left sliding window for the windowed checks and timings (0: none)")
     ap.add_argument("--window-comm", default="all_gather", help="comm types timed with the window (comma list)")
@@ -110,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=int, default=120, help="collective timeout (a failed rank cannot hang us)")
     args = ap.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    if args.chain < 1:
+        ap.error(f"--chain {args.chain}: expected a positive number of calls per sample")
     args.seqlens = [int(s) for s in args.seqlens.split(",")]
     args.comm = [c for c in args.comm.split(",") if c]
     args.window_comm = [c for c in args.window_comm.split(",") if c and c in args.comm]
@@ -224,7 +230,13 @@ def sync(device: str) -> None:
 
 
 def timed_ms(fn, args, device: str, grads=()) -> float:
-    """Median over iterations of the slowest rank's milliseconds per call (fn runs on every rank)."""
+    """Median over iterations of the slowest rank's milliseconds per call (fn runs on every rank; args.chain calls
+    back to back per iteration)."""
+    one_call, chain = fn, args.chain
+
+    def fn():
+        for _ in range(chain):
+            one_call()
     for _ in range(args.warmup):
         fn()
         for t in grads:
@@ -252,7 +264,7 @@ def timed_ms(fn, args, device: str, grads=()) -> float:
         fn()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    ms = sorted(times)[len(times) // 2]
+    ms = sorted(times)[len(times) // 2] / chain
     if dist.is_initialized():
         t = torch.tensor([ms], device=device if device == "cuda" else "cpu", dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from attn_dispatch import context_parallel as cp
+from attn_dispatch.context_parallel._comm import GroupInfo, agree, host_group
 from attn_dispatch.backends import AttnAux, AttnConfig, Engine, get_engine
 
 from reference import reference_attention
@@ -124,7 +125,8 @@ def _cases(world: int) -> list[dict]:
 
 
 ERROR_CASES = ("group_of_one", "seq_mismatch", "a2a_heads", "one_rank_bad_window", "thd_window_p2p", "unsupported_mask",
-               "list_group_for_p2p", "module_one_rank_bad_arg", "one_rank_unknown_comm", "scale_mismatch")
+               "list_group_for_p2p", "module_one_rank_bad_arg", "one_rank_unknown_comm", "scale_mismatch",
+               "host_channel_disagree")
 FROM_RANK_0 = ("one_rank_bad_window", "module_one_rank_bad_arg", "one_rank_unknown_comm")
 
 
@@ -388,6 +390,19 @@ def _error_cases(groups: Groups, world: int) -> dict:
         module = DotProductAttention(h, 8, qkv_format="bshd", attn_mask_type="causal", cp_group=groups.world)
         module(*qkv(8), checkpoint_core_attention=(rank == 0))
     res["module_one_rank_bad_arg"] = _expect_error(module_call, "checkpoint_core_attention")
+
+    # A group that is not gloo compares calls over a gloo companion made once for it (no GPU sync).
+    class _NotGloo(GroupInfo):
+        @property
+        def backend(self) -> str:
+            return "nccl"
+    info = _NotGloo(groups.world, world, rank, tuple(range(world)))
+    companion = host_group(info)
+    assert companion is not groups.world and host_group(info) is companion
+    assert dist.get_process_group_ranks(companion) == list(range(world))
+    agree(info, [7, 8], lambda row: f"row={row}", None)  # equal calls pass
+    res["host_channel_disagree"] = _expect_error(
+        lambda: agree(info, [7, rank], lambda row: f"row={row}", None), "disagree", "row=[7, 0]", "row=[7, 1]")
     return res
 
 

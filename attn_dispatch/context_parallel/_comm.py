@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Set ATTN_DISPATCH_CP_CHECKS=0 to skip the per-call collective agreement check (one tiny all-gather and,
-# on GPUs, one host sync per call). Local checks always run.
+# Set ATTN_DISPATCH_CP_CHECKS=0 to skip the per-call collective agreement check (one tiny all-gather of host
+# integers per call). Local checks always run.
 CHECKS_ENV = "ATTN_DISPATCH_CP_CHECKS"
 
 # Tags keep k, v, dk and dv apart on gloo, which matches messages by (peer, tag); NCCL ignores tags and
@@ -69,21 +69,38 @@ def checks_enabled() -> bool:
     return raw == "1"
 
 
-def _check_device(info: GroupInfo, like: torch.device) -> torch.device:
-    return torch.device("cpu") if info.backend == "gloo" or like.type != "cuda" else like
+# Keyed by the group's name; an entry also holds its group, since a process that destroys its groups and makes
+# new ones reuses their names.
+_HOST_GROUPS: dict = {}
 
 
-def agree(info: GroupInfo, signature: list[int], describe, local_error: str | None, device: torch.device) -> None:
+def host_group(info: GroupInfo) -> dist.ProcessGroup:
+    """A gloo group over the same ranks, for the agreement check: comparing calls over NCCL would need the signature
+    back on the host, a sync that waits for every kernel queued before the call and so stops the host from running
+    ahead of the GPU. Made at the group's first checked call, which every rank of it makes (only its ranks take
+    part: use_local_synchronization)."""
+    if info.backend == "gloo":
+        return info.group
+    entry = _HOST_GROUPS.get(info.group.group_name)
+    if entry is None or entry[0] is not info.group:
+        companion = dist.new_group(list(info.global_ranks), backend="gloo", use_local_synchronization=True)
+        entry = _HOST_GROUPS[info.group.group_name] = (info.group, companion)
+    return entry[1]
+
+
+def agree(info: GroupInfo, signature: list[int], describe, local_error: str | None) -> None:
     """Collective: every rank learns whether any rank failed its local checks or holds a different call.
     Raises the same ValueError on every rank, so no rank is left waiting in a later exchange.
-    `describe(row)` renders one rank's signature for the message."""
-    dev = _check_device(info, device)
-    row = torch.tensor([1 if local_error else 0, *signature], dtype=torch.int64, device=dev)
-    table = all_gather_seq(row, info).cpu().tolist()
+    `describe(row)` renders one rank's signature for the message. Runs on the host (host_group): no GPU sync."""
+    group = host_group(info)
+    row = torch.tensor([1 if local_error else 0, *signature], dtype=torch.int64)
+    rows = [torch.empty_like(row) for _ in range(info.size)]
+    dist.all_gather(rows, row, group=group)
+    table = [r.tolist() for r in rows]
     failed = [r for r, t in enumerate(table) if t[0]]
     if failed:
         messages: list[str | None] = [None] * info.size
-        dist.all_gather_object(messages, local_error, group=info.group)
+        dist.all_gather_object(messages, local_error, group=group)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise ValueError(f"context parallelism: invalid call on {len(failed)} of {info.size} ranks of cp_group: "
                          f"{detail}")

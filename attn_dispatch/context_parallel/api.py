@@ -64,7 +64,7 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
     try:
         infos = _groups(cp_group, cp_global_ranks, cp_comm_type)
     except ValueError as exc:  # still tell the ranks of any usable group, which would otherwise wait
-        _tell_usable_groups(cp_group, exc, q.device if isinstance(q, torch.Tensor) else None)
+        _tell_usable_groups(cp_group, exc)
         raise
     error, groups = None, 1
     try:
@@ -77,7 +77,7 @@ def attention(engine: Engine | None, q: torch.Tensor, k: torch.Tensor, v: torch.
     if checks_enabled():
         signature = _signature(q, k, v, aux, cfg, cp_comm_type, groups)
         for info in infos:
-            agree(info, signature, _describe, error, q.device)
+            agree(info, signature, _describe, error)
     impl = _build(engine, q, k, aux, cfg, cp_comm_type, infos, cp_stream, training, groups)
     learnable = cfg.softmax_type == "learnable"
     return _ContextParallel.apply(impl, cfg.softmax_type, _num_heads(q, cfg), q, k, v,
@@ -88,8 +88,7 @@ SIGNATURE_LEN = 23  # _signature's length, the same for every format
 _FP8_RECIPES = ("delayed", "current")
 
 
-def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_comm_type: str = "p2p",
-                      device: torch.device | None = None) -> None:
+def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_comm_type: str = "p2p") -> None:
     """Raise `error` here and, through the same collective check attention() runs, a ValueError quoting it on
     every other rank of cp_group (which is inside attention() or this function). For callers that validate
     before attention(), so that an error on one rank cannot leave the others waiting."""
@@ -101,7 +100,7 @@ def fail_collectively(error: Exception, *, cp_group, cp_global_ranks=None, cp_co
         message = f"{type(error).__name__}: {error}"
         try:
             for info in infos:
-                agree(info, [0] * SIGNATURE_LEN, _describe, message, device or torch.device("cpu"))
+                agree(info, [0] * SIGNATURE_LEN, _describe, message)
         except ValueError:
             pass  # the collective message, which the other ranks raise; here the original is clearer
     try:
@@ -132,7 +131,7 @@ def _num_heads(q: torch.Tensor, cfg: AttnConfig) -> int:
     return q.shape[HEAD_DIM[cfg.qkv_format]]
 
 
-def _tell_usable_groups(cp_group, error: Exception, device) -> None:
+def _tell_usable_groups(cp_group, error: Exception) -> None:
     """A setup error (unknown comm type, wrong group list) on this rank: run the failing side of the collective
     check on every process group given that has >= 2 ranks, so that their other ranks raise too."""
     if not checks_enabled():
@@ -143,8 +142,7 @@ def _tell_usable_groups(cp_group, error: Exception, device) -> None:
         except ValueError:
             continue
         try:
-            agree(info, [0] * SIGNATURE_LEN, _describe, f"{type(error).__name__}: {error}",
-                  device or torch.device("cpu"))
+            agree(info, [0] * SIGNATURE_LEN, _describe, f"{type(error).__name__}: {error}")
         except ValueError:
             pass
 

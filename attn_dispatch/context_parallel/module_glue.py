@@ -30,7 +30,7 @@ def forward(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Cal
         plan, aux = _prepare(module, q, k, v, args, fp8)
     except Exception as exc:  # noqa: BLE001 - any error here would leave the other ranks waiting in attention()
         fail_collectively(exc, cp_group=group, cp_global_ranks=module.cp_global_ranks,
-                          cp_comm_type=module.cp_comm_type, device=q.device)
+                          cp_comm_type=module.cp_comm_type)
     module.last_decision = plan.decision
     out = attention(plan.engine, q, k, v, aux, plan.cfg, cp_group=group, cp_global_ranks=module.cp_global_ranks,
                     cp_stream=module.cp_stream, cp_comm_type=module.cp_comm_type)
