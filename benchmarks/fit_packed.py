@@ -36,7 +36,8 @@ from build_profile import load_runs, shipped_sources  # noqa: E402
 from evaluate_profile import call_of, evaluate, model_with  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PACKED_FIT = ("held_out/eval_blind_packed_h200_full.json.gz",)  # packed grids looked at: fit data from then on
+PACKED_FIT = ("held_out/eval_blind_packed_h200_full.json.gz",  # packed grids looked at: fit data from then on
+              "held_out/eval_blind_packed_2_h200_full.json.gz")
 ENGINES = ("cudnn_fused:frontend", "flash_attn_2:torch", "flash_attn_4:cute")
 
 
@@ -180,7 +181,7 @@ def main() -> int:
 
 
 def _packed_fields() -> set[str]:
-    return {"packed_lengths", "packed_twin", "varlen_factor", "host_scale"}
+    return {"packed_lengths", "packed_twin", "varlen_factor", "host_scale", "machine_shift"}
 
 
 if __name__ == "__main__":

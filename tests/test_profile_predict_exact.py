@@ -100,6 +100,28 @@ class PlainProfile:
                                      shape=shape_of(kind, sizes, e["fmt"]), host_ms=e.get("host_ms", {}),
                                      gpu_ms=e.get("gpu_ms", {}), work_unwindowed=e.get("work_unwindowed", e["work"])))
 
+    def shift(self, provider, params, machine, other):
+        """log(time on machine / time on other) of the provider: the median over the unpadded calls of this pass and
+        head dim both timed (the same shape), each at least machine_pair_ms on both; 0 with fewer than
+        machine_pairs of them, or a median under machine_shift_min either way."""
+        m = self.model
+        key = ("shift", provider, params.is_training, params.head_dim_qk, machine, other)
+        if key not in self.floors:
+            logs = []
+            if m.machine_shift and machine and other != machine:
+                for a in self.entries:
+                    if (a["machine"] != machine or a["kind"][2] or a["kind"][0] != params.is_training
+                            or round(2.0 ** a["sizes"][0]) != params.head_dim_qk):
+                        continue
+                    for b in self.entries:
+                        if b["machine"] == other and b["shape"] == a["shape"] and provider in a["times"] \
+                                and provider in b["times"] \
+                                and min(a["times"][provider], b["times"][provider]) >= m.machine_pair_ms:
+                            logs.append(math.log(a["times"][provider] / b["times"][provider]))
+            median = statistics.median(logs) if len(logs) >= m.machine_pairs else 0.0
+            self.floors[key] = median if abs(median) >= m.machine_shift_min else 0.0
+        return self.floors[key]
+
     def host(self, provider, kind, machine, skip):
         key = (provider, kind[0], kind[2], machine, skip)
         if key not in self.floors:
@@ -205,10 +227,11 @@ class PlainProfile:
             found = rates[provider] = []
             for dist, e in with_split:
                 gpu = e["gpu_ms"][provider]
+                shift = self.shift(provider, params, machine, e["machine"])
                 if gpu < m.min_rate_gpu_ms and amount_of(provider) > done(e, provider):
-                    fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu)))
+                    fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu) - shift))
                 elif len(found) < m.k:
-                    found.append((dist, math.log(done(e, provider) / gpu)))
+                    found.append((dist, math.log(done(e, provider) / gpu) - shift))
         for dist, _, i in near:
             e = of_kind[i]
             for provider, ms in e["times"].items():
@@ -219,10 +242,11 @@ class PlainProfile:
                     continue
                 host = hosts.setdefault(provider, self.host(provider, kind, own, skip))
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
+                shift = self.shift(provider, params, machine, e["machine"])
                 if ms < m.host_bound * host and amount_of(provider) > done(e, provider):
-                    fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu)))
+                    fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu) - shift))
                 else:
-                    found.append((dist, math.log(done(e, provider) / gpu)))
+                    found.append((dist, math.log(done(e, provider) / gpu) - shift))
         gpus = {}
         for provider, found in rates.items():
             found = found or [fallback[provider]]

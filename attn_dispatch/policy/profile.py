@@ -38,6 +38,7 @@ profile's `masked` entries hold what bench_masks.py measured of such calls (poli
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -116,6 +117,19 @@ class CostModel:
     # 83 calls; benchmarks/fit_packed.py): each engine's varlen kernel over its dense one. Others: 1.
     varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend", 1.13), ("flash_attn_2:torch", 1.05),
                                                     ("flash_attn_4:cute", 1.08))
+    # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
+    # between the two (machine_shifts: the median log time ratio over the dense calls both machines timed, of the same
+    # pass and head dim, each at least machine_pair_ms on both; at least machine_pairs such calls, else no shift; a
+    # shift under machine_shift_min is taken as none: two runs' clocks differ by a few percent (combine_runs)).
+    # The H200 has too few entries of most kinds to predict from its own (min_own), and its engines do not all gain
+    # alike over the H100: flash-attn-4's d256 training steps took 0.86x the H100's time (the two dense d256 calls
+    # both timed), cuDNN's 0.98x and FA2's 0.99x; on the packed grids measured on the H200 (fit data), flash-attn-4's
+    # d256 packed training GPU time was over-predicted from the H100's dense rates by 14-38%, its inference steps
+    # not (benchmarks/results/README.md).
+    machine_shift: bool = True
+    machine_pairs: int = 2
+    machine_pair_ms: float = 1.0
+    machine_shift_min: float = 0.05
 
 
 COST_MODEL = CostModel()
@@ -298,6 +312,34 @@ def tiled_pairs(p: AttentionParams, tile: int) -> int:
     return (total + key_tiles(nq - 1)) * tile * tile
 
 
+def machine_shifts(entries: list[Entry], model: CostModel = COST_MODEL) -> dict[tuple, dict[str, float]]:
+    """(provider, training, head dim, machine) -> {other machine: the median of log(time on machine / time on the
+    other)} over the dense calls of that pass and head dim both machines timed (the same shape), each provider's time
+    at least model.machine_pair_ms on both (GPU-bound), where at least model.machine_pairs such calls exist and the
+    median is at least model.machine_shift_min either way. Padded and packed calls are left out: each run drew its
+    own lengths."""
+    by_shape: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        if not e.kind[2]:
+            by_shape.setdefault(e.shape, []).append(e)
+    found: dict[tuple, list[float]] = {}
+    for same in by_shape.values():  # every pair of entries of one shape on two machines
+        for ea, eb in itertools.permutations(same, 2):
+            a, b = ea.machine, eb.machine
+            if a == b:
+                continue
+            head_dim = round(2.0 ** ea.log2["d_qk"])
+            for provider, ms in ea.times_ms.items():
+                other = eb.times_ms.get(provider)
+                if other is not None and min(ms, other) >= model.machine_pair_ms:
+                    found.setdefault((provider, ea.kind[0], head_dim, a, b), []).append(math.log(ms / other))
+    shifts: dict[tuple, dict[str, float]] = {}
+    for (provider, training, head_dim, a, b), logs in sorted(found.items()):
+        if len(logs) >= model.machine_pairs and abs(statistics.median(logs)) >= model.machine_shift_min:
+            shifts.setdefault((provider, training, head_dim, a), {})[b] = statistics.median(logs)
+    return shifts
+
+
 def _shape(kind: tuple, sizes: tuple[float, ...], fmt: str) -> tuple:
     """What identifies a measured call to the model (leave-one-out leaves out every entry of it, on any machine)."""
     return kind, tuple(round(v, 4) for v in sizes), fmt
@@ -453,6 +495,7 @@ class Profile:
                         self._floors[key] = sorted(self._floors.get(key, []) + [(ms, e.shape)])[:model.floor_rank + 1]
                         self._timed[key] = self._timed.get(key, 0) + 1
                 self.host_ms[(provider, e.kind[0])] = min(self.host_ms.get((provider, e.kind[0]), math.inf), ms)
+        self._machine_shifts = machine_shifts(self.entries, model) if model.machine_shift else {}
         # _host's answers without leave-one-out (what a fresh decision asks), looked up once here; kind[1] unused.
         self._host_floor = {(scope, provider, training, packed): self._host(provider, (training, None, packed), scope)
                             for scope, provider, training, _ in self._floors for packed in (False, True)}
@@ -546,8 +589,10 @@ class Profile:
             if host is not None:
                 split.add(provider)
                 hosts[provider] = host
-                rates[provider] = self._split_rates(provider, entries, order, dist, amounts[provider], fallback)
+                rates[provider] = self._split_rates(provider, entries, order, dist, amounts[provider], fallback,
+                                                    self._shifts_to(provider, params, machine))
         pending = set(self._providers.get(kind, ())) - split  # providers still short of k rates (or a fallback)
+        shifts = {provider: self._shifts_to(provider, params, machine) for provider in pending}
         for i in order:
             if not pending:
                 break
@@ -555,6 +600,7 @@ class Profile:
             for provider, ms in e.times_ms.items():
                 if provider in split:
                     continue
+                shift = shifts[provider].get(e.machine, 0.0)
                 found = rates.setdefault(provider, [])
                 if len(found) >= m.k:
                     continue
@@ -565,9 +611,9 @@ class Profile:
                 gpu = max(ms ** m.combine - host ** m.combine, (0.05 * ms) ** m.combine) ** (1.0 / m.combine)
                 done = e.work_of(provider, m)
                 if ms < m.host_bound * host and amounts[provider] > done:
-                    fallback.setdefault(provider, (dist[i], math.log(done / gpu)))
+                    fallback.setdefault(provider, (dist[i], math.log(done / gpu) - shift))
                     continue
-                found.append((dist[i], math.log(done / gpu)))
+                found.append((dist[i], math.log(done / gpu) - shift))
                 if len(found) >= m.k:
                     pending.discard(provider)
         for provider, found in rates.items():
@@ -589,10 +635,19 @@ class Profile:
                             self.model.host_k))
         return statistics.median(found) * self.model.host_scale if found else None
 
+    def _shifts_to(self, provider: str, params: AttentionParams, machine: str | None) -> dict[str, float]:
+        """Per other machine, log(the provider's time on `machine` / its time there) for calls of this pass and head
+        dim (machine_shifts); empty where none is known."""
+        if not machine or not self._machine_shifts:
+            return {}
+        return self._machine_shifts.get((provider, params.is_training, params.head_dim_qk, machine), {})
+
     def _split_rates(self, provider: str, entries: tuple[Entry, ...], order: list[int], dist: list[float],
-                     amount: float, fallback: dict[str, tuple[float, float]]) -> list[tuple[float, float]]:
-        """(distance, log GPU rate) of the k nearest entries that split the provider's step; a neighbour whose GPU
-        time is under min_rate_gpu_ms gives none to a call of more work (its first one becomes the fallback)."""
+                     amount: float, fallback: dict[str, tuple[float, float]],
+                     shifts: dict[str, float]) -> list[tuple[float, float]]:
+        """(distance, log GPU rate) of the k nearest entries that split the provider's step, each on the asked
+        machine's scale (shifts); a neighbour whose GPU time is under min_rate_gpu_ms gives none to a call of more
+        work (its first one becomes the fallback)."""
         found = []
         for i in order:
             e = entries[i]
@@ -600,10 +655,11 @@ class Profile:
             if gpu is None:
                 continue
             done = e.work_of(provider, self.model)
+            shift = shifts.get(e.machine, 0.0)
             if gpu < self.model.min_rate_gpu_ms and amount > done:
-                fallback.setdefault(provider, (dist[i], math.log(done / gpu)))
+                fallback.setdefault(provider, (dist[i], math.log(done / gpu) - shift))
                 continue
-            found.append((dist[i], math.log(done / gpu)))
+            found.append((dist[i], math.log(done / gpu) - shift))
             if len(found) >= self.model.k:
                 break
         return found
