@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attn_dispatch.benchmarking.cases import (CASE_GRIDS, PACKED_2_SEED, PACKED_SEEDS, SECOND_PACKED, Case,
-                                              _draw_packed, _packed_2_coverage, _packed_coverage)
+from attn_dispatch.benchmarking.cases import (CASE_GRIDS, PACKED_2_SEED, PACKED_3_SEED, PACKED_SEEDS, SECOND_PACKED,
+                                              THIRD_PACKED, Case, _draw_packed, _packed_2_coverage,
+                                              _packed_3_coverage, _packed_coverage)
 
 
 def _shape(case: Case) -> Case:
@@ -46,6 +47,23 @@ def test_the_second_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_f
     others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "eval-blind-packed-2" for c in cases()}
     assert not others & {_shape(c) for c in grid}
     assert {c.d for c in grid} == {64, 96, 128, 192, 256} and max(c.b for c in grid) > 32
+
+
+def test_the_third_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_from_other_ranges():
+    grid = CASE_GRIDS["eval-blind-packed-3"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    assert _packed_3_coverage(_draw_packed(PACKED_3_SEED, 12, THIRD_PACKED))
+    assert not any(_packed_3_coverage(_draw_packed(s, 12, THIRD_PACKED)) for s in range(20261401, PACKED_3_SEED))
+    for c in grid:
+        assert c.fmt == "thd" and len(c.seqlens) == c.b <= 64 and max(c.seqlens) == c.s and c.h % c.hkv == 0
+        assert sum(c.seqlens) <= max(32768, 2 * c.s) and min(c.seqlens) >= 24
+    earlier = CASE_GRIDS["eval-blind-packed"]() + CASE_GRIDS["eval-blind-packed-2"]()
+    assert not {c.s for c in grid} & {c.s for c in earlier}  # other longest lengths; a window of another width
+    assert {c.window[0] for c in grid if c.window} - {c.window[0] for c in earlier if c.window}
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "eval-blind-packed-3" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert {c.d for c in grid} == {64, 96, 128, 192, 256} and max(c.b for c in grid) >= 40
+    assert any(c.d == 256 and c.hkv != c.h and c.mask == "padding_causal" and not c.window for c in grid)
 
 
 def test_a_case_refuses_lengths_that_do_not_fit_it():

@@ -406,6 +406,11 @@ PACKED_SEEDS = (20261202,)
 # up to 48 sequences, lengths from 16 tokens, 24 and 40 heads, other windows, and packs of short sequences with half
 # of them long (bimodal). The seed is the first from 20261301 whose draw covers what _packed_2_coverage asks.
 PACKED_2_SEED = 20261315
+# eval-blind-packed-3: drawn after both packed grids became fit data and the machine shift was fitted, to check them.
+# Other ranges again: longest lengths 640-16384, token budgets 16k and 32k, up to 64 sequences from 24 tokens, 20, 28
+# and 48 heads, windows 96-2048 (2048 as in the first grid). The seed is the first from 20261401 whose draw covers
+# what _packed_3_coverage asks.
+PACKED_3_SEED = 20261402
 
 
 @dataclass(frozen=True)
@@ -436,6 +441,12 @@ SECOND_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 24
                              patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                              kinds=("causal", "causal", "plain", "causal-window", "two-sided"),
                              windows=(64, 256, 768, 1536), prefix="pq")
+THIRD_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20, 28, 32, 48),
+                            longest=(640, 1280, 2304, 4608, 6144, 10240, 16384), budgets=(16384, 32768),
+                            max_sequences=64, shortest=24,
+                            patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                            kinds=("causal", "causal", "plain", "causal-window", "two-sided"),
+                            windows=(96, 384, 1024, 2048), prefix="pr")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -503,6 +514,13 @@ def _packed_2_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 128 and c.hkv != c.h and c.mask == "padding_causal" and not c.window for c in shapes))
 
 
+def _packed_3_coverage(shapes: list[Case]) -> bool:
+    """The second grid's coverage, and a d256 causal GQA pack without a window (the kind the second grid's worst
+    row was) and one of 40 sequences or more."""
+    return (_packed_2_coverage(shapes) and max(c.b for c in shapes) >= 40
+            and any(c.d == 256 and c.hkv != c.h and c.mask == "padding_causal" and not c.window for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -511,6 +529,11 @@ def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
 def eval_packed_2_cases() -> list[Case]:
     """12 packed shapes of SECOND_PACKED, each in training and inference (24 rows)."""
     return _both(_draw_packed(PACKED_2_SEED, 12, SECOND_PACKED))
+
+
+def eval_packed_3_cases() -> list[Case]:
+    """12 packed shapes of THIRD_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_3_SEED, 12, THIRD_PACKED))
 
 
 def smoke_cases() -> list[Case]:
@@ -524,4 +547,5 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               **{f"eval-blind{i + 1}": (lambda s=seed: eval_blind_cases(s)) for i, seed in enumerate(BLIND_SEEDS) if i},
               "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
-              "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases}
+              "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
+              "eval-blind-packed-3": eval_packed_3_cases}
