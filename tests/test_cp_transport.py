@@ -1,5 +1,6 @@
 """Which ring transport a group gets (copy_engine.ring_for): the environment variable is validated, NCCL/gloo
-send-recv is kept where the copy engines cannot run, and forcing them there raises with the reason."""
+send-recv is kept where the copy engines cannot run, and forcing them there raises with the reason. Where the
+copy-engine ring places the pieces of a hop."""
 from __future__ import annotations
 
 import datetime
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from attn_dispatch.context_parallel import copy_engine
-from attn_dispatch.context_parallel._comm import Ring, group_info
+from attn_dispatch.context_parallel._comm import TAG_DK, TAG_DV, TAG_K, TAG_V, Ring, group_info
 from spawn_ranks import free_port
 
 
@@ -64,3 +65,43 @@ def test_explanations_say_how_ring_hops_travel(monkeypatch):
     assert describe("nccl", bad, cuda).startswith("ring hops: none, the call raises")
     monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nccl")
     assert describe("nccl", ok, cuda) == "ring hops: NCCL's send/recv (ATTN_DISPATCH_CP_TRANSPORT=nccl)"
+
+
+def _ring_over_host_pool(half_bytes: int, starts: int) -> copy_engine.CopyEngineRing:
+    """A CopyEngineRing whose pool is a host buffer: its layout rules, without symmetric memory."""
+    ring = object.__new__(copy_engine.CopyEngineRing)
+    ring.slots = {}
+    ring.stream, ring.device = object(), torch.device("cpu")  # a stream is only passed along
+    ring.pool = SimpleNamespace(local=torch.zeros(2 * half_bytes, dtype=torch.uint8), half_bytes=half_bytes,
+                                starts=starts, reserve=lambda nbytes, stream: None)
+    return ring
+
+
+def test_slots_follow_tag_order_and_received_pieces_sit_where_the_next_start_sends_them():
+    k = torch.empty(4, 8, dtype=torch.bfloat16)          # 64 bytes, aligned to 256
+    dk = torch.empty(4, 8, dtype=torch.float32)          # 128 bytes
+    for starts in (0, 1, 6):
+        ring = _ring_over_host_pool(4 * 256, starts)
+        ring.reserve([(TAG_DK, dk.shape, dk.dtype), (TAG_K, k.shape, k.dtype), (TAG_V, k.shape, k.dtype),
+                      (TAG_DV, dk.shape, dk.dtype)])
+        assert ring.slots == {TAG_K: 0, TAG_V: 256, TAG_DK: 512, TAG_DV: 768}
+        received = [ring.receive_buffer(tag, t.shape, t.dtype, t.device)
+                    for tag, t in ((TAG_K, k), (TAG_V, k), (TAG_DK, dk))]
+        pieces = [(t, tag) for t, tag in zip(received, (TAG_K, TAG_V, TAG_DK))]
+        ring.pool.starts += 1  # the start that fills them has run; the next one sends them on
+        base = (ring.pool.starts % 2) * ring.pool.half_bytes
+        offsets = ring._layout(pieces)
+        assert offsets == [0, 256, 512]
+        for (t, _), off in zip(pieces, offsets):
+            assert copy_engine._view(ring.pool.local, base + off, t).data_ptr() == t.data_ptr()
+
+
+def test_unknown_tags_or_oversized_pieces_are_packed_one_after_another():
+    ring = _ring_over_host_pool(2 * 256, 0)
+    ring.reserve([(TAG_K, torch.Size([8]), torch.float32)])
+    small = torch.empty(8)
+    assert ring._layout([(small, TAG_K), (small, TAG_V)]) == [0, 256]  # TAG_V has no slot
+    assert ring.receive_buffer(TAG_V, small.shape, small.dtype, small.device).data_ptr() != \
+        ring.pool.local.data_ptr() + 256  # no slot: memory of its own
+    with pytest.raises(RuntimeError, match="exceeds"):
+        ring._layout([(torch.empty(600, dtype=torch.uint8), 99)])

@@ -121,8 +121,14 @@ class Ring:
         self.info = info
         self.stream = stream
 
-    def reserve(self, pieces: list[tuple[torch.Size, torch.dtype]]) -> None:
-        """The most one start will send (shapes and dtypes, the same on every rank); NCCL needs no buffer."""
+    def reserve(self, pieces: list[tuple[int, torch.Size, torch.dtype]]) -> None:
+        """The most one start will send, as (tag, shape, dtype), the same on every rank; NCCL needs no buffer."""
+
+    def receive_buffer(self, tag: int, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An empty tensor for the next start() to receive `tag` into. Where the transport keeps its own buffers
+        (copy_engine) it is one of them, from which a later start sends it on without a copy: it is then valid
+        until the second start() after the one that fills it."""
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
               send_to: int | None = None, recv_from: int | None = None) -> list:

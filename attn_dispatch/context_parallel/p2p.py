@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..backends.base import AttnAux, AttnConfig, Engine
-from ._comm import TAG_DK, TAG_K, GroupInfo, Ring
+from ._comm import TAG_DK, TAG_DV, TAG_K, TAG_V, GroupInfo, Ring
 from ._layout import LSE_SEQ_DIM, SEQ_DIM, Halves
 from .merge import BlockState, acc_dtype, add_sink, merge_to, sink_grad
 
@@ -108,6 +108,11 @@ class Pair:
     def empty_like(self) -> "Pair":
         return Pair(tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.buffers))
 
+    def received(self, ring: Ring, tag: int) -> "Pair":
+        """Empty buffers like this pair's for ring's next start to receive into (Ring.receive_buffer: valid until
+        the second start after that one)."""
+        return Pair(tuple(ring.receive_buffer(tag + i, t.shape, t.dtype, t.device) for i, t in enumerate(self.buffers)))
+
     def tagged(self, tag: int) -> list[tuple[torch.Tensor, int]]:
         return [(t, tag + i) for i, t in enumerate(self.buffers)]
 
@@ -128,7 +133,8 @@ def ring_forward(engine: Engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         src = (info.rank - step) % info.size
         pending, nxt = [], None
         if step + 1 < info.size:  # issue the next step's transfer before this step's compute
-            nxt = kv.empty_like()
+            # the last K/V received is kept for the backward: in memory of its own, not the ring's
+            nxt = kv.empty_like() if step + 2 == info.size else kv.received(ring, TAG_K)
             pending = ring.start(kv.tagged(TAG_K), nxt.tagged(TAG_K))
         kind = plan.kind(src, info.rank)
         qb, kb, vb = _block_inputs(kind, q, q_second, kv, halves)
@@ -213,13 +219,13 @@ def ring_backward(engine: Engine, dout: torch.Tensor, q: torch.Tensor, k: torch.
         diagonal = t == size - 1
         sends, recvs, nxt, incoming = [], [], None, None
         if t + 1 < size - 1:  # the next step's K/V; the diagonal uses this rank's own
-            nxt = kv.empty_like()
+            nxt = kv.received(ring, TAG_K)
             sends += kv.tagged(TAG_K)
             recvs += nxt.tagged(TAG_K)
         if t > 0:  # pass on the previous block's sum; receive this block's, from the ranks that held it before
             in_rows = _sum_rows(plan, src, size)
-            incoming = Pair(tuple(torch.empty(_rows_shape(x, in_rows, halves), dtype=d.dtype, device=x.device)
-                                  for x, d in zip((k, v), dkv.parts)))
+            incoming = Pair(tuple(ring.receive_buffer(TAG_DK + i, _rows_shape(x, in_rows, halves), d.dtype, x.device)
+                                  for i, (x, d) in enumerate(zip((k, v), dkv.parts))))
             sends += dkv.tagged(TAG_DK)
             recvs += incoming.tagged(TAG_DK)
         pending = ring.start(sends, recvs, **backward_ring)
@@ -303,10 +309,10 @@ class P2PAttention:
         self.engine, self.plan, self.info, self.ring, self.training = engine, plan, info, ring, training
 
     def forward(self, q, k, v, sink):
-        pieces = [(k.shape, k.dtype), (v.shape, v.dtype)]
+        pieces = [(TAG_K, k.shape, k.dtype), (TAG_V, v.shape, v.dtype)]
         if self.training:  # the backward sends K/V and a dK/dV sum (full rows at most) in one hop
             sum_dtype = q.dtype if self.info.size == 2 else acc_dtype(q)
-            pieces += [(k.shape, sum_dtype), (v.shape, sum_dtype)]
+            pieces += [(TAG_DK, k.shape, sum_dtype), (TAG_DV, v.shape, sum_dtype)]
         self.ring.reserve(pieces)
         out, lse, states, held = ring_forward(self.engine, q, k, v, sink, self.plan, self.info, self.ring)
         return out, (q, k, v, out, lse, *held.buffers), states

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..backends.base import AttnAux, AttnConfig, Engine
-from ._comm import TAG_DK, TAG_K, GroupInfo, Ring
+from ._comm import TAG_DK, TAG_DV, TAG_K, TAG_V, GroupInfo, Ring
 from ._layout import LSE_SEQ_DIM, SEQ_DIM
 from ..constraints.cp_bands import Band, chunk_bands, steps_needed
 from .merge import BlockState, acc_dtype, add_sink, merge_, sink_grad
@@ -49,9 +49,9 @@ class WindowP2PAttention:
 
     def forward(self, q, k, v, sink):
         plan, fmt = self.plan, self.plan.fmt
-        pieces = [(k.shape, k.dtype), (v.shape, v.dtype)]
+        pieces = [(TAG_K, k.shape, k.dtype), (TAG_V, v.shape, v.dtype)]
         if self.training:  # the backward sends K/V and a float32 dK/dV sum in one hop
-            pieces += [(k.shape, acc_dtype(q)), (v.shape, acc_dtype(q))]
+            pieces += [(TAG_DK, k.shape, acc_dtype(q)), (TAG_DV, v.shape, acc_dtype(q))]
         self.ring.reserve(pieces)
         kv = Pair.of(k, v)
         acc = acc_dtype(q)

@@ -2,7 +2,7 @@
 transports gives bitwise the same output (a transport moves bytes, it does no arithmetic; forward kernels are
 deterministic) and gradients within the backward kernels' own run-to-run spread (their dq sums use atomics), and the
 whole-sequence float64 reference agrees with both. A hop that read a buffer being rewritten
-would be far off. Causal p2p and a windowed ring wider than a chunk, on 4 GPUs where visible, else 2."""
+would be far off. Two calls run their forwards before their backwards, as a model's layers do. Causal p2p and a windowed ring wider than a chunk, on 4 GPUs where visible, else 2."""
 from __future__ import annotations
 
 import os
@@ -41,18 +41,23 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             got = {}
             for transport in ("nccl", "copy_engine"):
                 os.environ[copy_engine.TRANSPORT_ENV] = transport
+                # two layers, both forwards before both backwards, as a model runs them: the second call's hops
+                # reuse the ring's buffers while the first call's saved tensors wait for its backward
                 q, k, v = (t.clone().requires_grad_() for t in local[:3])
+                q2, k2, v2 = (t.clone().requires_grad_() for t in (local[1], local[2], local[0]))
                 out = cp.attention(None, q, k, v, AttnAux(), cfg, cp_group=dist.group.WORLD, cp_comm_type=comm)
-                out.backward(local[3])
-                got[transport] = [out.detach(), q.grad, k.grad, v.grad]
-            same = torch.equal(got["nccl"][0], got["copy_engine"][0])
+                out2 = cp.attention(None, q2, k2, v2, AttnAux(), cfg, cp_group=dist.group.WORLD, cp_comm_type=comm)
+                torch.autograd.backward([out2, out], [local[3], local[3]])
+                got[transport] = [out.detach(), q.grad, k.grad, v.grad, out2.detach(), q2.grad, k2.grad, v2.grad]
+            same = torch.equal(got["nccl"][0], got["copy_engine"][0]) and \
+                torch.equal(got["nccl"][4], got["copy_engine"][4])
             apart = [float((a.double() - b.double()).norm() / b.double().norm())
-                     for a, b in zip(got["nccl"][1:], got["copy_engine"][1:])]
+                     for i, (a, b) in enumerate(zip(got["nccl"], got["copy_engine"])) if i % 4]
             leaves = [t.double().requires_grad_() for t in whole[:3]]
             ref, _ = reference_attention(*leaves, attn_mask_type="causal", window_size=window, softmax_scale=d ** -0.5)
             ref.backward(whole[3].double())
             refs = [cp.shard(t, "bshd", world, rank) for t in (ref.detach(), *(x.grad for x in leaves))]
-            errs = [float((a.double() - b).norm() / b.norm()) for a, b in zip(got["copy_engine"], refs)]
+            errs = [float((a.double() - b).norm() / b.norm()) for a, b in zip(got["copy_engine"][:4], refs)]
             results.append({"case": f"{comm} {window}", "out_bitwise_same": same, "grads_apart": apart,
                             "rel_errors": errs})
         os.environ[copy_engine.TRANSPORT_ENV] = "auto"
