@@ -2,7 +2,8 @@
 transports gives bitwise the same output (a transport moves bytes, it does no arithmetic; forward kernels are
 deterministic) and gradients within the backward kernels' own run-to-run spread (their dq sums use atomics), and the
 whole-sequence float64 reference agrees with both. A hop that read a buffer being rewritten
-would be far off. Two calls run their forwards before their backwards, as a model's layers do. Causal p2p and a windowed ring wider than a chunk, on 4 GPUs where visible, else 2."""
+would be far off. Two calls run their forwards before their backwards, as a model's layers do. Causal p2p and a
+windowed ring wider than a chunk, on 4 GPUs where visible, else 2."""
 from __future__ import annotations
 
 import os
