@@ -49,17 +49,27 @@ class CallArgs(NamedTuple):
     fp8_output: bool = False
 
     def plan_key(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, training: bool,
-                 deterministic: bool) -> tuple:
+                 deterministic: bool, kv_cut: tuple[int, int] | None = None) -> tuple:
         """The static facts a plan depends on (tensor contents aside: those are re-checked per call). Only for
-        calls that plan through selection: inference_params and fp8_output have been routed away by then."""
+        calls that plan through selection: inference_params and fp8_output have been routed away by then.
+        kv_cut (dim, length): the key of the same call with its keys and values cut to `length` keys along their
+        dim `dim`, and so the last dim of a mask or bias of the keys' length (inputs.decode_bucket_cut), without
+        making the cut tensors."""
         window = tuple(self.window_size) if isinstance(self.window_size, list) else self.window_size
         bias = self.core_attention_bias
-        return (self.qkv_format, self.attn_mask_type, window, q.shape, k.shape, v.shape, q.dtype, k.dtype,
+        k_shape, v_shape = k.shape, v.shape
+        mask_sig, bias_sig = arg_signature(self.attention_mask), None if bias is None else arg_signature(bias, True)
+        if kv_cut is not None:
+            dim, length = kv_cut
+            skv = k_shape[dim]
+            k_shape, v_shape = (s[:dim] + (length,) + s[dim + 1:] for s in (k_shape, v_shape))
+            mask_sig, bias_sig = (sig if sig is None or sig[0][-1] != skv else (sig[0][:-1] + (length,),) + sig[1:]
+                                  for sig in (mask_sig, bias_sig))
+        return (self.qkv_format, self.attn_mask_type, window, q.shape, k_shape, v_shape, q.dtype, k.dtype,
                 v.dtype, q.device, k.device, v.device, self.max_seqlen_q, self.max_seqlen_kv,
                 self.cu_seqlens_q is None, self.cu_seqlens_kv is None, self.cu_seqlens_q_padded is None,
-                self.cu_seqlens_kv_padded is None, self.pad_between_seqs, arg_signature(self.attention_mask),
-                self.core_attention_bias_type, None if bias is None else arg_signature(bias, grad=True),
-                arg_signature(self.alibi_slopes), training, deterministic)
+                self.cu_seqlens_kv_padded is None, self.pad_between_seqs, mask_sig,
+                self.core_attention_bias_type, bias_sig, arg_signature(self.alibi_slopes), training, deterministic)
 
     def replace(self, **changes: Any) -> "CallArgs":
         return self._replace(**changes)

@@ -114,12 +114,13 @@ def decided_kv_length(fmt: str, max_q: int, max_kv: int, training: bool) -> int:
     return -(-max_kv // DECODE_KV_STEP) * DECODE_KV_STEP
 
 
-def decode_bucket_call(fmt: str, q, k, v, args: CallArgs, training: bool):
-    """(k, v, args) of a one-query inference step decided per DECODE_KV_STEP keys, cut to the first key length of
-    its bucket; None for any other call. Every call of a bucket cuts to the same shapes exactly when the calls differ
-    only in the key length, which every key-length dim holds (the keys', the values', a mask's or bias's last), so
-    they validate alike and are decided alike (decided_kv_length): the cut call's plan key names the one plan they
-    share. A dim that disagrees with the keys' length is left to the full path, which says what is wrong."""
+def decode_bucket_cut(fmt: str, q, k, v, args: CallArgs, training: bool) -> tuple[int, int] | None:
+    """(the keys' dim, the first key length of its bucket) for a one-query inference step decided per DECODE_KV_STEP
+    keys; None for any other call. Every call of a bucket cut there (CallArgs.plan_key's kv_cut) has the same key
+    exactly when the calls differ only in the key length, which every key-length dim holds (the keys', the values',
+    a mask's or bias's last), so they validate alike and are decided alike (decided_kv_length): the cut call's plan
+    key names the one plan they share. A dim that disagrees with the keys' length is left to the full path, which
+    says what is wrong."""
     if training or fmt == "thd" or args.max_seqlen_kv is not None:
         return None
     dim = 1 if fmt == "bshd" else 0
@@ -129,16 +130,10 @@ def decode_bucket_call(fmt: str, q, k, v, args: CallArgs, training: bool):
             return None
     except (AttributeError, IndexError):  # not tensors of the format's rank: the full path says so
         return None
-    first = decided_kv_length(fmt, sq, skv, training) - DECODE_KV_STEP + 1
-    cut = {}
-    for name in ("attention_mask", "core_attention_bias"):
-        x = getattr(args, name)
-        if isinstance(x, torch.Tensor):
-            if x.dim() == 0 or x.shape[-1] not in (1, skv):
-                return None
-            if x.shape[-1] == skv:
-                cut[name] = x.narrow(-1, 0, first)
-    return k.narrow(dim, 0, first), v.narrow(dim, 0, first), args._replace(**cut) if cut else args
+    for x in (args.attention_mask, args.core_attention_bias):
+        if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[-1] not in (1, skv)):
+            return None
+    return dim, decided_kv_length(fmt, sq, skv, training) - DECODE_KV_STEP + 1
 
 
 def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq: SeqInfo,

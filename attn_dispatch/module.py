@@ -479,14 +479,14 @@ class DotProductAttention(torch.nn.Module):
     def _make_plan(self, plans: PlanCache, key: PlanKey, entry: inputs.Entry, seq, q, k, v, args: CallArgs,
                    fp8: tuple | None) -> inputs.Plan:
         """The slow path's plan for a call (the same description explain() answers), stored under key. A one-query
-        step over a growing cache takes the plan its key-length bucket already has (inputs.decode_bucket_call: the
+        step over a growing cache takes the plan its key-length bucket already has (inputs.decode_bucket_cut: the
         calls of a bucket validate and decide alike), so a new token costs no new plan; its own sequence facts and
         aux are still its own."""
         bucket = None
         if fp8 is None and not entry.dynamic:
-            cut = inputs.decode_bucket_call(entry.fmt, q, k, v, args, self.training)
+            cut = inputs.decode_bucket_cut(entry.fmt, q, k, v, args, self.training)
             if cut is not None:
-                bucket = cut[2].plan_key(q, cut[0], cut[1], self.training, _deterministic_now())
+                bucket = args.plan_key(q, k, v, self.training, _deterministic_now(), kv_cut=cut)
         known = None if bucket is None else plans.decode.get(bucket)
         if len(entry.plans) >= inputs.MAX_DYNAMIC_PLANS:
             del entry.plans[next(iter(entry.plans))]
@@ -515,48 +515,47 @@ class DotProductAttention(torch.nn.Module):
             cached = self._alibi_cache[device] = validation.default_alibi_slopes(self._spec.num_heads).to(device)
         return cached
 
-    def _attend_bhsd(self, q, k, v):
-        """The SDPA function's cached path for q, k, v-only calls: [b, h, s, d] tensors in, [b, h, sq, d_v] out, the
-        torch provider's op bound to them (no bshd views either way); None unless this signature's plan was used
-        twice through _attend_unmerged (with bhsd=) and its engine binds such a call."""
+    def _attend_bhsd(self, q, k, v, call: CallArgs = QKV_ONLY):
+        """The SDPA function's cached path: [b, h, s, d] tensors in, [b, h, sq, d_v] out, the engine's call bound to
+        them (no bshd views either way); None unless this signature's plan was bound through _attend_unmerged (with
+        bhsd=): a q, k, v-only call once its plan was used twice, a masked inference call (`call`, the SDPA
+        function's CallArgs for its mask) once, where the engine binds such a call."""
         if self.cp_group is not None or (_FP8_REGIONS[0] and self._fp8_dpa) or _is_compiling():
             return None
-        call, plan = self._plans.bhsd_call(q, k, v, self.training)
-        if call is None:
+        bound, plan = self._plans.bhsd_call(q, k, v, self.training, call)
+        if bound is None:
             return None
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision
-        return call(q, k, v)
+        return bound(q, k, v)
 
-    def _attend_unmerged(self, q, k, v, attention_mask=None, attn_mask_type=None,
-                         core_attention_bias_type: str = "no_bias", core_attention_bias=None, cu_seqlens_q=None,
-                         cu_seqlens_kv=None, window_size=None, bhsd: tuple | None = None):
-        """forward's work for a bshd call, returning [b, s, h, d_v] in the engine's own memory order, heads not
-        merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways. A call
-        with only q, k, v takes the cached path once its signature has been planned, as forward's does; bhsd (the
-        [b, h, s, d] tensors q, k, v are views of) then binds the plan for _attend_bhsd."""
-        only_qkv = attention_mask is None and attn_mask_type is None and core_attention_bias_type == "no_bias" \
-            and core_attention_bias is None and cu_seqlens_q is None and cu_seqlens_kv is None and window_size is None
-        if only_qkv:
-            if self._plans.fast and not _is_compiling():
-                out = self._fast_forward(q, k, v, merged=False)
-                if out is not _MISS:
-                    if bhsd is not None:
-                        self._plans.remember_bhsd(*bhsd, self.training, bind=not self.return_max_logit)
-                    return out
-            args = QKV_ONLY
-        else:
-            args = CallArgs(attention_mask=attention_mask, attn_mask_type=attn_mask_type,
-                            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, window_size=window_size)
+    def _attend_unmerged(self, q, k, v, args: CallArgs = QKV_ONLY, bhsd: tuple | None = None):
+        """forward's work for a bshd call (forward's keywords after q, k, v as `args`: attention_mask, the mask
+        type, a bias, cu_seqlens and a window at most), returning [b, s, h, d_v] in the engine's own memory order,
+        heads not merged: the SDPA function's path, whose [b, h, s, d] callers would otherwise pay a copy both ways.
+        A call with only q, k, v takes the cached path once its signature has been planned, as forward's does; bhsd
+        (the [b, h, s, d] tensors q, k, v are views of) then binds the plan for _attend_bhsd, and so does a masked
+        inference call's."""
+        only_qkv = args is QKV_ONLY
+        if only_qkv and self._plans.fast and not _is_compiling():
+            out = self._fast_forward(q, k, v, merged=False)
+            if out is not _MISS:
+                if bhsd is not None:
+                    self._plans.remember_bhsd(*bhsd, self.training, bind=not self.return_max_logit)
+                return out
+        bind_masked = bhsd is not None and not only_qkv and args.attention_mask is not None \
+            and self.cp_group is None and not self.return_max_logit
         for attempt in (0, 1):
             plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision
+            # a masked inference call the engine binds: bound now (the other layers of a decode step repeat it
+            # through _attend_bhsd), and this call runs the bound call too
+            bound = self._plans.remember_masked_bhsd(plan, aux, *bhsd, self.training, args) if bind_masked else None
             with self._dropout_ctx():
                 if plan.cfg.dropout_p > 0.0:
                     aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
                 try:
-                    out = plan.engine(q, k, v, aux, plan.cfg)[0]
+                    out = plan.engine(q, k, v, aux, plan.cfg)[0] if bound is None else bound(*bhsd).transpose(1, 2)
                 except EngineRefused:  # recorded by the engine: selecting again moves on (see _dispatch)
                     if attempt:
                         raise

@@ -10,9 +10,11 @@ as they were when the plans were made):
   each side, gaps, differing lengths), re-derived per call for packed and padded calls. LRU-bounded.
 - `fast`: calls whose arguments hold no per-call data (call_args.is_cacheable), keyed by shapes, dtypes, devices,
   training and requires_grad, each with its engine call bound to the tensors it was validated on (`last` is the
-  last one used, checked first); `bhsd_last` the same for the SDPA function's [b, h, s, d] tensors.
+  last one used, checked first); `bhsd_last` the same for the SDPA function's [b, h, s, d] tensors: its q, k,
+  v-only calls, and the repeats of an inference call with a bool mask (one CallArgs object per mask tensor, which
+  every layer of a step passes: the same object and the mask unwritten, checked by identity and version).
 - `decode`: a one-query step's key-length bucket (the plan key of the call cut to the bucket's first length,
-  inputs.decode_bucket_call) -> (its plan, the last exact key that used it), so that each new length of a growing
+  inputs.decode_bucket_cut) -> (its plan, the last exact key that used it), so that each new length of a growing
   cache takes the bucket's plan instead of validating and selecting again.
 - `context_parallel` and `kv_cache`: AttentionParams -> Plan for those paths, whose params are built per call.
 
@@ -27,7 +29,7 @@ import threading
 from typing import Any, NamedTuple
 
 from .backends.base import AttnAux, takes_cached_path
-from .call_args import CallArgs
+from .call_args import QKV_ONLY, CallArgs
 from .freshness import current_stamp
 from .inputs import FastHit, Plan, tensor_guard
 
@@ -59,7 +61,8 @@ class PlanCache:
         self.entries: dict[PlanKey, Any] = {}  # -> inputs.Entry (its plans by sequence facts)
         self.fast: dict[tuple, FastHit] = {}
         self.last: tuple = (None, None, None, None)  # (tensor guard, training, FastHit, CallArgs)
-        self.bhsd_last: tuple = (None, None)  # (training, FastHit with a bhsd call)
+        # (training, FastHit with a bhsd call, the CallArgs it serves, the version of that CallArgs' mask or None)
+        self.bhsd_last: tuple = (None, None, None, None)
         self.decode: dict[tuple, tuple] = {}  # bucket key -> (Plan, the last exact PlanKey it served)
         self.context_parallel: dict = {}
         self.kv_cache: dict = {}
@@ -81,7 +84,7 @@ class PlanCache:
         self.entries.clear()
         self.fast.clear()
         self.last = (None, None, None, None)
-        self.bhsd_last = (None, None)
+        self.bhsd_last = (None, None, None, None)
         self.decode.clear()
         self.context_parallel.clear()
         self.kv_cache.clear()
@@ -125,15 +128,19 @@ class PlanCache:
         self.fast[fast_key(q, k, v, training, call)] = hit
         self.last = (hit.guard, training, hit, call)
 
-    def bhsd_call(self, q, k, v, training: bool):
-        """The SDPA function's bound call for [b, h, s, d] tensors, with its plan; (None, None) where none stands."""
-        last_training, hit = self.bhsd_last
-        if hit is None or last_training is not training:
+    def bhsd_call(self, q, k, v, training: bool, call: CallArgs = QKV_ONLY):
+        """The SDPA function's bound call for [b, h, s, d] tensors with arguments `call` (QKV_ONLY, or a masked
+        call's CallArgs object by identity, its mask unwritten since), with its plan; (None, None) where none
+        stands."""
+        last_training, hit, last_call, mask_version = self.bhsd_last
+        if hit is None or last_training is not training or last_call is not call:
             return None, None
-        guard, call = hit.bhsd
+        if mask_version is not None and call.attention_mask._version != mask_version:
+            return None, None
+        guard, bound = hit.bhsd
         if not self.stands(hit) or not guard(q, k, v):
             return None, None
-        return call, hit.plan
+        return bound, hit.plan
 
     def remember_bhsd(self, q4, k4, v4, training: bool, bind: bool) -> None:
         """After a cached q, k, v-only call of the SDPA path: bind its plan to the [b, h, s, d] tensors q4, k4, v4
@@ -148,7 +155,32 @@ class PlanCache:
                 call = hit.plan.engine.bind_fast(q4, k4, v4, hit.aux, hit.plan.cfg, layout="bhsd")
             hit.bhsd = (guard, call) if call is not None else False
         if hit.bhsd:
-            self.bhsd_last = (training, hit)
+            self.bhsd_last = (training, hit, QKV_ONLY, None)
+
+    def remember_masked_bhsd(self, plan: Plan, aux: AttnAux, q4, k4, v4, training: bool, call: CallArgs):
+        """For an SDPA-path call whose one per-call tensor is a bool mask (call.attention_mask; no gradients,
+        dropout, bias or sequence offsets): its plan bound to the [b, h, s, d] tensors q4, k4, v4 and to that mask,
+        kept for the repeats that pass the same CallArgs object (the other layers of a decode step), and returned
+        (q4, k4, v4 -> [b, h, sq, d_v]); None where the engine binds no such call."""
+        mask = call.attention_mask
+        if training or mask is None or aux.attention_mask is not mask or q4.requires_grad or k4.requires_grad \
+                or v4.requires_grad or not takes_cached_path(aux, plan.cfg, mask_kept=True):
+            return None
+        try:
+            version = mask._version
+        except RuntimeError:  # an inference tensor: no version counter to tell an in-place write
+            return None
+        guard = tensor_guard(q4, k4, v4)
+        bound = None if guard is None else plan.engine.bind_fast(q4, k4, v4, aux, plan.cfg, layout="bhsd")
+        if bound is not None:
+            hit = FastHit(plan, aux, aux.max_seqlen_q, aux.max_seqlen_kv, bhsd=(guard, bound))
+            self.bhsd_last = (training, hit, call, version)
+        return bound
+
+    def forget_masked(self, call: CallArgs) -> None:
+        """The mask of `call` died: its bound call (and what it holds of the mask) goes."""
+        if self.bhsd_last[2] is call:
+            self.bhsd_last = (None, None, None, None)
 
     # --- plans of the context-parallel and KV-cache paths ----------------------------------------------------
     def by_params(self, store: dict, params, make) -> Plan:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .document_masks import documents
 from .tensor_cache import cached_on
@@ -47,8 +48,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     `softcap` (0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does; `mask_mod`
     ((b, h, q_idx, kv_idx) -> bool, ANDed with the mask) and `score_mod` ((score, b, h, q_idx, kv_idx) -> score)
     are FlexAttention's modifiers, which only the flex_attention engine runs."""
-    module, kwargs, _, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                     enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
+    module, _, args, _, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                      enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
         return varlen_attention(query, key, value, packed, dropout_p, scale, enable_gqa, softcap=softcap)
     if layout is not None:  # keys (and queries) starting inside the row: thd views with offsets
@@ -58,14 +59,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             out = F.pad(out, (0, 0, layout.q_skip, 0))  # rows before the first sequence: fully masked, 0
         b, h, sq = query.shape[:3]
         return out.view(b, sq, h, -1).transpose(1, 2)
-    bhsd = None
-    if not kwargs:  # a plain causal / no-mask call: the op bound to these [b, h, s, d] tensors, once planned
-        out = module._attend_bhsd(query, key, value)
-        if out is not None:
-            return out
-        bhsd = (query, key, value)
-    out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs,
-                                  bhsd=bhsd)
+    # the engine's call bound to these [b, h, s, d] tensors, once planned: a plain causal / no-mask call's, or
+    # (the same CallArgs object: the other layers of a decode step) a bool mask's
+    out = module._attend_bhsd(query, key, value, args)
+    if out is not None:
+        return out
+    out = module._attend_unmerged(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), args,
+                                  bhsd=(query, key, value))
     return out.transpose(1, 2)  # [b, h, sq, d_v]: no copy where the engine wrote that order
 
 
@@ -88,8 +88,9 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
                  score_mod=None) -> Decision:
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
     say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
-    module, kwargs, note, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                        enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
+    module, kwargs, _, note, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal,
+                                                           scale, enable_gqa, recognize_masks, softcap, mask_mod,
+                                                           score_mod)
     if packed is not None:
         decision = module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd",
                                   attn_mask_type="padding_causal", cu_seqlens_q=packed, cu_seqlens_kv=packed)
@@ -117,11 +118,13 @@ def _thd_kwargs(layout: PaddingLayout) -> dict[str, Any]:
 
 
 class _Translation(NamedTuple):
-    """A call in the module's terms: the module, forward's keywords for a bshd call, how a bool mask was read
-    (a note for explain), and the thd routes a recognised mask takes instead (packed cu_seqlens, a padding layout)."""
+    """A call in the module's terms: the module, forward's keywords for a bshd call (as keywords for explain, and as
+    the one CallArgs forward's path hands the module: QKV_ONLY where there are none), how a bool mask was read (a
+    note for explain), and the thd routes a recognised mask takes instead (packed cu_seqlens, a padding layout)."""
 
     module: Any
     kwargs: dict
+    args: CallArgs
     note: Any
     packed: torch.Tensor | None
     layout: PaddingLayout | None
@@ -152,9 +155,13 @@ def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                 return last[3]
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks, softcap, mask_mod, score_mod)
-    translation = _Translation(module, kwargs, kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
-                               kwargs.pop("padding_layout", None))
+    note, packed, layout = (kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
+                            kwargs.pop("padding_layout", None))
+    translation = _Translation(module, kwargs, CallArgs(**kwargs) if kwargs else QKV_ONLY, note, packed, layout)
     if memo is not None:
+        previous = _LAST_MASKED[0]
+        if previous is not None:  # its bound call goes with it: a module keeps none past its translation
+            previous[3].module._plans.forget_masked(previous[3].args)
         _LAST_MASKED[0] = (weakref.ref(attn_mask, _forget_last_masked), memo, module._sdpa_key, translation,
                            module.training)
     return translation
@@ -165,6 +172,8 @@ def _forget_last_masked(ref) -> None:
     last = _LAST_MASKED[0]
     if last is not None and last[0] is ref:
         _LAST_MASKED[0] = None
+        translation = last[3]
+        translation.module._plans.forget_masked(translation.args)  # the bound call made for it
 
 
 # (weak ref to the mask, (its version, shapes, flags, arguments), _MODULES key, _Translation, module.training)

@@ -60,6 +60,7 @@ from contextlib import contextmanager
 from importlib import metadata
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attn_dispatch import Platform, backends, sdpa, selection, tensor_cache
@@ -77,7 +78,11 @@ HOST_READ_METHODS = ("item", "tolist", "equal", "nonzero", "cpu", "numpy")
 # ------------------------------------------------------------------------------------------------
 class OpCounter(TorchDispatchMode):
     """Counts aten ops by overload packet name; a copy whose result is on the CPU from a CUDA input counts as
-    device_to_host too."""
+    device_to_host too. A higher-order op (FlexAttention's flex_attention, which the padding reading's engine runs on
+    stock torch) counts once under its own name and runs as it would without the counter: torch hands it here with
+    this mode already popped (supports_higher_order_operators), so the ops inside it are not counted."""
+
+    supports_higher_order_operators = True  # else torch refuses a higher-order op under this mode
 
     def __init__(self, python: bool = False):
         super().__init__()
@@ -94,6 +99,10 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if isinstance(func, HigherOrderOperator):
+            if self.active:
+                self.counts[f"hop.{func.name()}"] += 1
+            return out
         if self.active:
             name = str(func.overloadpacket)
             self.counts[name] += 1
@@ -103,11 +112,16 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def summarise(counts: collections.Counter, calls: int) -> dict:
+def summarise(counts: collections.Counter, calls: int, not_counted: str | None = None) -> dict:
+    """Per call: ops, Python calls, host reads, copies, allocations; not_counted (why the ops went uncounted): the
+    op figures None, the host reads those the profile hook saw."""
     per = {name: n / calls for name, n in counts.items()}
     allocating = ("aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.zeros",
                   "aten.new_zeros", "aten.full", "aten.clone", "aten._to_copy", "aten.contiguous")
     python_calls, read_calls = per.pop("python_calls", 0.0), per.pop("host_read_calls", 0.0)
+    if not_counted is not None:
+        return {"ops": None, "python_calls": python_calls, "host_reads": read_calls, "copies": None,
+                "allocations": None, "by_op": {}, "ops_not_counted": not_counted}
     return {"ops": sum(per.values()), "python_calls": python_calls,
             "host_reads": max(sum(per.get(n, 0.0) for n in HOST_READS), read_calls),
             "copies": per.get("aten.copy_", 0.0) + per.get("aten.clone", 0.0) + per.get("aten._to_copy", 0.0),
@@ -181,6 +195,12 @@ class DecodeStandIn(Engine):
         if aux.max_seqlen_q == 1:
             engine = self.decode or (self.empty if _STUB_KERNELS[0] else self.own)
         return engine(q, k, v, aux, cfg, flatten_heads=flatten_heads)
+
+    def bind_fast(self, q, k, v, aux, cfg, layout: str = "merged"):
+        """The stood-in GPU engine's bound call for the decode steps' repeats (the CPU's own engine binds none)."""
+        if aux.max_seqlen_q != 1 or self.decode is None:
+            return None
+        return self.decode.bind_fast(q, k, v, aux, cfg, layout)
 
 
 @contextmanager
@@ -336,16 +356,24 @@ def measure(transformers, model, ids, keep, new, device, rounds: int, profile: b
                 if r == 0:  # untimed: the ops dispatched (a dispatch mode), then Python calls made (a profile hook)
                     probe.counter, probe.calls = OpCounter(), 0
                     forget_plans()
-                    with probe.counter, kernels_stubbed(device):
-                        generate(model, impl, ids, keep, new)
+                    not_counted = None
+                    try:
+                        with probe.counter, kernels_stubbed(device):
+                            generate(model, impl, ids, keep, new)
+                    except Exception as error:  # noqa: BLE001 - a compiled engine refusing to run under the mode
+                        # torch.compile runs no frame under a user dispatch mode (FlexAttention's compiled call, the
+                        # padding reading's engine on stock torch, raises): this reading's ops go uncounted
+                        not_counted = f"{type(error).__name__}: {str(error).strip()[:240]}"
                     counts, calls = probe.counter.counts, probe.calls
                     probe.counter, probe.calls = OpCounter(python=True), 0
                     forget_plans()
                     with kernels_stubbed(device):
                         generate(model, impl, ids, keep, new)
+                    if not_counted is not None:
+                        counts, calls = collections.Counter(), probe.calls
                     for what in ("python_calls", "host_read_calls"):
                         counts[what] = probe.counter.counts[what] * calls / probe.calls
-                    extra[name]["per_call"], probe.counter = summarise(counts, calls), None
+                    extra[name]["per_call"], probe.counter = summarise(counts, calls, not_counted), None
                     if reading:
                         extra[name]["engine"] = engine_of_decode()
                         if profile:
@@ -430,6 +458,10 @@ def environment(device: torch.device) -> dict:
     return info
 
 
+def _figure(x: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file to write")
@@ -463,7 +495,8 @@ def main() -> int:
         print(f"{name:<26} {r['decode_step_ms_median']:8.2f} {r['attention_call_host_us_mean']:8.1f} "
               f"{r['first_layer_call_host_us_median']:7.1f} {r['other_layers_call_host_us_median']:7.1f} "
               f"{c['python_calls']:8.1f} "
-              f"{c['ops']:6.1f} {c['copies']:7.2f} {c['allocations']:7.2f} {c['host_reads']:6.2f}  "
+              f"{_figure(c['ops'], 6, 1)} {_figure(c['copies'], 7, 2)} {_figure(c['allocations'], 7, 2)} "
+              f"{c['host_reads']:6.2f}  "
               f"{r.get('engine', '')} {r['tokens_equal_eager']}")
     for name, d in decisions.items():
         print(f"a new decode step's decision, {name}: {d['ms']:.2f} ms ({d['chosen']})")

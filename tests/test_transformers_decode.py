@@ -38,6 +38,17 @@ class DecodeOnMemEfficient(Engine):
         self.decode_calls += 1
         return self.decode(q, k, v, aux, cfg, flatten_heads=flatten_heads)
 
+    def bind_fast(self, q, k, v, aux, cfg, layout: str = "merged"):
+        """mem_efficient:torch's bound call for the repeats of a decode step's masked call (the other layers)."""
+        bound = self.decode.bind_fast(q, k, v, aux, cfg, layout) if aux.max_seqlen_q == 1 else None
+        if bound is None:
+            return None
+
+        def counted(q, k, v):
+            self.decode_calls += 1
+            return bound(q, k, v)
+        return counted
+
 
 @pytest.fixture
 def decode_on_mem_efficient():
@@ -148,3 +159,57 @@ def test_decode_steps_read_nothing_back_and_copy_no_keys(decode_on_mem_efficient
         assert all(names == later[0] for names in later), later
         assert later[0].count("aten._scaled_dot_product_efficient_attention") == 1
         assert len(later[0]) <= 16, later[0]
+
+
+def test_layers_of_a_decode_step_repeat_the_bound_call(decode_on_mem_efficient, monkeypatch):
+    """The SDPA function's first call with a step's mask binds mem_efficient's call to that mask and runs it; the
+    other layers (the same mask tensor, unwritten) run the bound call with no planning. A write to the mask, keys
+    of other strides, or gradients plan again; the mask's death drops the bound call. Every output against the
+    float64 reference (a row with no key: 0), and the module's decision is the one explain_sdpa describes."""
+    from attn_dispatch import DotProductAttention
+    from tests.reference import reference_attention
+
+    planned = []
+    through = DotProductAttention._attend_unmerged
+    monkeypatch.setattr(DotProductAttention, "_attend_unmerged",
+                        lambda self, *a, **kw: (planned.append(1), through(self, *a, **kw))[1])
+    b, h, hk, d, skv = 3, 8, 2, 16, 21
+    gen = torch.Generator().manual_seed(11)
+    keep = torch.rand(b, 1, 1, skv, generator=gen) > 0.3
+    keep[0, ..., :4] = False  # left padding
+    keep[2] = False  # a row with no key
+
+    def layer(mask, grad=False, strided_keys=False):
+        q = torch.randn(b, 1, h, d, generator=gen, dtype=torch.float64).transpose(1, 2)  # a projection's view
+        k, v = (torch.randn(b, hk, skv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        if strided_keys:
+            k = torch.randn(b, skv, hk, d, generator=gen, dtype=torch.float64).transpose(1, 2)
+        q.requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = sdpa.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, recognize_masks=False)
+        want, _ = reference_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask_type="arbitrary",
+                                      attention_mask=~mask)
+        torch.testing.assert_close(out.transpose(1, 2).detach(), want)
+        assert out.requires_grad == grad
+        return q, k, v
+
+    for _ in range(4):  # four layers of one step
+        q, k, v = layer(keep)
+    assert len(planned) == 1 and decode_on_mem_efficient.decode_calls == 4
+    module = next(m for m in sdpa._MODULES.values() if m.last_decision is not None)
+    decision = sdpa.explain_sdpa(q, k, v, keep, enable_gqa=True, recognize_masks=False)
+    assert (module.last_decision.chosen, module.last_decision.params) == (decision.chosen, decision.params)
+    keep[1, ..., -1] = ~keep[1, ..., -1]  # written in place: planned and bound again
+    layer(keep)
+    layer(keep)
+    assert len(planned) == 2
+    layer(keep, strided_keys=True)  # other strides: planned
+    assert module._plans.bhsd_last[2] is not None
+    layer(keep, grad=True)  # gradients: planned, never bound; the mask's translation for them replaces the other
+    layer(keep, grad=True)
+    assert len(planned) == 5 and module._plans.bhsd_last[2] is None
+    layer(keep)
+    layer(keep)
+    assert len(planned) == 6 and module._plans.bhsd_last[2] is not None
+    del keep
+    assert module._plans.bhsd_last[2] is None  # the bound call (what it holds of the mask) went with the mask

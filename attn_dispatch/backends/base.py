@@ -180,13 +180,14 @@ class Engine:
                           None if bias is None else _unwrap(bias), None if offset is None else _unwrap(offset))
 
 
-def takes_cached_path(aux: AttnAux, cfg: AttnConfig) -> bool:
+def takes_cached_path(aux: AttnAux, cfg: AttnConfig, mask_kept: bool = False) -> bool:
     """Whether DotProductAttention's cached path serves repeat q, k, v-only calls of this aux and config (calling
     the engine's bind_fast where it gives a function): only where aux holds nothing drawn or read per call (no
     dropout seed, cu_seqlens, mask, bias or extras). The measured policy's timed step asks too, so that tuning runs
-    what the module's repeat calls run."""
+    what the module's repeat calls run. mask_kept: the caller keys the cached call by its mask tensor (identity and
+    version), so a mask is allowed."""
     return (cfg.dropout_p == 0.0 and cfg.bias_type == "no_bias" and aux.cu_seqlens_q is None
-            and aux.attention_mask is None and not aux.extra)
+            and (mask_kept or aux.attention_mask is None) and not aux.extra)
 
 
 def _thd_positions(cu: torch.Tensor, batch: int, max_len: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:

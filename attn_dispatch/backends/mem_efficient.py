@@ -136,7 +136,7 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
     key = ("mem_efficient_bias", mask_type, cfg.bias_type, b, h, sq, skv, dtype, device)
 
     def build() -> _Static:
-        zero = torch.zeros((), dtype=dtype, device=device)
+        zero = _zero(dtype, device)
         parts = []
         if mask_type == "arbitrary":
             parts.append(_mask_bias(_as_4d(aux.attention_mask, b, h, sq, skv), dtype))
@@ -192,13 +192,26 @@ def _mask_static(mask, b: int, h: int, sq: int, skv: int, dtype: torch.dtype, de
     masked = _as_4d(mask, b, h, sq, skv)
     keyless = masked.all(-1)
     bias = _aligned_zeros(tuple(masked.shape), dtype, device).masked_fill_(masked, NEG_INF)
-    static = _Static(bias.masked_fill_(keyless.unsqueeze(-1), 0.0), False, keyless,
-                     torch.zeros((), dtype=dtype, device=device), {})
+    static = _Static(bias.masked_fill_(keyless.unsqueeze(-1), 0.0), False, keyless, _zero(dtype, device), {})
     if version is not None:
         if kept is None:
             kept = mask._attn_dispatch_mem_efficient = (version, {})
         kept[1][key] = static
     return static
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d zero of dtype on device (what keyless rows' outputs become), made once (not while a CUDA graph is
+    captured): a decode step's new mask would otherwise make one more tensor each step. Read only."""
+    zero = _ZEROS.get((dtype, device))
+    if zero is None:
+        zero = torch.zeros((), dtype=dtype, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a capture's fill runs on replay
+            _ZEROS[(dtype, device)] = zero
+    return zero
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
 
 
 class _BiasCache:
@@ -237,6 +250,9 @@ _CACHE = _BiasCache()
 def _as_4d(x: torch.Tensor, b: int, h: int, sq: int, skv: int) -> torch.Tensor:
     """A [1|b, 1|h, sq, skv] view of a mask/bias that broadcasts to the call (fewer leading dims allowed), or a
     ValueError naming its shape and what is allowed."""
+    shape = x.shape
+    if len(shape) == 4 and shape[2] == sq and shape[3] == skv and shape[0] in (1, b) and shape[1] in (1, h):
+        return x  # what the SDPA function hands on: reshape and expand would return equal views
     expected = f"[1 or {b}, 1 or {h}, 1 or {sq}, 1 or {skv}]"
     if x.dim() > 4:
         raise ValueError(f"attention_mask has shape {list(x.shape)}; it must broadcast to {expected}")
@@ -282,7 +298,10 @@ class MemEfficientEngine(Engine):
         if not (hasattr(aten, "_scaled_dot_product_efficient_attention")
                 and hasattr(aten, "_scaled_dot_product_efficient_attention_backward")):
             raise ImportError(f"torch {torch.__version__} has no aten::_scaled_dot_product_efficient_attention")
-        self._op = aten._scaled_dot_product_efficient_attention.default
+        # torch's generated binding where there is one: the same op, parsed ~7 us faster than through torch.ops
+        # (see _torch_native._FLASH)
+        self._op = getattr(torch, "_scaled_dot_product_efficient_attention", None) or \
+            aten._scaled_dot_product_efficient_attention.default
         self._bwd = aten._scaled_dot_product_efficient_attention_backward.default
 
     def _attend(self, q, k, v, aux: AttnAux, cfg: AttnConfig, keep_state: bool, need_lse: bool = True):
@@ -333,6 +352,47 @@ class MemEfficientEngine(Engine):
             else:
                 out4.masked_fill_(rows.unsqueeze(-1), 0.0)
         return _from_bhsd(out4, fmt), lse, state
+
+    def bind_fast(self, q, k, v, aux: AttnAux, cfg: AttnConfig, layout: str = "merged"):
+        """layout="bhsd" (the SDPA function's [b, h, s, d] tensors, cfg describing their bshd views), calls without
+        gradients, dropout or a bias tensor: _attend's work for calls matching these tensors (the module's guard)
+        and this aux (its mask kept by identity and version by the caller), with the bias, keyless rows and folding
+        settled here once; each call then costs the op and the output's clean-up. None for anything else."""
+        if layout != "bhsd" or cfg.qkv_format != "bshd" or tuple(cfg.window_size) not in ((-1, -1), (-1, 0)) \
+                or cfg.dropout_p > 0 or cfg.bias_type != "no_bias" or cfg.softmax_type != "vanilla" \
+                or cfg.return_max_logit or cfg.softcap or aux.softmax_offset is not None \
+                or q.requires_grad or k.requires_grad or v.requires_grad:
+            return None
+        b, h, sq, d = q.shape
+        hk, skv, dv = k.shape[1], k.shape[2], v.shape[3]
+        static = _static(aux, cfg, b, h, sq, skv, q.dtype, q.device)
+        bias, rows, folded = _views(static, b, h, hk, sq, skv, None)
+        op, causal, scale = self._op, static.is_causal, cfg.softmax_scale
+        if folded:  # one query: the group's query heads as query rows of its key/value head, as _attend does
+            g = h // hk
+            out_shape, folded_shape = (b, sq, h, dv), (b, hk, g, dv)
+            zero = static.zero
+
+            def folded_call(q, k, v):
+                out4 = op(q.reshape(b, hk, g, d), k, v, bias, False, 0.0, False, scale=scale)[0]
+                out = q.new_empty(out_shape)  # [b, 1, h, dv]: written in head order by the one pass below
+                if rows is None:
+                    out.view(folded_shape).copy_(out4)
+                else:
+                    torch.where(rows, zero, out4, out=out.view(folded_shape))
+                return out.transpose(1, 2)
+            return folded_call
+        groups = h // hk
+        keyless = None if rows is None else rows.unsqueeze(-1)
+
+        def call(q, k, v):
+            if groups != 1:  # the op takes one key/value head per query head
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out4 = op(q, k, v, bias, False, 0.0, causal, scale=scale)[0]
+            if keyless is not None:
+                out4.masked_fill_(keyless, 0.0)
+            return out4
+        return call
 
     def forward(self, q, k, v, aux: AttnAux, cfg: AttnConfig) -> FwdResult:
         with torch.no_grad():
