@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from attn_dispatch import AttentionParams, DotProductAttention, Platform, scaled_dot_product_attention, selection
+from attn_dispatch import AttentionParams, DotProductAttention, Platform, runtime_facts, scaled_dot_product_attention, \
+    selection
 from attn_dispatch.policy.timing import TimerSettings, time_interleaved
 from attn_dispatch.validation import bias_shape_label
 
@@ -408,6 +409,13 @@ def environment() -> dict:
     return info
 
 
+def facts_since(before: runtime_facts.RuntimeFacts) -> dict:
+    """Engines that failed to load, and kinds of call a compile refused, since `before` (this process's facts)."""
+    now = runtime_facts.current()
+    return {"load_failures": {k: v for k, v in now.load_failures.items() if k not in before.load_failures},
+            "rejections": {repr(k): v for k, v in now.rejections.items() if k not in before.rejections}}
+
+
 def main() -> int:
     global DEVICE, TRAIN, H, D
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -434,7 +442,9 @@ def main() -> int:
     for n, name in enumerate(names):
         s = CASES[name][1] if DEVICE.type == "cuda" else 256
         try:
+            before = runtime_facts.current()
             row = run_call(name, s, args.seed + n)
+            row["facts_learned"] = facts_since(before)  # why an engine dropped out of this call's columns
             result["calls"].append(row)
             print(f"{name}: default {row['default_pick']}; " + ", ".join(
                 f"{c} {t:.2f} ms ({row['tflops'][c]:.0f} TFLOP/s)" for c, t in sorted(row["times_ms"].items(),
