@@ -37,7 +37,7 @@ from evaluate_profile import call_of, evaluate, model_with  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKED_FIT = ("held_out/eval_blind_packed_h200_full.json.gz",  # packed grids looked at: fit data from then on
-              "held_out/eval_blind_packed_2_h200_full.json.gz")
+              "held_out/eval_blind_packed_2_h200_full.json.gz", "held_out/eval_blind_packed_3_h200_full.json.gz")
 ENGINES = ("cudnn_fused:frontend", "flash_attn_2:torch", "flash_attn_4:cute")
 
 
@@ -95,6 +95,23 @@ def varlen_factors(profile_data: dict, runs: list[dict], model: CostModel) -> di
     return {p: (statistics.median(v), len(v)) for p, v in sorted(found.items())}
 
 
+def machine_varlen_factors(profile_data: dict, rows: list[tuple[str, dict]], model: CostModel,
+                           host_margin: float = 2.0) -> dict[str, tuple[float, int]]:
+    """Per "provider@machine", the median of a packed row's measured step over its predicted GPU time without a
+    machine factor (CostModel.machine_varlen_factor's source), over the rows where both are over host_margin x the
+    predicted host time (GPU-bound: the step is its GPU time), and over how many rows."""
+    profile = Profile(profile_data, model=dataclasses.replace(model, machine_varlen_factor=()))
+    found: dict[str, list[float]] = {}
+    for machine, row in rows:
+        parts = profile.parts(call_of(row["params"], row.get("case")), machine=machine)
+        for provider, gpu in parts.gpus.items():
+            measured = row["times_ms"].get(provider)
+            host = parts.hosts[provider]
+            if provider in ENGINES and measured and min(gpu, measured) > host_margin * host:
+                found.setdefault(f"{provider}@{machine}", []).append(math.log(measured / gpu))
+    return {key: (math.exp(statistics.median(v)), len(v)) for key, v in sorted(found.items())}
+
+
 def packed_rows(paths: list[str]) -> list[tuple[str, dict]]:
     out = []
     for path in paths:
@@ -135,6 +152,9 @@ def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str
     if model.packed_twin:
         factors = varlen_factors(profile_data, runs, model)
         print("  varlen factors measured: " + ", ".join(f"{p} {f:.3f} ({n} calls)" for p, (f, n) in factors.items()))
+        machines = machine_varlen_factors(profile_data, packed_rows(fit), model)
+        print("  machine factors measured on the packed fit rows: "
+              + ", ".join(f"{p} {f:.3f} ({n} rows)" for p, (f, n) in machines.items()))
     summarize_errors("split GPU time, leave-one-out", split_check(profile, runs))
     summarize_errors("packed fit rows' steps", step_check(profile, packed_rows(fit)))
     summarize_errors("blind grids' packed steps", step_check(profile, packed_rows(blind)))
@@ -181,7 +201,7 @@ def main() -> int:
 
 
 def _packed_fields() -> set[str]:
-    return {"packed_lengths", "packed_twin", "varlen_factor", "host_scale", "machine_shift"}
+    return {"packed_lengths", "packed_twin", "varlen_factor", "machine_varlen_factor", "host_scale", "machine_shift"}
 
 
 if __name__ == "__main__":

@@ -71,6 +71,23 @@ def test_a_pack_costs_its_twins_gpu_time_times_its_share_and_the_varlen_factor_a
     assert profile.predict(pack).times_ms.keys() == RATE.keys()
 
 
+def test_a_machines_varlen_factor_scales_its_packed_gpu_time_and_no_other_machines_nor_dense_calls(measured):
+    base = dataclasses.replace(COST_MODEL, varlen_factor=(("x:fast", 1.1),), machine_varlen_factor=())
+    model = dataclasses.replace(base, machine_varlen_factor=(("x:fast@test GPU", 1.25), ("x:slow@other GPU", 0.5)))
+    fill, tokens = packed_fills((3000, 40, 500, 1200), (3000, 40, 500, 1200), 3000, 3000, "padding_causal")
+    pack = packed(max_seqlen_q=3000, packed_fill=fill, packed_token_fill=tokens)
+    plain, scaled = profile_of(measured, base), profile_of(measured, model)
+    for machine, factors in (("test GPU", {"x:fast": 1.25, "x:slow": 1.0}), ("other GPU", {"x:fast": 1.0,
+                                                                                          "x:slow": 0.5})):
+        before, after = plain.parts(pack, machine=machine), scaled.parts(pack, machine=machine)
+        for name in RATE:
+            assert after.gpus[name] == pytest.approx(before.gpus[name] * factors[name], rel=1e-12)
+            assert after.hosts[name] == before.hosts[name]
+    assert scaled.parts(pack).gpus == plain.parts(pack).gpus  # no machine named: none of them
+    dense = dense_twin(pack)
+    assert scaled.parts(dense, machine="test GPU").gpus == plain.parts(dense, machine="test GPU").gpus
+
+
 def test_a_packed_head_dim_no_packed_call_was_measured_at_is_read_off_the_dense_calls(measured):
     # d192: the dense calls say x:fast takes half x:slow's GPU time; a large pack is GPU-bound
     pack = packed(max_seqlen_q=8192, batch_size=8, head_dim_qk=192, head_dim_v=128)

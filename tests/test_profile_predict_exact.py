@@ -178,8 +178,10 @@ class PlainProfile:
             return plain_amount(provider, plain_work(p, m), full, m)
 
         varlen = dict(m.varlen_factor)
+        on_machine = dict(m.machine_varlen_factor)
         packed = [p for p in t_gpus if p in h_hosts or not h_hosts]
-        gpus = {p: t_gpus[p] * (amount(p, params) / amount(p, twin) * varlen.get(p, 1.0)) for p in packed}
+        gpus = {p: t_gpus[p] * (amount(p, params) / amount(p, twin)
+                                * (varlen.get(p, 1.0) * on_machine.get(f"{p}@{machine}", 1.0))) for p in packed}
         hosts = {p: h_hosts.get(p, t_hosts[p]) for p in packed}
         split = {p for p in packed if (p in h_split if p in h_hosts else p in t_split)}
         return hosts, gpus, split, t_shown + tuple(f"host: {label}" for label in h_shown), own, own_entries

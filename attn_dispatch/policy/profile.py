@@ -117,6 +117,16 @@ class CostModel:
     # 83 calls; benchmarks/fit_packed.py): each engine's varlen kernel over its dense one. Others: 1.
     varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend", 1.13), ("flash_attn_2:torch", 1.05),
                                                     ("flash_attn_4:cute", 1.08))
+    # Per machine ("provider@device name"), a factor on varlen_factor: that machine's packed steps over the prediction
+    # with varlen_factor alone (benchmarks/fit_packed.py: the median over the rows of its packed grids where the
+    # provider's predicted and measured times are both over 2x its host time). varlen_factor was fitted on the H100's
+    # splits, and the H100's packed steps of the blind grids sit on it (0.97-1.01 per engine); the H200's three packed
+    # grids (72 rows) do not: cuDNN 1.04, FA2 1.06, flash-attn-4 0.97, the same either side of the kinds of pack
+    # (ragged, one long, bimodal against near and uniform), so a pick between two engines whose twins are within ~10%
+    # moved with it (windowed packed training, cuDNN picked at 1.11-1.20x flash-attn-4's time).
+    machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
+                                                            ("flash_attn_2:torch@NVIDIA H200", 1.06),
+                                                            ("flash_attn_4:cute@NVIDIA H200", 0.97))
     # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
     # between the two (machine_shifts: the median log time ratio over the dense calls both machines timed, of the same
     # pass and head dim, each at least machine_pair_ms on both; at least machine_pairs such calls, else no shift; a
@@ -256,15 +266,25 @@ def without_window(p: AttentionParams) -> AttentionParams:
     return p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1))
 
 
-def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST_MODEL,
+                      machine: str | None = None) -> float:
     """A packed call's GPU time over its dense twin's, for the provider: the pack's share of the provider's work
-    (provider_work: a backward that skips no window tile counts the unwindowed share) x its varlen factor."""
+    (provider_work: a backward that skips no window tile counts the unwindowed share) x its varlen factor (x the
+    machine's, where it has one)."""
     twin = dense_twin(p)
     packed = provider_work(provider, work(p, model), unwindowed_work(p, model) if two_sided_training(p) else
                            work(p, model), model)
     dense = provider_work(provider, work(twin, model), unwindowed_work(twin, model) if two_sided_training(twin) else
                           work(twin, model), model)
-    return packed / dense * dict(model.varlen_factor).get(provider, 1.0)
+    return packed / dense * varlen_factor(provider, machine, model)
+
+
+def varlen_factor(provider: str, machine: str | None, model: CostModel = COST_MODEL) -> float:
+    """The provider's varlen kernel over its dense one (model.varlen_factor), on the machine (machine_varlen_factor)."""
+    found = dict(model.varlen_factor).get(provider, 1.0)
+    if machine:
+        found *= dict(model.machine_varlen_factor).get(f"{provider}@{machine}", 1.0)
+    return found
 
 
 def two_sided_training(p: AttentionParams) -> bool:
@@ -552,7 +572,7 @@ class Profile:
         twin = self._parts(dense_twin(params), machine, False)  # a dense call: never the packed call left out
         hostly = self._parts(params if not params.has_sliding_window else without_window(params), machine, leave_out)
         packed = [p for p in twin.gpus if p in hostly.hosts or not hostly.hosts]  # the providers measured packed
-        gpus = {p: twin.gpus[p] * packed_gpu_factor(p, params, m) for p in packed}
+        gpus = {p: twin.gpus[p] * packed_gpu_factor(p, params, m, machine) for p in packed}
         hosts = {p: hostly.hosts.get(p, twin.hosts[p]) for p in packed}
         split = frozenset(p for p in packed if (p in hostly.split if p in hostly.hosts else p in twin.split))
         shown = twin.shown + tuple(f"host: {label}" for label in hostly.shown)
