@@ -411,6 +411,11 @@ PACKED_2_SEED = 20261315
 # and 48 heads, windows 96-2048 (2048 as in the first grid). The seed is the first from 20261401 whose draw covers
 # what _packed_3_coverage asks.
 PACKED_3_SEED = 20261402
+# eval-blind-packed-4: drawn after the three packed grids became fit data and the machine's varlen factor was fitted
+# on them, to check it. Other ranges again: longest lengths 896-14336, token budgets 20k and 40k, up to 56 sequences
+# from 20 tokens, 12, 36, 40 and 56 heads, windows 160-3072. The seed is the first from 20261501 whose draw covers
+# what _packed_4_coverage asks.
+PACKED_4_SEED = 20261555
 
 
 @dataclass(frozen=True)
@@ -447,6 +452,12 @@ THIRD_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20,
                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                             kinds=("causal", "causal", "plain", "causal-window", "two-sided"),
                             windows=(96, 384, 1024, 2048), prefix="pr")
+FOURTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 16, 36, 40, 56),
+                             longest=(896, 1792, 2816, 3584, 5632, 9216, 14336), budgets=(20480, 40960),
+                             max_sequences=56, shortest=20,
+                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                             kinds=("causal", "causal", "plain", "causal-window", "two-sided"),
+                             windows=(160, 448, 1280, 3072), prefix="ps")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -521,6 +532,14 @@ def _packed_3_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 256 and c.hkv != c.h and c.mask == "padding_causal" and not c.window for c in shapes))
 
 
+def _packed_4_coverage(shapes: list[Case]) -> bool:
+    """The third grid's coverage, and the kinds its misses were: a causal-window GQA pack with a window of at most
+    512, and a d64 pack of 32 sequences or more whose longest is at most 1024."""
+    return (_packed_3_coverage(shapes)
+            and any(c.window and c.window[1] == 0 and c.window[0] <= 512 and c.hkv != c.h for c in shapes)
+            and any(c.d == 64 and c.b >= 32 and c.s <= 1024 for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -536,6 +555,11 @@ def eval_packed_3_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_3_SEED, 12, THIRD_PACKED))
 
 
+def eval_packed_4_cases() -> list[Case]:
+    """12 packed shapes of FOURTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_4_SEED, 12, FOURTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -548,4 +572,4 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
               "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
-              "eval-blind-packed-3": eval_packed_3_cases}
+              "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases}
