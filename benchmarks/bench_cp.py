@@ -232,11 +232,10 @@ def sync(device: str) -> None:
 def timed_ms(fn, args, device: str, grads=()) -> float:
     """Median over iterations of the slowest rank's milliseconds per call (fn runs on every rank; args.chain calls
     back to back per iteration)."""
-    one_call, chain = fn, args.chain
-
-    def fn():
+    def chained(one_call=fn, chain=args.chain):
         for _ in range(chain):
             one_call()
+    fn, chain = chained, args.chain
     for _ in range(args.warmup):
         fn()
         for t in grads:
