@@ -55,7 +55,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from attn_dispatch import AttentionParams, Platform, context_parallel as cp, explain, select  # noqa: E402
-from attn_dispatch.context_parallel import copy_engine  # noqa: E402
+from attn_dispatch.context_parallel import copy_engine, copy_engine_a2a  # noqa: E402
 from attn_dispatch.context_parallel._comm import group_info  # noqa: E402
 from attn_dispatch._version import __version__ as attn_dispatch_version  # noqa: E402
 from attn_dispatch.backends import AttnAux, AttnConfig, get_engine  # noqa: E402
@@ -578,7 +578,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
                                                       ("causal", "learnable", None)]
                 if window and not args.skip_checks:
                     checks.append(("causal", "vanilla", window))
-                for transport in (args.transports if comm in RING_COMMS else args.transports[:1]):
+                for transport in (args.transports if comm in TRANSPORT_COMMS else args.transports[:1]):
                     os.environ[copy_engine.TRANSPORT_ENV] = transport
                     for groups in (args.a2a_head_groups if comm == "a2a" else [None]):
                         label = f"{comm}" + (f" G={groups}" if groups else "") + \
@@ -621,10 +621,16 @@ def worker(rank: int, world: int, port: int, args, out_path: str, baselines: lis
 # Driver
 # ----------------------------------------------------------------------------------------------
 RING_COMMS = ("p2p", "a2a+p2p")
+TRANSPORT_COMMS = RING_COMMS + ("a2a",)  # the comm types whose exchanges ATTN_DISPATCH_CP_TRANSPORT chooses
 
 
 def transport_used(comm: str, world: int, rank: int) -> str:
-    """The ring transport this process used for comm (ATTN_DISPATCH_CP_TRANSPORT and the group's self-check)."""
+    """The transport this process used for comm's ring hops or a2a exchanges (ATTN_DISPATCH_CP_TRANSPORT and the
+    group's self-check)."""
+    if comm == "a2a":
+        group = groups_for(comm, world, rank)
+        exchange, _ = copy_engine_a2a.copy_engine_exchange(group_info(group), torch.device("cuda", rank), 1)
+        return "copy_engine" if exchange is not None else "nccl"
     if comm not in RING_COMMS:
         return "nccl collectives"
     group = groups_for(comm, world, rank)

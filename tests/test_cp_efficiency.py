@@ -21,7 +21,7 @@ from attn_dispatch.backends import AttnAux, get_engine
 from attn_dispatch.backends.base import AttnConfig
 from attn_dispatch.cli import main
 from attn_dispatch.context_parallel import efficiency as eff
-from attn_dispatch.context_parallel import head_groups
+from attn_dispatch.context_parallel import _comm, head_groups
 from attn_dispatch.context_parallel._comm import GroupInfo
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cp"
@@ -277,7 +277,7 @@ def test_a2a_counts_the_bytes_its_all_to_alls_send(monkeypatch):
         def wait(self):
             return self.recv
 
-    monkeypatch.setattr(head_groups, "AllToAll", Counted)
+    monkeypatch.setattr(_comm, "AllToAll", Counted)
     size, batch, seqlen, heads, kv_heads, head_dim = 2, 2, 16, 8, 4, 16
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(batch, seqlen // size, heads, head_dim, generator=gen)

@@ -105,3 +105,51 @@ def test_unknown_tags_or_oversized_pieces_are_packed_one_after_another():
         ring.pool.local.data_ptr() + 256  # no slot: memory of its own
     with pytest.raises(RuntimeError, match="exceeds"):
         ring._layout([(torch.empty(600, dtype=torch.uint8), 99)])
+
+
+def test_a2a_exchange_keeps_collectives_where_copy_engines_cannot_run(gloo_group, monkeypatch):
+    from attn_dispatch.context_parallel import copy_engine_a2a
+    monkeypatch.delenv(copy_engine.TRANSPORT_ENV, raising=False)
+    exchange, why = copy_engine_a2a.copy_engine_exchange(gloo_group, torch.device("cpu"), 2)
+    assert exchange is None and "needs CUDA tensors and an NCCL group (cpu tensors, a gloo group)" in why
+    monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nccl")
+    assert copy_engine_a2a.copy_engine_exchange(gloo_group, torch.device("cpu"), 2) == (
+        None, "ATTN_DISPATCH_CP_TRANSPORT=nccl")
+    monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "copy_engine")
+    with pytest.raises(RuntimeError, match="a2a exchange cannot run on the copy engines: needs CUDA tensors"):
+        copy_engine_a2a.copy_engine_exchange(gloo_group, torch.device("cpu"), 2)
+
+
+def test_a2a_exchange_signal_channels_never_overlap():
+    """Acks and every (region, head group)'s ready flag have channels of their own, inside the signal pad."""
+    from attn_dispatch.context_parallel import copy_engine_a2a as ce
+    for world in (2, 4, 8):
+        groups = ce.max_groups(world)
+        assert groups >= 8, (world, groups)  # heads / (P G) >= 1 leaves at most 128 / 8 = 16 groups in practice
+        exchange = object.__new__(ce.CopyEngineExchange)
+        exchange.ready_stride = groups
+        ready = [exchange._ready(r, g) for r in ce.REGIONS for g in range(groups)]
+        acks = [ce._FIRST_ACK + i for i in range(len(ce.REGIONS))]
+        channels = ready + acks
+        assert len(set(channels)) == len(channels) and 0 not in channels  # 0: the self-check's barrier
+        assert max(channels) < ce.channel_capacity(world)
+
+
+def test_explanations_say_how_a2a_exchanges_travel(monkeypatch):
+    from attn_dispatch.context_parallel import copy_engine_a2a
+    monkeypatch.delenv(copy_engine.TRANSPORT_ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    describe = copy_engine_a2a.describe_exchange
+    ok, bad, fresh = (SimpleNamespace(group_name=n) for n in ("ok", "bad", "fresh"))
+    assert describe("gloo", ok, torch.device("cpu")) == "a2a exchanges: gloo's all-to-all"
+    assert "if the group's one-time self-check" in describe("nccl", fresh, cuda)
+    monkeypatch.setitem(copy_engine._CHECKED, ("ok", cuda), (ok, None))
+    assert describe("nccl", ok, cuda) == ("a2a exchanges: pulled by the copy engines from symmetric memory (the "
+                                          "group's self-check passed)")
+    monkeypatch.setitem(copy_engine._CHECKED, ("bad", cuda), (bad, "RuntimeError: no peer access"))
+    assert describe("nccl", bad, cuda) == ("a2a exchanges: NCCL's all-to-all (the copy-engine self-check failed: "
+                                           "RuntimeError: no peer access)")
+    monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "copy_engine")
+    assert describe("nccl", bad, cuda).startswith("a2a exchanges: the call raises")
+    monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nccl")
+    assert describe("nccl", ok, cuda) == "a2a exchanges: NCCL's all-to-all (ATTN_DISPATCH_CP_TRANSPORT=nccl)"

@@ -213,6 +213,29 @@ class AllToAll:
         return self.recv
 
 
+class CollectiveExchange:
+    """The exchange interface of head_groups.A2AAttention (reserve / buffer / publish / pull) over torch.distributed's
+    all-to-all (NCCL on GPUs, gloo on CPU): a region is an ordinary tensor, and pull() starts the group's all-to-all.
+    copy_engine_a2a.CopyEngineExchange is the same interface over the copy engines."""
+
+    transport = "collective"
+
+    def __init__(self, info: GroupInfo):
+        self.info = info
+
+    def reserve(self, nbytes: dict[str, int]) -> None:
+        """The regions' sizes (every rank the same); collectives need no buffer of their own."""
+
+    def buffer(self, region: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def publish(self, region: str, group: int | None = None) -> None:
+        """Nothing to signal: the all-to-all itself pairs the ranks."""
+
+    def pull(self, region: str, group: int, send: torch.Tensor, label: str) -> AllToAll:
+        return AllToAll(send, self.info, label)
+
+
 def all_to_all_dim0(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
     """x is [P, ...]: slice p goes to rank p; returns [P, ...] with slice p from rank p."""
     x = x.contiguous()

@@ -30,6 +30,7 @@ from .support import COMM_TYPES, is_windowed, unsupported_features
 from .window_exchange import WindowExchangeAttention
 from .window_ring import WindowP2PAttention, WindowRingPlan
 from .copy_engine import ring_for
+from .copy_engine_a2a import copy_engine_exchange
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FORMATS = ("bshd", "sbhd", "thd")
@@ -325,6 +326,12 @@ def ring_hops(comm: str, fmt: str, attn_mask_type: str, window_size, local_len: 
     return comm in ("p2p", "a2a+p2p") and not _exchanges_keys(comm, fmt, attn_mask_type, window_size, local_len, fp8)
 
 
+def a2a_exchanges(comm: str, fmt: str, attn_mask_type: str, window_size, local_len: int, fp8: bool) -> bool:
+    """Whether _build runs the call as head_groups.A2AAttention, whose exchanges copy_engine_a2a may carry (FP8 a2a
+    and a window's key exchange use collectives)."""
+    return comm == "a2a" and not fp8 and not _exchanges_keys(comm, fmt, attn_mask_type, window_size, local_len, fp8)
+
+
 def _exchanges_keys(comm: str, fmt: str, attn_mask_type: str, window_size, local_len: int, fp8: bool) -> bool:
     """Whether a windowed call fetches just its window's keys (window_exchange.py) instead of its comm's schedule."""
     return is_windowed(attn_mask_type, window_size) and key_exchange(comm, fmt, local_len // 2, window_size, fp8)
@@ -362,7 +369,8 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
             cu = aux.cu_seqlens_q.tolist()
             lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
         order = seq_order(fmt, a2a.size, q.shape[sd], q.device, causal or windowed, lengths)
-        return A2AAttention(engine, cfg, whole, fmt, a2a, order, groups)
+        exchange, _ = copy_engine_exchange(a2a, q.device, groups)
+        return A2AAttention(engine, cfg, whole, fmt, a2a, order, groups, exchange)
     order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device, outer=infos[1].size)
     split = HeadSplit(fmt, a2a, order)
     p2p = infos[1]

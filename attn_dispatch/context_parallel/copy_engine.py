@@ -269,6 +269,17 @@ def ring_for(info: GroupInfo, stream, device: torch.device) -> Ring:
     return Ring(info, stream)
 
 
+UNCHECKED = object()  # self_check_answer: the group has not run its self-check yet
+
+
+def self_check_answer(group, device: torch.device):
+    """What self_check answered for the group (None: passed; else why not), or UNCHECKED; never collective."""
+    checked = _CHECKED.get((group.group_name, device))
+    if checked is None or checked[0] is not group:
+        return UNCHECKED
+    return checked[1]
+
+
 def describe_transport(backend: str, group, device: torch.device) -> str:
     """What ring_for gives a group, for explanations: never collective (the self-check's answer only where a call
     already ran it)."""
@@ -280,12 +291,11 @@ def describe_transport(backend: str, group, device: torch.device) -> str:
             return (f"ring hops: none, the call raises: {TRANSPORT_ENV}=copy_engine needs CUDA tensors and an NCCL "
                     f"group ({device.type} tensors, a {backend} group)")
         return f"ring hops: {backend}'s send/recv"
-    checked = _CHECKED.get((group.group_name, device))
-    if checked is None or checked[0] is not group:
+    reason = self_check_answer(group, device)
+    if reason is UNCHECKED:
         fallback = "the call raises" if wanted == "copy_engine" else "NCCL's send/recv"
         return ("ring hops: pulled by the copy engines from symmetric memory if the group's one-time self-check "
                 f"(collective, at its first context-parallel call) passes, else {fallback}")
-    reason = checked[1]
     if reason is None:
         return "ring hops: pulled by the copy engines from symmetric memory (the group's self-check passed)"
     if wanted == "copy_engine":

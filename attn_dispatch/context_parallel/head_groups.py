@@ -7,11 +7,13 @@ further into G head groups, and the exchanges of one group overlap the attention
     forward:  start in(0); for g: start in(g+1), wait in(g), attend(g), start out(g); then wait every out(g)
     backward: the same, with dout going in and dq, dk, dv coming out
 
-so only in(0) and out(G-1) are exposed (1/G of the bytes each way); the others run under attention. On GPUs
-NCCL runs each all-to-all on its own stream after the compute stream's work so far; every buffer stays referenced
-until its wait (_comm.AllToAll). q, k, v of all groups are packed in one pass into one buffer [G, P, n], and each
-group crosses in one all-to-all. num_heads and num_gqa_groups must be divisible by P * G (query head group g uses
-kv head group g). G = 1 is the plain Ulysses exchange.
+so only in(0) and out(G-1) are exposed (1/G of the bytes each way); the others run under attention. Each
+direction is a region [G, P, n] that is written in one pass (q, k, v of all groups, or one group's out; the
+backward's dq, dk, dv of a group share a row) and crosses as one exchange per group. The exchange is
+_comm.CollectiveExchange (torch.distributed's all-to-all; NCCL runs it on its own stream, but its kernels wait for
+SMs beside attention) or, on NVLink groups, copy_engine_a2a.CopyEngineExchange (peers' rows pulled by the copy
+engines from symmetric memory). num_heads and num_gqa_groups must be divisible by P * G (query head group g uses kv
+head group g). G = 1 is the plain Ulysses exchange.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import os
 import torch
 
 from ..backends.base import AttnAux, AttnConfig, Engine
-from ._comm import AllToAll, GroupInfo
+from ._comm import CollectiveExchange, GroupInfo
 from ._layout import HEAD_DIM, SEQ_DIM
 from .merge import BlockState, acc_dtype, add_sink, sink_grad
 from .sharding import chunks_of_rank, thd_natural_index
@@ -94,28 +96,39 @@ class SeqOrder:
             rank_order[slot] = torch.arange(slot.numel())
             self.natural_from, self.rank_from = slot.to(device), rank_order.to(device)
 
-    def to_whole(self, parts: torch.Tensor) -> torch.Tensor:
-        """[P, *local shape] (any strides; slice p from rank p) -> the whole sequence in natural order, contiguous."""
+    def to_whole(self, parts) -> torch.Tensor:
+        """[P, *local shape] (a tensor of any strides, or a list of P tensors; slice p from rank p) -> the whole
+        sequence in natural order, contiguous."""
+        listed = not isinstance(parts, torch.Tensor)
         if self.fmt == "thd":
-            return parts.flatten(0, 1).index_select(0, self.natural_from)
+            flat = torch.cat(list(parts), 0) if listed else parts.flatten(0, 1)
+            return flat.index_select(0, self.natural_from)
         if self.identity:
+            if listed:
+                return torch.cat(list(parts), self.sd)
             return parts.movedim(0, self.sd).flatten(self.sd, self.sd + 1).contiguous()
         return torch.cat([parts[p].narrow(self.sd, h * self.chunk, self.chunk) for _, (p, h) in self.placement],
                          self.sd)
 
-    def to_parts(self, whole: torch.Tensor) -> torch.Tensor:
-        """The inverse: the whole sequence -> contiguous [P, *local shape], slice p for rank p."""
+    def to_parts(self, whole: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse: the whole sequence -> [P, *local shape], slice p for rank p; into `out` (any strides) if
+        given, else a new contiguous tensor."""
         if self.fmt == "thd":
-            return whole.index_select(0, self.rank_from).unflatten(0, (self.size, self.local_len))
-        if self.identity:
-            return whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0).contiguous()
-        local = list(whole.shape)
-        local[self.sd] = self.local_len
-        parts = torch.empty(self.size, *local, dtype=whole.dtype, device=whole.device)
-        for c, (p, h) in self.placement:
-            parts[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(whole.narrow(self.sd, c * self.chunk,
-                                                                                    self.chunk))
-        return parts
+            parts = whole.index_select(0, self.rank_from).unflatten(0, (self.size, self.local_len))
+        elif self.identity:
+            parts = whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0)
+        else:
+            if out is None:
+                local = list(whole.shape)
+                local[self.sd] = self.local_len
+                out = torch.empty(self.size, *local, dtype=whole.dtype, device=whole.device)
+            for c, (p, h) in self.placement:
+                out[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(whole.narrow(self.sd, c * self.chunk,
+                                                                                      self.chunk))
+            return out
+        if out is None:
+            return parts.contiguous()
+        return out.copy_(parts)
 
 
 @functools.lru_cache(maxsize=32)
@@ -129,8 +142,9 @@ class A2AAttention:
     """cp_comm_type='a2a': the engine sees whole sequences (natural order) for num_heads / (P * G) heads at a time."""
 
     def __init__(self, engine: Engine, cfg: AttnConfig, aux: AttnAux, fmt: str, info: GroupInfo, order: SeqOrder,
-                 groups: int):
+                 groups: int, exchange=None):
         self.engine, self.fmt, self.info, self.order, self.groups = engine, fmt, info, order, groups
+        self.exchange = exchange if exchange is not None else CollectiveExchange(info)
         self.cfg = dataclasses.replace(cfg, softmax_type="vanilla", return_max_logit=False)
         self.aux = aux
         self.hd = HEAD_DIM[fmt]
@@ -142,25 +156,49 @@ class A2AAttention:
         hd, p, g = self.hd, self.info.size, self.groups
         return x.unflatten(hd, (p, g, x.shape[hd] // (p * g))).movedim(hd + 1, 0).movedim(hd + 1, 1)
 
-    def _pack(self, tensors) -> tuple[torch.Tensor, list]:
-        """One contiguous [G, P, n] buffer holding every tensor's group-g heads for rank p at [g, p]."""
-        views = [self.group_heads(t) for t in tensors]
-        sizes = [v[0, 0].numel() for v in views]
-        buf = torch.empty(self.groups, self.info.size, sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)
+    def _layout(self, shapes) -> tuple[list, int]:
+        """Where each tensor's [g, p] piece (shape `shapes[i]`, this rank's tokens of one head group) sits in a row of a
+        region: (offset, numel, shape) per tensor, and the row's length."""
         layout, offset = [], 0
-        for view, n in zip(views, sizes):
-            buf[:, :, offset:offset + n].unflatten(-1, view.shape[2:]).copy_(view)
-            layout.append((offset, n, view.shape[2:]))
+        for shape in shapes:
+            n = math.prod(shape)
+            layout.append((offset, n, shape))
             offset += n
+        return layout, offset
+
+    def _pack(self, region: str, tensors) -> tuple[torch.Tensor, list]:
+        """The region as [G, P, n], holding every tensor's group-g heads for rank p at [g, p], in one pass each."""
+        views = [self.group_heads(t) for t in tensors]
+        layout, n = self._layout([v.shape[2:] for v in views])
+        buf = self.exchange.buffer(region, (self.groups, self.info.size, n), tensors[0].dtype, tensors[0].device)
+        for view, (offset, size, shape) in zip(views, layout):
+            buf[:, :, offset:offset + size].unflatten(-1, shape).copy_(view)
         return buf, layout
 
-    def _unpack(self, recv: torch.Tensor, layout) -> list[torch.Tensor]:
-        return [self.order.to_whole(recv[:, offset:offset + n].unflatten(-1, shape)) for offset, n, shape in layout]
+    def _unpack(self, parts, layout) -> list[torch.Tensor]:
+        """Each tensor's whole sequence (for this rank's heads of the group) from the P received rows."""
+        if isinstance(parts, torch.Tensor):
+            return [self.order.to_whole(parts[:, offset:offset + n].unflatten(-1, shape))
+                    for offset, n, shape in layout]
+        return [self.order.to_whole([row[offset:offset + n].view(shape) for row in parts])
+                for offset, n, shape in layout]
 
-    def _place(self, dest: torch.Tensor, recv: torch.Tensor, group: int) -> None:
-        """dest's heads of `group` (for every rank p) <- recv [P, ...], slice p from rank p (this rank's tokens)."""
+    def _place(self, dest: torch.Tensor, parts, group: int, offset: int = 0) -> None:
+        """dest's heads of `group` (for every rank p) <- row p of `parts` from `offset` on (rank p sent this rank's
+        tokens)."""
         view = self.group_heads(dest)[group]
-        view.copy_(recv.view(view.shape))
+        n = view[0].numel()
+        if isinstance(parts, torch.Tensor):
+            view.copy_(parts[:, offset:offset + n].view(view.shape))
+            return
+        for p, row in enumerate(parts):
+            view[p].copy_(row[offset:offset + n].view(view.shape[1:]))
+
+    def _reserve(self, q, k, v) -> None:
+        """Every region of the call, forward and backward: q, k, v in and dq, dk, dv back; out back and dout in."""
+        qkv = sum(t.numel() * t.element_size() for t in (q, k, v))
+        out = q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
+        self.exchange.reserve({"fwd_in": qkv, "fwd_out": out, "bwd_in": out, "bwd_out": qkv})
 
     def _sink(self, sink: torch.Tensor | None, group: int) -> torch.Tensor | None:
         if sink is None:
@@ -170,13 +208,18 @@ class A2AAttention:
         return sink[first:first + n]
 
     def forward(self, q, k, v, sink):
-        info, last = self.info, self.groups - 1
+        ex, last, size = self.exchange, self.groups - 1, self.info.size
         self.local = [(t.shape, t.dtype) for t in (q, k, v)]
-        buf, layout = self._pack((q, k, v))
-        pending = AllToAll(buf[0], info, "fwd_qkv:0")
+        self._reserve(q, k, v)
+        buf, layout = self._pack("fwd_in", (q, k, v))
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        out_piece = self.group_heads(out).shape[2:]
+        out_buf = ex.buffer("fwd_out", (self.groups, size, math.prod(out_piece)), q.dtype, q.device)
+        ex.publish("fwd_in")
+        pending = ex.pull("fwd_in", 0, buf[0], "fwd_qkv:0")
         outgoing, saved, states = [], [], []
         for g in range(self.groups):
-            following = AllToAll(buf[g + 1], info, f"fwd_qkv:{g + 1}") if g < last else None
+            following = ex.pull("fwd_in", g + 1, buf[g + 1], f"fwd_qkv:{g + 1}") if g < last else None
             qh, kh, vh = self._unpack(pending.wait(), layout)
             with torch.profiler.record_function(f"cp_attend:fwd:{g}"):
                 res = self.engine.forward(qh, kh, vh, self.aux, self.cfg)
@@ -185,38 +228,44 @@ class A2AAttention:
                 if sink_g is not None:
                     out_h, lse = add_sink(out_h.to(acc_dtype(q)), lse, sink_g, self.fmt)
                     out_h = out_h.to(q.dtype)
-            outgoing.append(AllToAll(self.order.to_parts(out_h), info, f"fwd_out:{g}"))
+            self.order.to_parts(out_h, out=out_buf[g].unflatten(-1, out_piece))
+            ex.publish("fwd_out", g)
+            outgoing.append(ex.pull("fwd_out", g, out_buf[g], f"fwd_out:{g}"))
             saved += [qh, kh, vh, out_h, lse]
             states.append(BlockState(res.state, res.out))
             pending = following
-        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         for g, transfer in enumerate(outgoing):
             self._place(out, transfer.wait(), g)
         return out, tuple(saved), states
 
     def backward(self, dout, saved, states, sink):
-        info, last = self.info, self.groups - 1
-        buf, layout = self._pack((dout,))
-        pending = AllToAll(buf[0], info, "bwd_dout:0")
+        ex, info, last = self.exchange, self.info, self.groups - 1
+        buf, layout = self._pack("bwd_in", (dout,))
+        grads_local = [torch.empty(shape, dtype=dtype, device=dout.device) for shape, dtype in self.local]
+        grad_layout, n = self._layout([self.group_heads(t).shape[2:] for t in grads_local])
+        grad_buf = ex.buffer("bwd_out", (self.groups, info.size, n), dout.dtype, dout.device)
+        ex.publish("bwd_in")
+        pending = ex.pull("bwd_in", 0, buf[0], "bwd_dout:0")
         dsink = torch.zeros_like(sink) if sink is not None else None
         outgoing = []
         for g in range(self.groups):
-            following = AllToAll(buf[g + 1], info, f"bwd_dout:{g + 1}") if g < last else None
+            following = ex.pull("bwd_in", g + 1, buf[g + 1], f"bwd_dout:{g + 1}") if g < last else None
             (dout_h,) = self._unpack(pending.wait(), layout)
             qh, kh, vh, out_h, lse = saved[5 * g:5 * g + 5]
             with torch.profiler.record_function(f"cp_attend:bwd:{g}"):
                 grads = self.engine.backward(dout_h, qh, kh, vh, out_h, lse, states[g].state, self.aux, self.cfg)
                 sink_g = self._sink(sink, g)
                 if sink_g is not None:
-                    n = sink_g.numel()
-                    first = (info.rank * self.groups + g) * n
-                    dsink[first:first + n] = sink_grad(dout_h, out_h, lse, sink_g, self.fmt)
-            outgoing.append([AllToAll(self.order.to_parts(t), info, f"bwd_{name}:{g}")
-                             for name, t in (("dq", grads.dq), ("dk", grads.dk), ("dv", grads.dv))])
+                    n_sink = sink_g.numel()
+                    first = (info.rank * self.groups + g) * n_sink
+                    dsink[first:first + n_sink] = sink_grad(dout_h, out_h, lse, sink_g, self.fmt)
+            for grad, (offset, size, shape) in zip((grads.dq, grads.dk, grads.dv), grad_layout):
+                self.order.to_parts(grad, out=grad_buf[g][:, offset:offset + size].unflatten(-1, shape))
+            ex.publish("bwd_out", g)
+            outgoing.append(ex.pull("bwd_out", g, grad_buf[g], f"bwd_grads:{g}"))
             pending = following
-        grads_local = [torch.empty(shape, dtype=dtype, device=dout.device) for shape, dtype in self.local]
-        for g, transfers in enumerate(outgoing):
-            for dest, transfer in zip(grads_local, transfers):
-                self._place(dest, transfer.wait(), g)
+        for g, transfer in enumerate(outgoing):
+            parts = transfer.wait()
+            for dest, (offset, _, _) in zip(grads_local, grad_layout):
+                self._place(dest, parts, g, offset)
         return (*grads_local, dsink)
-

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from .. import inputs, sequences, validation
 from ..call_args import CallArgs
-from . import copy_engine
-from .api import attention, fail_collectively, ring_hops
+from . import copy_engine, copy_engine_a2a
+from .api import a2a_exchanges, attention, fail_collectively, ring_hops
 from .engines import SelectedPerBlock
 from .sharding import cp_size_of, local_cu_seqlens
 
@@ -78,7 +78,12 @@ def describe(module, q, k, v, args: CallArgs, fp8: tuple | None = None) -> Descr
 
 
 def transport_note(module, params, device: torch.device) -> str | None:
-    """How this call's ring hops travel (copy_engine.ring_for), or None where the call runs no ring."""
+    """How this call's ring hops (copy_engine.ring_for) or a2a exchanges (copy_engine_a2a) travel, or None where the
+    call runs neither."""
+    if a2a_exchanges(params.cp_comm_type, params.qkv_format, params.attn_mask_type, tuple(params.window_size),
+                     params.max_seqlen_q, params.fp8):
+        group = module.cp_group
+        return copy_engine_a2a.describe_exchange(str(dist.get_backend(group)), group, device)
     if not ring_hops(params.cp_comm_type, params.qkv_format, params.attn_mask_type, tuple(params.window_size),
                      params.max_seqlen_q, params.fp8):
         return None
