@@ -214,8 +214,9 @@ class AllToAll:
 
 
 class CollectiveExchange:
-    """The exchange interface of head_groups.A2AAttention (reserve / buffer / publish / pull) over torch.distributed's
-    all-to-all (NCCL on GPUs, gloo on CPU): a region is an ordinary tensor, and pull() starts the group's all-to-all.
+    """The exchange interface of head_groups.A2AAttention (reserve / buffer / publish / pull / release) over
+    torch.distributed's all-to-all (NCCL on GPUs, gloo on CPU): a region is an ordinary tensor, and pull() starts
+    the group's all-to-all.
     copy_engine_a2a.CopyEngineExchange is the same interface over the copy engines."""
 
     transport = "collective"
@@ -232,8 +233,11 @@ class CollectiveExchange:
     def publish(self, region: str, group: int | None = None) -> None:
         """Nothing to signal: the all-to-all itself pairs the ranks."""
 
-    def pull(self, region: str, group: int, send: torch.Tensor, label: str) -> AllToAll:
+    def pull(self, region: str, group: int, send: torch.Tensor, label: str, exposed: bool = False) -> AllToAll:
         return AllToAll(send, self.info, label)
+
+    def release(self, region: str) -> None:
+        """Nothing to acknowledge: every buffer is the call's own."""
 
 
 def all_to_all_dim0(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:

@@ -7,12 +7,13 @@ An exchange has four regions, one per direction of a call: the forward's q, k, v
 dout in and dq, dk, dv back. Each holds [G, P, n]: head group g's slice for rank p at [g, p]. Per call and region:
   buffer():  wait until every peer acked its pulls of the region's previous contents, then hand it out to be written;
   publish(): after the compute stream wrote it (all groups, or group g), signal 'ready' to every peer;
-  pull(g):   wait for each peer's 'ready', copy its [g, me] into a fresh tensor; after the region's last group,
-             signal 'ack' to every peer.
-This rank's own slice is handed out as a view of its buffer: it is read by the compute stream before the region
-is written again. Signals are device flags (put_signal / wait_signal), so no step waits for the host or for ranks
-it does not exchange with. Every rank makes the same calls in the same order (the schedule depends on the head-group
-count only), which is what pairs each signal with its wait.
+  pull(g):   wait for each peer's 'ready', then copy its [g, me] into a fresh tensor on the communication stream
+             (the copy engines, under another group's attention), or, where nothing would overlap the transfer,
+             hand out a view of the peer's [g, me] for the consuming kernel to read over NVLink;
+  release(): once the compute stream consumed every group, signal 'ack' to every peer.
+This rank's own slice is handed out as a view of its buffer. Signals are device flags (put_signal / wait_signal), so
+no step waits for the host or for ranks it does not exchange with. Every rank makes the same calls in the same
+order (the schedule depends on the head-group count only), which is what pairs each signal with its wait.
 
 torch's symmetric memory is a private API: a group uses this exchange only after copy_engine.self_check passed on
 every rank; ATTN_DISPATCH_CP_TRANSPORT=nccl keeps NCCL's all-to-all.
@@ -86,6 +87,17 @@ class _Pulled:
         return parts
 
 
+class _Read:
+    """Slices to be read in place (peers' memory): the compute stream already waits for them."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+
+    def wait(self) -> list[torch.Tensor]:
+        parts, self.parts = self.parts, None
+        return parts
+
+
 # Keyed by (group name, device); an entry holds its group too: a destroyed group's name may be reused.
 _BUFFERS: dict = {}
 
@@ -142,17 +154,31 @@ class CopyEngineExchange:
             torch.cuda.set_stream(compute)
         self.ready_per_group[region] = group is not None
 
-    def pull(self, region: str, group: int, send: torch.Tensor, label: str) -> _Pulled:
-        """Start pulling slice [group, me] of every peer's region; send is this rank's [P, n] of the same group."""
+    def pull(self, region: str, group: int, send: torch.Tensor, label: str, exposed: bool = False):
+        """Slice [group, me] of every peer's region; send is this rank's [P, n] of the same group. Where the call has
+        nothing to overlap the transfer with (`exposed`: the first group in, the last one out), the compute stream
+        waits for the peers and their slices are handed out as views of their memory, read by the kernel that
+        consumes them (one pass over NVLink instead of a pull and a copy); else the copy engines pull them into
+        fresh tensors on the communication stream."""
         buf, info = self.buf, self.info
         me = send[info.rank]
         nbytes = me.numel() * me.element_size()
         at = send.data_ptr() - buf.local.data_ptr() + info.rank * nbytes  # the same place in every peer's buffer
+        remote = {p: buf.peers[p][at:at + nbytes].view(me.dtype).view(me.shape) for p in self.peers}
+        wait_ready = self.ready_per_group[region] or self.pulls[region] == 0
+        self.pulls[region] += 1
+        compute, stream = self._streams()
         parts = [me] * info.size
+        if exposed and all(t.device == me.device for t in remote.values()):
+            with torch.profiler.record_function(f"cp_a2a_read:{label}"):
+                if wait_ready:
+                    for p in self.peers:
+                        buf.handle.wait_signal(p, channel=self._ready(region, group))
+                for p in self.peers:
+                    parts[p] = remote[p]
+            return _Read(parts)
         for p in self.peers:
             parts[p] = torch.empty_like(me)
-        wait_ready = self.ready_per_group[region] or self.pulls[region] == 0
-        compute, stream = self._streams()
         stream.wait_stream(compute)  # the fresh tensors' memory may have been freed by work still queued there
         torch.cuda.set_stream(stream)
         try:
@@ -160,18 +186,23 @@ class CopyEngineExchange:
                 for p in self.peers:
                     if wait_ready:
                         buf.handle.wait_signal(p, channel=self._ready(region, group))
-                    parts[p].copy_(buf.peers[p][at:at + nbytes].view(me.dtype).view(me.shape))
-                self.pulls[region] += 1
-                if self.pulls[region] == self.groups:
-                    for p in self.peers:
-                        buf.handle.put_signal(p, channel=_FIRST_ACK + REGIONS.index(region))
-                    self.pulls[region] = 0
-                    buf.acks_due[region] = True
+                    parts[p].copy_(remote[p])
             event = torch.cuda.Event()
             event.record(stream)
         finally:
             torch.cuda.set_stream(compute)
         return _Pulled(event, parts, self.device.index)
+
+    def release(self, region: str) -> None:
+        """The compute stream has consumed every group of the region this call: tell the peers (their next buffer()
+        of it waits for this)."""
+        if self.pulls[region] != self.groups:
+            raise RuntimeError(f"internal error: a2a region {region} released after {self.pulls[region]} of "
+                               f"{self.groups} pulls")
+        self.pulls[region] = 0
+        for p in self.peers:
+            self.buf.handle.put_signal(p, channel=_FIRST_ACK + REGIONS.index(region))
+        self.buf.acks_due[region] = True
 
     def _ready(self, region: str, group: int) -> int:
         return _FIRST_READY + REGIONS.index(region) * self.ready_stride + group

@@ -216,7 +216,7 @@ class A2AAttention:
         out_piece = self.group_heads(out).shape[2:]
         out_buf = ex.buffer("fwd_out", (self.groups, size, math.prod(out_piece)), q.dtype, q.device)
         ex.publish("fwd_in")
-        pending = ex.pull("fwd_in", 0, buf[0], "fwd_qkv:0")
+        pending = ex.pull("fwd_in", 0, buf[0], "fwd_qkv:0", exposed=True)
         outgoing, saved, states = [], [], []
         for g in range(self.groups):
             following = ex.pull("fwd_in", g + 1, buf[g + 1], f"fwd_qkv:{g + 1}") if g < last else None
@@ -230,12 +230,14 @@ class A2AAttention:
                     out_h = out_h.to(q.dtype)
             self.order.to_parts(out_h, out=out_buf[g].unflatten(-1, out_piece))
             ex.publish("fwd_out", g)
-            outgoing.append(ex.pull("fwd_out", g, out_buf[g], f"fwd_out:{g}"))
+            outgoing.append(ex.pull("fwd_out", g, out_buf[g], f"fwd_out:{g}", exposed=g == last))
             saved += [qh, kh, vh, out_h, lse]
             states.append(BlockState(res.state, res.out))
             pending = following
+        ex.release("fwd_in")
         for g, transfer in enumerate(outgoing):
             self._place(out, transfer.wait(), g)
+        ex.release("fwd_out")
         return out, tuple(saved), states
 
     def backward(self, dout, saved, states, sink):
@@ -245,7 +247,7 @@ class A2AAttention:
         grad_layout, n = self._layout([self.group_heads(t).shape[2:] for t in grads_local])
         grad_buf = ex.buffer("bwd_out", (self.groups, info.size, n), dout.dtype, dout.device)
         ex.publish("bwd_in")
-        pending = ex.pull("bwd_in", 0, buf[0], "bwd_dout:0")
+        pending = ex.pull("bwd_in", 0, buf[0], "bwd_dout:0", exposed=True)
         dsink = torch.zeros_like(sink) if sink is not None else None
         outgoing = []
         for g in range(self.groups):
@@ -262,10 +264,12 @@ class A2AAttention:
             for grad, (offset, size, shape) in zip((grads.dq, grads.dk, grads.dv), grad_layout):
                 self.order.to_parts(grad, out=grad_buf[g][:, offset:offset + size].unflatten(-1, shape))
             ex.publish("bwd_out", g)
-            outgoing.append(ex.pull("bwd_out", g, grad_buf[g], f"bwd_grads:{g}"))
+            outgoing.append(ex.pull("bwd_out", g, grad_buf[g], f"bwd_grads:{g}", exposed=g == last))
             pending = following
+        ex.release("bwd_in")
         for g, transfer in enumerate(outgoing):
             parts = transfer.wait()
             for dest, (offset, _, _) in zip(grads_local, grad_layout):
                 self._place(dest, parts, g, offset)
+        ex.release("bwd_out")
         return (*grads_local, dsink)
