@@ -220,6 +220,7 @@ class CollectiveExchange:
     copy_engine_a2a.CopyEngineExchange is the same interface over the copy engines."""
 
     transport = "collective"
+    keeps_own_row = False  # all_to_all_single sends a rank its own row too
 
     def __init__(self, info: GroupInfo):
         self.info = info
@@ -233,7 +234,8 @@ class CollectiveExchange:
     def publish(self, region: str, group: int | None = None) -> None:
         """Nothing to signal: the all-to-all itself pairs the ranks."""
 
-    def pull(self, region: str, group: int, send: torch.Tensor, label: str, exposed: bool = False) -> AllToAll:
+    def pull(self, region: str, group: int, send: torch.Tensor, label: str, exposed: bool = False,
+             own=None) -> AllToAll:
         return AllToAll(send, self.info, label)
 
     def release(self, region: str) -> None:

@@ -11,9 +11,10 @@ dout in and dq, dk, dv back. Each holds [G, P, n]: head group g's slice for rank
              (the copy engines, under another group's attention), or, where nothing would overlap the transfer,
              hand out a view of the peer's [g, me] for the consuming kernel to read over NVLink;
   release(): once the compute stream consumed every group, signal 'ack' to every peer.
-This rank's own slice is handed out as a view of its buffer. Signals are device flags (put_signal / wait_signal), so
-no step waits for the host or for ranks it does not exchange with. Every rank makes the same calls in the same
-order (the schedule depends on the head-group count only), which is what pairs each signal with its wait.
+A rank's own row is never written to its region: the caller keeps it where it lies. Signals are device flags
+(put_signal / wait_signal), so no step waits for the host or for ranks it does not exchange with. Every rank makes
+the same calls in the same order (the schedule depends on the head-group count only), which is what pairs each
+signal with its wait.
 
 torch's symmetric memory is a private API: a group uses this exchange only after copy_engine.self_check passed on
 every rank; ATTN_DISPATCH_CP_TRANSPORT=nccl keeps NCCL's all-to-all.
@@ -106,6 +107,7 @@ class CopyEngineExchange:
     """The exchange interface of head_groups (buffer / publish / pull), the bytes moved by the copy engines."""
 
     transport = "copy_engine"
+    keeps_own_row = True  # a rank's own row is never pulled: the caller neither writes nor reads it in the region
 
     def __init__(self, info: GroupInfo, device: torch.device, groups: int):
         self.info, self.device, self.groups = info, device, groups
@@ -154,12 +156,12 @@ class CopyEngineExchange:
             torch.cuda.set_stream(compute)
         self.ready_per_group[region] = group is not None
 
-    def pull(self, region: str, group: int, send: torch.Tensor, label: str, exposed: bool = False):
+    def pull(self, region: str, group: int, send: torch.Tensor, label: str, exposed: bool = False, own=None):
         """Slice [group, me] of every peer's region; send is this rank's [P, n] of the same group. Where the call has
         nothing to overlap the transfer with (`exposed`: the first group in, the last one out), the compute stream
         waits for the peers and their slices are handed out as views of their memory, read by the kernel that
         consumes them (one pass over NVLink instead of a pull and a copy); else the copy engines pull them into
-        fresh tensors on the communication stream."""
+        fresh tensors on the communication stream. `own` stands for this rank's row in the result."""
         buf, info = self.buf, self.info
         me = send[info.rank]
         nbytes = me.numel() * me.element_size()
@@ -168,7 +170,7 @@ class CopyEngineExchange:
         wait_ready = self.ready_per_group[region] or self.pulls[region] == 0
         self.pulls[region] += 1
         compute, stream = self._streams()
-        parts = [me] * info.size
+        parts = [me if own is None else own] * info.size
         if exposed and all(t.device == me.device for t in remote.values()):
             with torch.profiler.record_function(f"cp_a2a_read:{label}"):
                 if wait_ready:

@@ -110,6 +110,20 @@ class SeqOrder:
         return torch.cat([parts[p].narrow(self.sd, h * self.chunk, self.chunk) for _, (p, h) in self.placement],
                          self.sd)
 
+    def write_rows(self, whole: torch.Tensor, targets: dict[int, torch.Tensor]) -> None:
+        """targets[p] (rank p's local shape, any strides) <- rank p's tokens of the whole sequence, for each p given."""
+        if self.fmt == "thd":
+            for p, t in targets.items():
+                t.copy_(whole.index_select(0, self.rank_from[p * self.local_len:(p + 1) * self.local_len]))
+        elif self.identity:
+            for p, t in targets.items():
+                t.copy_(whole.narrow(self.sd, p * self.local_len, self.local_len))
+        else:
+            for c, (p, h) in self.placement:
+                if p in targets:
+                    targets[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(
+                        whole.narrow(self.sd, c * self.chunk, self.chunk))
+
     def to_parts(self, whole: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse: the whole sequence -> [P, *local shape], slice p for rank p; into `out` (any strides) if
         given, else a new contiguous tensor."""
@@ -145,6 +159,7 @@ class A2AAttention:
                  groups: int, exchange=None):
         self.engine, self.fmt, self.info, self.order, self.groups = engine, fmt, info, order, groups
         self.exchange = exchange if exchange is not None else CollectiveExchange(info)
+        self._peers = [p for p in range(info.size) if p != info.rank]
         self.cfg = dataclasses.replace(cfg, softmax_type="vanilla", return_max_logit=False)
         self.aux = aux
         self.hd = HEAD_DIM[fmt]
@@ -167,32 +182,54 @@ class A2AAttention:
         return layout, offset
 
     def _pack(self, region: str, tensors) -> tuple[torch.Tensor, list]:
-        """The region as [G, P, n], holding every tensor's group-g heads for rank p at [g, p], in one pass each."""
+        """The region as [G, P, n], holding every tensor's group-g heads for rank p at [g, p], in one pass each (rank p
+        = this rank left out where the exchange never sends a rank its own row)."""
         views = [self.group_heads(t) for t in tensors]
         layout, n = self._layout([v.shape[2:] for v in views])
         buf = self.exchange.buffer(region, (self.groups, self.info.size, n), tensors[0].dtype, tensors[0].device)
         for view, (offset, size, shape) in zip(views, layout):
-            buf[:, :, offset:offset + size].unflatten(-1, shape).copy_(view)
+            if self.exchange.keeps_own_row:
+                for p in self._peers:
+                    buf[:, p, offset:offset + size].unflatten(-1, shape).copy_(view[:, p])
+            else:
+                buf[:, :, offset:offset + size].unflatten(-1, shape).copy_(view)
         return buf, layout
 
+    def _own(self, tensors, group: int) -> list[torch.Tensor] | None:
+        """This rank's own row of a group, read where it lies (views of `tensors`), for an exchange that keeps it."""
+        if not self.exchange.keeps_own_row:
+            return None
+        return [self.group_heads(t)[group, self.info.rank] for t in tensors]
+
     def _unpack(self, parts, layout) -> list[torch.Tensor]:
-        """Each tensor's whole sequence (for this rank's heads of the group) from the P received rows."""
+        """Each tensor's whole sequence (for this rank's heads of the group) from the P received rows (a row may be
+        a list holding each tensor's piece: this rank's own, read in place)."""
         if isinstance(parts, torch.Tensor):
             return [self.order.to_whole(parts[:, offset:offset + n].unflatten(-1, shape))
                     for offset, n, shape in layout]
-        return [self.order.to_whole([row[offset:offset + n].view(shape) for row in parts])
-                for offset, n, shape in layout]
+        return [self.order.to_whole([row[i] if isinstance(row, list) else row[offset:offset + n].view(shape)
+                                     for row in parts])
+                for i, (offset, n, shape) in enumerate(layout)]
+
+    def _send_back(self, whole: torch.Tensor, row_buf: torch.Tensor, piece, dest: torch.Tensor, group: int) -> None:
+        """Each rank's tokens of `whole` (this rank's heads of the group) into its row of row_buf ([P, n], rows of
+        `piece` shape); where the exchange keeps our own row, ours go straight to `dest`'s heads of the group."""
+        rows = {p: row_buf[p].unflatten(-1, piece) for p in range(self.info.size)}
+        if self.exchange.keeps_own_row:
+            rows[self.info.rank] = self.group_heads(dest)[group, self.info.rank]
+        self.order.write_rows(whole, rows)
 
     def _place(self, dest: torch.Tensor, parts, group: int, offset: int = 0) -> None:
         """dest's heads of `group` (for every rank p) <- row p of `parts` from `offset` on (rank p sent this rank's
-        tokens)."""
+        tokens); our own row is in place already where the exchange keeps it."""
         view = self.group_heads(dest)[group]
         n = view[0].numel()
         if isinstance(parts, torch.Tensor):
             view.copy_(parts[:, offset:offset + n].view(view.shape))
             return
         for p, row in enumerate(parts):
-            view[p].copy_(row[offset:offset + n].view(view.shape[1:]))
+            if p != self.info.rank or not self.exchange.keeps_own_row:
+                view[p].copy_(row[offset:offset + n].view(view.shape[1:]))
 
     def _reserve(self, q, k, v) -> None:
         """Every region of the call, forward and backward: q, k, v in and dq, dk, dv back; out back and dout in."""
@@ -216,10 +253,11 @@ class A2AAttention:
         out_piece = self.group_heads(out).shape[2:]
         out_buf = ex.buffer("fwd_out", (self.groups, size, math.prod(out_piece)), q.dtype, q.device)
         ex.publish("fwd_in")
-        pending = ex.pull("fwd_in", 0, buf[0], "fwd_qkv:0", exposed=True)
+        pending = ex.pull("fwd_in", 0, buf[0], "fwd_qkv:0", exposed=True, own=self._own((q, k, v), 0))
         outgoing, saved, states = [], [], []
         for g in range(self.groups):
-            following = ex.pull("fwd_in", g + 1, buf[g + 1], f"fwd_qkv:{g + 1}") if g < last else None
+            following = (ex.pull("fwd_in", g + 1, buf[g + 1], f"fwd_qkv:{g + 1}", own=self._own((q, k, v), g + 1))
+                         if g < last else None)
             qh, kh, vh = self._unpack(pending.wait(), layout)
             with torch.profiler.record_function(f"cp_attend:fwd:{g}"):
                 res = self.engine.forward(qh, kh, vh, self.aux, self.cfg)
@@ -228,7 +266,7 @@ class A2AAttention:
                 if sink_g is not None:
                     out_h, lse = add_sink(out_h.to(acc_dtype(q)), lse, sink_g, self.fmt)
                     out_h = out_h.to(q.dtype)
-            self.order.to_parts(out_h, out=out_buf[g].unflatten(-1, out_piece))
+            self._send_back(out_h, out_buf[g], out_piece, out, g)
             ex.publish("fwd_out", g)
             outgoing.append(ex.pull("fwd_out", g, out_buf[g], f"fwd_out:{g}", exposed=g == last))
             saved += [qh, kh, vh, out_h, lse]
@@ -247,11 +285,12 @@ class A2AAttention:
         grad_layout, n = self._layout([self.group_heads(t).shape[2:] for t in grads_local])
         grad_buf = ex.buffer("bwd_out", (self.groups, info.size, n), dout.dtype, dout.device)
         ex.publish("bwd_in")
-        pending = ex.pull("bwd_in", 0, buf[0], "bwd_dout:0", exposed=True)
+        pending = ex.pull("bwd_in", 0, buf[0], "bwd_dout:0", exposed=True, own=self._own((dout,), 0))
         dsink = torch.zeros_like(sink) if sink is not None else None
         outgoing = []
         for g in range(self.groups):
-            following = ex.pull("bwd_in", g + 1, buf[g + 1], f"bwd_dout:{g + 1}") if g < last else None
+            following = (ex.pull("bwd_in", g + 1, buf[g + 1], f"bwd_dout:{g + 1}", own=self._own((dout,), g + 1))
+                         if g < last else None)
             (dout_h,) = self._unpack(pending.wait(), layout)
             qh, kh, vh, out_h, lse = saved[5 * g:5 * g + 5]
             with torch.profiler.record_function(f"cp_attend:bwd:{g}"):
@@ -261,8 +300,8 @@ class A2AAttention:
                     n_sink = sink_g.numel()
                     first = (info.rank * self.groups + g) * n_sink
                     dsink[first:first + n_sink] = sink_grad(dout_h, out_h, lse, sink_g, self.fmt)
-            for grad, (offset, size, shape) in zip((grads.dq, grads.dk, grads.dv), grad_layout):
-                self.order.to_parts(grad, out=grad_buf[g][:, offset:offset + size].unflatten(-1, shape))
+            for grad, dest, (offset, size, shape) in zip((grads.dq, grads.dk, grads.dv), grads_local, grad_layout):
+                self._send_back(grad, grad_buf[g][:, offset:offset + size], shape, dest, g)
             ex.publish("bwd_out", g)
             outgoing.append(ex.pull("bwd_out", g, grad_buf[g], f"bwd_grads:{g}", exposed=g == last))
             pending = following
