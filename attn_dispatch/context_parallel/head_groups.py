@@ -32,10 +32,11 @@ from .sharding import chunks_of_rank, thd_natural_index
 
 # The head-group count when cp.attention(cp_a2a_head_groups=None) (DotProductAttention passes None).
 HEAD_GROUPS_ENV = "ATTN_DISPATCH_CP_A2A_HEAD_GROUPS"
-# Counts the default may take. None: on 2x H200 (benchmarks/results/cp/cp_h200x2_head_groups.json, causal) two
-# groups lost to one at 32k (85.8% against 88.3%) and tied at 128k (96.3%, 96.7%); four lost at 32k (71% in an
-# earlier run of the same command): all-to-alls overlapped with attention ran several times longer. It stays
-# opt-in (the argument or the variable) until a machine shows a gain.
+# Counts the default may take. None: on 2x H200 (benchmarks/results/cp/, causal, b1 h16) two groups lost to one over
+# NCCL (85.8% against 88.3% at 32k: its all-to-alls ran several times longer beside attention) and over the copy
+# engines alike (cp_h200x2_ce_a2a_own.json: 86.5% against 88.0% at 32k, 95.5% against 97.0% at 128k), where the
+# transfers hide but attention on half the heads runs 5-9% slower per head. It stays opt-in (the argument or the
+# variable) until a machine or a shape shows a gain.
 DEFAULT_GROUP_CHOICES: tuple[int, ...] = ()
 # Below this many elements per rank and group, an all-to-all's fixed cost (tens of microseconds per NCCL call)
 # is comparable to its transfer, so the default stays at one group. A guess, not a measurement: time
