@@ -17,6 +17,7 @@ one step at S=32k with the document mask, per column, beyond the inputs and thei
 
     python benchmarks/bench_masks.py --out $OUT/bench_masks.json            # ~4 minutes on an H100
     python benchmarks/bench_masks.py --cases documents,prefix_lm --out ...   # a subset
+    python benchmarks/bench_masks.py --inference --memory-s 0 --out ...      # forward alone, as inference runs
     python benchmarks/bench_masks.py --device cpu --out /tmp/masks_cpu.json # the script's plumbing, tiny, inference
 """
 from __future__ import annotations
@@ -340,6 +341,7 @@ def run_call(name: str, s: int, seed: int) -> dict:
     default = _module((call.mask_type, "bshd", call.softcap, None)).last_decision
     row = {
         "call": name, "b": call.b, "s": call.s, "h": H, "d": D, "mask_type": call.mask_type, "notes": call.notes,
+        "training": TRAIN,
         "params": call_params(call, H, D, TRAIN).to_dict(),
         "attended_pairs": flops / (4.0 * D * (3.5 if TRAIN else 1.0)),
         "default_pick": default.chosen if default else None,
@@ -426,6 +428,8 @@ def main() -> int:
                         help="cpu: a smoke run of the script (tiny sizes, inference: FlexAttention has no CPU "
                              "backward)")
     parser.add_argument("--seed", type=int, default=39)
+    parser.add_argument("--inference", action="store_true",
+                        help="time and check the forward alone (no grad), as an inference call runs")
     args = parser.parse_args()
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -436,6 +440,7 @@ def main() -> int:
         TRAIN, H, D = False, 2, 32
     elif not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here (use --device cpu for a smoke run)")
+    TRAIN = TRAIN and not args.inference
     selection.clear_cache()
     result = {"environment": environment(), "calls": [], "errors": {}}
     t_start = time.perf_counter()
