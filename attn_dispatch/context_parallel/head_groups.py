@@ -106,10 +106,24 @@ class SeqOrder:
             return flat.index_select(0, self.natural_from)
         if self.identity:
             if listed:
-                return torch.cat(list(parts), self.sd)
+                return self._joined([(p, 0, p) for p in range(self.size)], parts, self.local_len)
             return parts.movedim(0, self.sd).flatten(self.sd, self.sd + 1).contiguous()
+        if listed:
+            return self._joined([(c, h, p) for c, (p, h) in self.placement], parts, self.chunk)
         return torch.cat([parts[p].narrow(self.sd, h * self.chunk, self.chunk) for _, (p, h) in self.placement],
                          self.sd)
+
+    def _joined(self, pieces, parts, length: int) -> torch.Tensor:
+        """The whole sequence from parts[p]'s piece h (`length` tokens each) at piece c, for (c, h, p) in pieces. One
+        copy per piece rather than torch.cat: cat takes a slow path for every input once one has gaps (a rank's own
+        heads read in place), while a copy reads strided sources at full speed."""
+        first = parts[0]
+        shape = list(first.shape)
+        shape[self.sd] = length * len(pieces)
+        whole = torch.empty(shape, dtype=first.dtype, device=first.device)
+        for c, h, p in pieces:
+            whole.narrow(self.sd, c * length, length).copy_(parts[p].narrow(self.sd, h * length, length))
+        return whole
 
     def write_rows(self, whole: torch.Tensor, targets: dict[int, torch.Tensor]) -> None:
         """targets[p] (rank p's local shape, any strides) <- rank p's tokens of the whole sequence, for each p given."""
