@@ -21,7 +21,12 @@ The model (per comm type, one rank; t(bytes) = bytes / rate):
 - a2a+p2p: one-shot all-to-alls over the a2a group of A ranks (q, k, v to heads, out back; dout, then dq, dk, dv),
   nothing overlapped, around the p2p ring of P / A ranks on heads / A (its K/V hop: as many bytes as p2p's on P).
 - all_gather: the K/V it needs gathered before, the float32 dK/dV reduce-scattered after; nothing overlaps.
-Every call adds `call_ms` (host work, checks) and every merged block `step_ms`.
+Every call adds `call_ms` and every merged block `step_ms`.
+Timing: what a model's step sees, its layers' calls back to back (bench_cp.py --chain 4), the host issuing kernels
+while the GPU still runs earlier ones. A fwd+bwd started from an idle GPU (--chain 1) gives the host no head start, so
+the GPU waits wherever the host issues kernels no faster than the GPU runs them (a 4x32k ring: about as fast), and
+the ranks' launch skew shows: `idle_ms` more per fwd+bwd (from_idle=True), charged to the backward (a p2p forward
+alone measured 0.05-0.18 ms slower from idle).
 One GPU: compute alone at the same rates. FLOPs: 4 b h d per (query, key) pair forward, 2.5x that backward
 (five matrix products against two, FlashAttention-2's accounting).
 """
@@ -42,7 +47,7 @@ class Rates:
     fwd_tflops: float   # attention forward, measured
     bwd_tflops: float   # attention backward, measured (FLOPs = BWD_FLOPS_RATIO x forward's)
     link_gbps: float    # one rank's rate through NCCL with nothing beside it: collectives, an exposed hop (fitted)
-    call_ms: float      # fixed cost of each CP forward or backward call (fitted)
+    call_ms: float      # fixed cost of each CP forward or backward call, calls back to back (fitted)
     step_ms: float      # cost of each ring step or merged block beyond its compute (fitted)
     source: str
     # where a windowed call runs another engine than an unwindowed one (torch's cuDNN SDPA takes no window), that
@@ -53,6 +58,9 @@ class Rates:
     # the copy engines' pull (copy_engine.py; None: not measured on this GPU, where 'auto' is predicted as NCCL)
     nccl_ring_gbps: float | None = None
     copy_engine_gbps: float | None = None
+    # what a fwd+bwd adds when it starts from an idle GPU (measured); None: this GPU's runs were all timed so, and the
+    # fitted costs above hold it (calls back to back are predicted at those costs, which are then too high)
+    idle_ms: float | None = None
 
 
 # fwd/bwd rates: the one-GPU rows (flash_attn_4:cute, bf16, b1 h16 d128, causal, 32k and 128k) of both files,
@@ -60,7 +68,8 @@ class Rates:
 # the 2-GPU rows of cp_h100x2.json (tests/test_cp_efficiency.py refits them); cp_h100x4.json's 4-GPU rows were not
 # used in the fit and check it. They reproduce cp_h100x2.json within 4.0 points on average (9.5 at worst) and
 # cp_h100x4.json within 4.1 (12.0). These runs' a2a still copied its reorder index to the GPU on every call, a cost
-# the model leaves out: their 2-GPU a2a rows come out up to 3 points high.
+# the model leaves out: their 2-GPU a2a rows come out up to 3 points high. They were timed one call from an idle GPU,
+# the only timing recorded here (idle_ms None): calls back to back are predicted at that timing's costs.
 H100_NVLINK = Rates(
     "H100 80GB HBM3 SXM, NVLink (NV18)", fwd_tflops=680.0, bwd_tflops=624.0, link_gbps=110.0, call_ms=0.35,
     step_ms=0.64,
@@ -72,21 +81,31 @@ H100_NVLINK = Rates(
 # and so did the windowed CP rows: windowed calls take those rates. The 4x H200 files' one-GPU rows agree as closely.
 # copy_engine_gbps is measured, not fitted: a 64 MiB hop pulled in 0.21 ms beside matmuls (0.19 alone;
 # benchmarks/results/cp/ring_transport_h200x4.json); in every recorded row those hops hide under the blocks'
-# compute, so no row could pin it. The four fitted values minimise the squared efficiency error over the 26 rows with
-# the checks on (2 and 4 GPUs) of cp_h200x4.json (NCCL's ring; p2p, a2a, a2a+p2p) and cp_h200x4_transport.json (p2p by
-# either transport), each predicted with the schedule and transport it ran (tests/test_cp_efficiency.py refits
-# them). They reproduce those files within 1.8 points on average, 4.6 at worst; the runs left out check them:
-# cp_h200x2.json (1.5, 4.0), cp_h200x4_transport_host.json (after the ring's host cut; 1.6, 3.1) and
-# cp_h200x2_head_groups.json, an earlier run (a2a with 1 and 2 head groups, p2p before the reversed ring:
-# exposed_dkv_hop=True; its windowed a2a rows ran Ulysses, which a window this narrow no longer runs, and are not
-# predicted; 3.3, 7.4). NCCL's ring rate is what the rows fit, not one hop's: a 4-GPU trace shows 65-75 GB/s for a
-# hop while a block runs beside it all along.
+# compute, so no row could pin it. The four fitted values minimise the squared efficiency error over the 18 CP rows of
+# cp_h200x4_sm_copy.json (4 calls back to back per sample, the copy-engine ring receiving in place; p2p by either
+# transport, a2a by NCCL's all-to-all, 2 and 4 GPUs, 32k, 128k and 128k under a (4096, 0) window), each predicted with
+# the transport it ran (tests/test_cp_efficiency.py refits them). They reproduce it within 1.8 points on average, 5.4 at
+# worst: 4 GPUs at 128k come out 3.6-5.4 points high, where the backward runs 5-10% slower than a quarter of one GPU's
+# while its transfers hide under 21 ms blocks. link_gbps and call_ms trade off (310-400 GB/s fit within 1% of the least
+# error, each with its best call_ms), and NCCL's ring rate is what the rows fit, not one hop's (a 4-GPU trace shows
+# 65-75 GB/s for a hop while a block runs beside it all along). The chained runs left out check them:
+# cp_h200x4_zero_copy.json, one build earlier (2.7 on average, 6.7 at worst), cp_h200x4_chain4.json, with the ring's
+# staging copies (3.0, 7.8: its 4x32k ring 70% against 78%), and the 2x a2a runs cp_h200x2_ce_a2a*.json (3.9-5.5, 11.0):
+# one head group within 2.5 points by the copy engines and 7.0 by NCCL, whose 32k runs spread over 82.5-87.5%; 2 and 4
+# head groups 3-11 points high (attention on fewer heads per call runs 5-9% slower, which the model leaves out). idle_ms
+# is measured: the mean fwd+bwd difference between runs of one build timed from idle and chained
+# (cp_h200x4_sm_copy_chain1.json against cp_h200x4_sm_copy.json, cp_h200x4_chain1.json against cp_h200x4_chain4.json; 4
+# rows, 0.46-1.56 ms): those 4 rows come out within 3.9 points on average, 7.6 at worst (the copy-engine ring from idle,
+# 63.6% against 71.1%). The earlier one-call runs, whose agreement check synced every call, come out within 2.2 on
+# average, 6.8 at worst (cp_h200x4.json, cp_h200x4_transport.json, cp_h200x4_transport_host.json, cp_h200x2.json and
+# cp_h200x2_head_groups.json, this one with p2p before the reversed ring: exposed_dkv_hop=True; its windowed a2a rows
+# ran Ulysses, which a window this narrow no longer runs, and are not predicted).
 H200_NVLINK = Rates(
     "H200, NVLink (torch 2.11's cuDNN SDPA; FlashAttention-2 under a window)", fwd_tflops=605.0,
-    bwd_tflops=526.0, link_gbps=185.0, call_ms=0.6, step_ms=0.34,
-    source="benchmarks/results/cp/cp_h200x4.json and benchmarks/results/cp/cp_h200x4_transport.json, checked on "
-           "benchmarks/results/cp/cp_h200x2.json (bench_cp.py, torch 2.11, NCCL 2.28.9, 2026-11-28)",
-    windowed_fwd_tflops=289.0, windowed_bwd_tflops=308.0, nccl_ring_gbps=120.0, copy_engine_gbps=320.0)
+    bwd_tflops=526.0, link_gbps=335.0, call_ms=0.42, step_ms=0.19,
+    source="benchmarks/results/cp/cp_h200x4_sm_copy.json (bench_cp.py --chain 4, torch 2.11, NCCL 2.28.9, "
+           "2026-11-28)",
+    windowed_fwd_tflops=289.0, windowed_bwd_tflops=308.0, nccl_ring_gbps=110.0, copy_engine_gbps=320.0, idle_ms=0.88)
 RATES = {"h100": H100_NVLINK, "h200": H200_NVLINK}
 MODELLED = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
@@ -167,9 +186,11 @@ def _ring(p: int, steps: int, cf: float, cb: float, hop: float, lone_hop: float,
 
 
 def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: int = 1, *,
-            transport: str = "auto", exposed_dkv_hop: bool = False) -> Prediction:
+            transport: str = "auto", exposed_dkv_hop: bool = False, from_idle: bool = False) -> Prediction:
     """transport: the ring's hops (p2p, the ring of a2a+p2p): 'auto' (what runs by default), 'copy_engine', 'nccl'.
-    exposed_dkv_hop: p2p's backward without a window as it ran before the reversed ring (runs recorded then)."""
+    exposed_dkv_hop: p2p's backward without a window as it ran before the reversed ring (runs recorded then).
+    from_idle: the fwd+bwd starts from an idle GPU (bench_cp.py --chain 1) instead of following a model's earlier
+    layers."""
     if comm not in MODELLED:
         raise ValueError(f"comm={comm!r} has no efficiency model; modelled: {', '.join(MODELLED)}")
     p = call.cp_size
@@ -212,7 +233,7 @@ def predict(comm: str, call: Call, rates: Rates = H100_NVLINK, a2a_head_groups: 
         blocks = 2 if call.causal or call.window else 1
         fwd = t(moved) + fwd1 / p + blocks * step
         bwd = bwd1 / p + 2 * t(moved) + blocks * step
-    fwd, bwd = fwd + rates.call_ms, bwd + rates.call_ms
+    fwd, bwd = fwd + rates.call_ms, bwd + rates.call_ms + (rates.idle_ms or 0.0) * from_idle
     return Prediction(comm, fwd, fwd + bwd, fwd1 + bwd1, (fwd1 + bwd1) / (p * (fwd + bwd)))
 
 
@@ -231,7 +252,8 @@ def explain_lines(params, a2a_head_groups: int | None = None, rates: Rates = H10
     other = "nccl" if ring == "copy_engine" else ("copy_engine" if rates.copy_engine_gbps else None)
     lines = [f"predicted CP efficiency on {params.cp_size} GPUs: fwd+bwd against one GPU on the whole sequence "
              f"({call.seqlen} tokens = --seqlen x --cp-size)",
-             f"  rates of {rates.machine}: {rates.source}; model: attn_dispatch/context_parallel/efficiency.py"]
+             f"  rates of {rates.machine}: {rates.source}; model: attn_dispatch/context_parallel/efficiency.py",
+             "  " + _timing_words(rates)]
     for comm in MODELLED:
         note, groups = "", 1
         split = {"a2a": call.cp_size, "a2a+p2p": a2a_size}.get(comm)
@@ -252,6 +274,14 @@ def explain_lines(params, a2a_head_groups: int | None = None, rates: Rates = H10
         lines.append(f"  {comm:<10} {100 * pred.efficiency:5.1f}%  {pred.fwd_bwd_ms:8.2f} ms fwd+bwd per rank "
                      f"(one GPU {pred.one_gpu_fwd_bwd_ms:.2f} ms){note}")
     return lines + ["  " + _ring_words(rates, wanted, ring)]
+
+
+def _timing_words(rates: Rates) -> str:
+    if rates.idle_ms is None:
+        return ("timing: one fwd+bwd from an idle GPU, the only timing recorded on this GPU (a model's layers back to "
+                "back hide part of each call's fixed cost)")
+    return (f"timing: a model's layers back to back (bench_cp.py --chain 4); one fwd+bwd from an idle GPU takes "
+            f"{rates.idle_ms:.2f} ms more (--chain 1)")
 
 
 def _ring_words(rates: Rates, wanted: str, ring: str) -> str:
