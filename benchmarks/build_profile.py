@@ -12,6 +12,9 @@ A run of a refresh grid (cases.REFRESH_GRIDS: fit-thd) replaces the earlier runs
 Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add each provider's host and GPU time.
 bench_masks.py runs (masked calls: softcap, ALiBi, a bias, arbitrary masks) become the profile's `masked` entries,
 which rank the providers of calls with those modifiers (policy/modified.py); the rate model never reads them.
+The packed fit grids (the manifest's `packed-fit` runs; --packed) become its `packed` entries, off which a provider
+no source timed (FlexAttention's) is predicted on a packed call relative to the others (Profile.relative); the rate
+model never reads them either.
 """
 from __future__ import annotations
 
@@ -39,6 +42,12 @@ def shipped_sources(manifest: Path = results_manifest.MANIFEST, *, masked: bool 
     files are other roles: results/README.md says why each source set is what it is."""
     return [str(results_manifest.verified_path(e, manifest))
             for e in results_manifest.entries("profile-source", manifest) if ("grid" in e) != masked]
+
+
+def packed_sources(manifest: Path = results_manifest.MANIFEST) -> list[str]:
+    """The packed fit grids' runs (the manifest's `packed-fit` entries, each checked against its sha256): the
+    profile's packed entries."""
+    return [str(results_manifest.verified_path(e, manifest)) for e in results_manifest.entries("packed-fit", manifest)]
 
 
 def write_manifest(paths: list[str], manifest: Path = results_manifest.MANIFEST) -> None:
@@ -109,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--write-manifest", action="store_true", help="record the result files given as the shipped "
                     "profile's sources (results/manifest.json), then build it")
+    ap.add_argument("--packed", nargs="*", default=[], metavar="FILE",
+                    help="bench_user_step.py runs of packed grids: the profile's packed entries (not with --shipped, "
+                    "which reads the manifest's packed-fit runs)")
     args = ap.parse_args(argv)
     if args.write_manifest:
         if not args.results:
@@ -116,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         write_manifest(args.results)
         args.results, args.shipped = [], True
     if args.shipped:
-        if args.results:
+        if args.results or args.packed:
             ap.error("--shipped names its own sources: give no result files")
-        step_paths, masked_paths = shipped_sources(), shipped_sources(masked=True)
+        step_paths, masked_paths, args.packed = shipped_sources(), shipped_sources(masked=True), packed_sources()
         args.out = args.out or str(PROFILE_DIR / f"{args.arch}.json")
     else:
         masked_paths = [p for p in args.results if is_masked_run(p)]
@@ -127,14 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give result files (bench_user_step.py runs, and any bench_masks.py runs) and --out, or --shipped")
     runs, envs = load_runs(step_paths)
     masked, masked_envs = load_masked_runs(masked_paths)
+    packed, packed_envs = load_runs(args.packed)
     stack, date = stack_of(envs)
-    date = max([date] + [env["date"][:10] for env in masked_envs])  # the newest measurement the profile holds
-    profile = build(runs, arch=args.arch, stack=stack, date=date, masked=masked)
+    # the newest measurement the profile holds
+    date = max([date] + [env["date"][:10] for env in [*masked_envs, *packed_envs]])
+    profile = build(runs, arch=args.arch, stack=stack, date=date, masked=masked, packed=packed)
     Path(args.out).write_text(json.dumps(profile, separators=(",", ":")))
     per_machine = {m: sum(e["machine"] == i for e in profile["entries"]) for i, m in enumerate(profile["machines"])}
     print(f"{len(profile['entries'])} entries ({', '.join(f'{m}: {n}' for m, n in per_machine.items())}) and "
           f"{len(profile.get('masked', []))} masked calls from {len(runs) + len(masked)} runs ({len(masked)} of "
-          f"bench_masks.py) -> {args.out} ({Path(args.out).stat().st_size / 1024:.0f} KiB)")
+          f"bench_masks.py); {len(profile.get('packed', []))} packed calls from {len(packed)} packed-grid runs -> "
+          f"{args.out} ({Path(args.out).stat().st_size / 1024:.0f} KiB)")
     return 0
 
 

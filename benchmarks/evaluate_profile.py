@@ -35,7 +35,9 @@ from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Pr
                                           pooled_calls)
 from build_profile import load_runs  # noqa: E402
 
-TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "unfused:pytorch")
+# torch's own providers: what a stock `pip install torch` has
+TORCH_PROVIDERS = ("flash_attn_2:torch", "cudnn_fused:torch", "flex_attention:torch", "mem_efficient:torch",
+                   "unfused:pytorch")
 HOLDOUT = ("fresh_h100_rerun.json.gz", "eval_h100_final.json.gz", "eval_h200.json.gz")
 
 
@@ -57,18 +59,22 @@ def call_of(params: dict, case: dict | None = None) -> AttentionParams:
 def score(profile: Profile, label: str, params: dict, all_times: dict[str, float], machine: str, *, leave_out: bool,
           stock: bool, sdpa: float | None = None, case: dict | None = None,
           order_pick: str | None = None) -> dict | None:
-    """The profile's pick over the fastest of the providers the row timed. Where the profile predicts none of them,
-    the policy takes Transformer Engine's order: the row's recorded order pick (else the fastest, for rows without
-    one)."""
+    """The profile's pick over the fastest of the providers the row timed, compared as the policy compares them:
+    the unfused engine left out while another was timed (the last resort on a GPU), a provider without a rate
+    predicted relative to the others on a packed call (Profile.predict's among). Where the profile predicts none of
+    them, the policy takes Transformer Engine's order: the row's recorded order pick (else the fastest, for rows
+    without one)."""
     times = forced_times(all_times, stock)
     if not times:
         return None
-    pred = profile.predict(call_of(params, case), machine=machine, leave_out=leave_out)
-    candidates = sorted(times, key=times.get)
-    pick = pred.best(list(times)) or (order_pick if order_pick in times else candidates[0])
-    return {"label": label, "machine": machine, "pick": pick, "fastest": candidates[0],
-            "ratio": times[pick] / times[candidates[0]], "vs_sdpa": times[pick] / sdpa if sdpa else None,
-            "predicted": bool(pred.best(list(times)))}
+    compared = [p for p in times if not p.startswith("unfused:")] or list(times)
+    pred = profile.predict(call_of(params, case), machine=machine, leave_out=leave_out, among=compared)
+    fastest = min(times, key=times.get)
+    predicted = pred.best(compared)
+    pick = predicted or (order_pick if order_pick in compared else min(compared, key=times.get))
+    return {"label": label, "machine": machine, "pick": pick, "fastest": fastest,
+            "ratio": times[pick] / times[fastest], "vs_sdpa": times[pick] / sdpa if sdpa else None,
+            "predicted": bool(predicted)}
 
 
 def evaluate(rows: list[dict], profile: Profile, machine: str, *, stock: bool, leave_out: bool = False) -> list[dict]:

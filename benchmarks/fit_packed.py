@@ -13,7 +13,10 @@ Three checks over the fit data:
   blind grid's packed rows), each provider's predicted step over the measured one, likewise;
 - picks: the profile's pick over the fastest engine on those rows (evaluate_profile.score: a case's own lengths give
   its fills; where nothing is predicted, the order's pick), and on every row of the blind grids (dense ones too: a
-  packed term must not move them).
+  packed term must not move them);
+- relative: every packed-fit run (stock ones too) picked with the profile's packed entries of its own grid left out
+  (a provider without a rate read off the other grids alone, as before the grid was measured), and with only each
+  row's own call left out.
 """
 from __future__ import annotations
 
@@ -31,13 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
-from attn_dispatch.policy.profile import PROFILE_DIR, CostModel, Profile, pooled_calls, pooled_splits  # noqa: E402
-from build_profile import load_runs, shipped_sources  # noqa: E402
+from attn_dispatch.policy.profile import (PROFILE_DIR, CostModel, Profile, packed_entries, pooled_calls,  # noqa: E402
+                                          pooled_splits)
+import results_manifest  # noqa: E402
+from build_profile import load_runs, packed_sources, shipped_sources  # noqa: E402
 from evaluate_profile import call_of, evaluate, model_with  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PACKED_FIT = ("held_out/eval_blind_packed_h200_full.json.gz",  # packed grids looked at: fit data from then on
-              "held_out/eval_blind_packed_2_h200_full.json.gz", "held_out/eval_blind_packed_3_h200_full.json.gz")
+# packed grids looked at, fit data from then on: the manifest's packed-fit runs of the full stack (a stock run times
+# FA2 on the same calls again)
+PACKED_FIT = tuple(e["file"] for e in results_manifest.entries("packed-fit")
+                   if e["stack"].get("flash_attn_4") not in (None, "absent"))
 ENGINES = ("cudnn_fused:frontend", "flash_attn_2:torch", "flash_attn_4:cute")
 
 
@@ -147,6 +154,21 @@ def pick_line(results: list[dict]) -> str:
             f"over 1.05: {sum(x > 1.05 for x in ratios)}")
 
 
+def relative_check(profile_data: dict, model: CostModel) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per packed-fit run: (its rows' picks with its grid's packed entries left out of the profile, with each row's
+    own call left out)."""
+    runs, _ = load_runs(packed_sources())
+    found = {}
+    for run in runs:
+        others = [r for r in runs if r["grid"] != run["grid"]]
+        without = Profile({**profile_data, "packed": packed_entries(others, profile_data["machines"], model)},
+                          model=model)
+        found[Path(run["path"]).name] = (
+            evaluate(run["rows"], without, run["machine"], stock=False),
+            evaluate(run["rows"], Profile(profile_data, model=model), run["machine"], stock=False, leave_out=True))
+    return found
+
+
 def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str], blind: list[str]) -> dict:
     profile = Profile(profile_data, model=model)
     if model.packed_twin:
@@ -164,6 +186,9 @@ def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str
              "blind grids, stock": picks(profile, [p for p in blind if "stock" in p], False)}
     for name, results in found.items():
         print(f"  picks, {name}: {pick_line(results)}")
+    for name, (grid_out, call_out) in relative_check(profile_data, model).items():
+        print(f"  relative, {name}: its grid's packed calls left out {pick_line(grid_out)}; its own call left out "
+              f"{pick_line(call_out)}")
     return found
 
 

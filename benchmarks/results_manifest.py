@@ -29,6 +29,10 @@ ROLES = {
     "held-out": "bench_user_step.py runs of grids drawn and committed before they were measured, timed with the "
                 "profile of their day: what the README's accuracy numbers are computed from (evaluate_profile.py, "
                 "static_bound.py)",
+    "packed-fit": "bench_user_step.py runs of held-out packed grids once scored blind (the README keeps those "
+                  "scores), fit data from then on: build_profile.py --shipped makes the profile's packed entries of "
+                  "them (what a provider without a rate is predicted relative to on a packed call), and "
+                  "fit_packed.py fits the machine varlen factors on the full-stack ones",
     "evidence": "a measurement the README, the user guide or a cited constraint quotes",
 }
 NOT_RESULTS = frozenset({"README.md", "manifest.json"})

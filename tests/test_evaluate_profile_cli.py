@@ -39,3 +39,26 @@ def test_the_summary_reads_every_row_of_every_file():
     assert line.startswith("96 rows in 2 files: mean ")
     mean = float(line.split("mean ")[1].split(",")[0])
     assert 1.0 <= mean < 1.1
+
+
+def test_a_row_is_picked_as_the_policy_picks_the_last_resort_out_while_another_provider_was_timed():
+    import json
+
+    profile = Profile(json.loads((PROFILE_DIR / "sm90.json").read_text()))
+    params = {**profile_params(), "qkv_format": "thd", "attn_mask_type": "padding_causal", "head_dim_qk": 192,
+              "head_dim_v": 128}
+    # only flex and unfused timed (a d192/128 pack on stock torch): the profile predicts unfused alone
+    times = {"flex_attention:torch": 2.0, "unfused:pytorch": 100.0}
+    assert "flex_attention:torch" not in profile.predict(evaluate_profile.call_of(params)).times_ms
+    found = evaluate_profile.score(profile, "r", params, times, "NVIDIA H200", leave_out=False, stock=False)
+    assert found["pick"] == "flex_attention:torch" and found["ratio"] == 1.0
+    alone = evaluate_profile.score(profile, "r", params, {"unfused:pytorch": 100.0}, "NVIDIA H200", leave_out=False,
+                                   stock=False)
+    assert alone["pick"] == "unfused:pytorch"
+    assert {"flex_attention:torch", "mem_efficient:torch"} <= set(evaluate_profile.TORCH_PROVIDERS)
+
+
+def profile_params() -> dict:
+    from attn_dispatch import AttentionParams
+
+    return AttentionParams(batch_size=8, num_heads=8, max_seqlen_q=1280, is_training=False).to_dict()

@@ -5,7 +5,8 @@ decides, and the reason says so. KV-cache decode steps are predicted by the memo
 policy/decode.py instead (the profile has no decode rows). A call with a modifier (softcap, a bias, an arbitrary mask,
 a mask_mod / score_mod, ...: profile.modifiers) is never predicted from the rows, which have none: the nearest masked
 call measured with the same modifiers ranks its providers (policy/modified.py), else the order decides, and the
-reason says which."""
+reason says which. A packed call's provider without a rate (FlexAttention's: no profile-source run timed it on a
+plain call) is predicted relative to the eligible ones that have one (Profile.relative)."""
 from __future__ import annotations
 
 from ..params import AttentionParams, SeqLengths
@@ -51,7 +52,7 @@ class AutoPolicy:
             if ranking is None:
                 return Choice(eligible[0], modified.unranked_reason(profile, params, eligible))
             return Choice(ranking.chosen, modified.ranking_reason(profile, ranking, params))
-        prediction = profile.predict(params, machine=platform.device_name)
+        prediction = profile.predict(params, machine=platform.device_name, among=eligible)
         chosen = prediction.best(eligible)
         if chosen is None:
             return Choice(eligible[0], f"{profile.describe()} has no measurement of this kind of call for "
@@ -63,6 +64,10 @@ class AutoPolicy:
         reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
+        for provider, calls in prediction.relative.items():
+            reason += (f"; {provider} has no rate in the profile: its time is the others' predicted here x its "
+                       "time over theirs on the nearest measured packed calls of this kind and head dims "
+                       f"({'; '.join(calls)})")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)

@@ -29,6 +29,10 @@ steady loop of one module costs a little more than the larger of the two where t
 A packed (thd) call is predicted from its dense twin (every sequence as long as the longest, the same mask and
 window): G is the twin's GPU time x the pack's share of the work (packed_fill) x the engine's varlen factor, and H
 is the packed calls' host time (Profile.parts; CostModel.packed_twin says why).
+A provider no profile-source run timed on a plain call (FlexAttention's) has no rate; on a packed call it is
+predicted relative to the providers the decision compares, from the profile's `packed` entries (the packed fit grids,
+every provider forced): its time over theirs on the nearest measured packed calls of the same kind and head dims, x
+their predicted times (Profile.relative). A dense call gets no prediction for it.
 benchmarks/results/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
@@ -123,7 +127,10 @@ class CostModel:
     # splits, and the H100's packed steps of the blind grids sit on it (0.97-1.01 per engine); the H200's three packed
     # grids (72 rows) do not: cuDNN 1.04, FA2 1.06, flash-attn-4 0.97, the same either side of the kinds of pack
     # (ragged, one long, bimodal against near and uniform), so a pick between two engines whose twins are within ~10%
-    # moved with it (windowed packed training, cuDNN picked at 1.11-1.20x flash-attn-4's time).
+    # moved with it (windowed packed training, cuDNN picked at 1.11-1.20x flash-attn-4's time). With the fourth packed
+    # grid in the fit (96 rows) the medians read 1.02, 1.03 and 0.96: no pick of any held-out or packed grid moves
+    # with them, five shipped picks of small H200 packs no grid measured would (flash-attn-4 or cuDNN to FA2), so
+    # the three-grid values stay until a measured grid tells them apart.
     machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
                                                             ("flash_attn_2:torch@NVIDIA H200", 1.06),
                                                             ("flash_attn_4:cute@NVIDIA H200", 0.97))
@@ -140,6 +147,16 @@ class CostModel:
     machine_pairs: int = 2
     machine_pair_ms: float = 1.0
     machine_shift_min: float = 0.05
+    # A provider no profile-source run timed on a plain call (FlexAttention's: the fit grids forced none) has no rate,
+    # so a packed call is predicted for it relative to the providers the decision compares (Profile.relative): from
+    # the profile's `packed` entries (the packed fit grids, every provider forced), the relative_k nearest of the
+    # call's kind and head dims that timed it and some of those providers, at least relative_k of them, else no
+    # prediction. Flex's speed against FA2 on the same pack went from 0.84x to 6.6x over the packed grids, with the
+    # head dims (flex's d96 and d256 kernels are slow), the pass, the mask and window, and many short sequences
+    # (document boundaries make partial blocks); within one kind and head dim, near calls agreed (d128 causal-window
+    # forwards 0.84-0.92x, d128 causal 1.00-1.51x). One call was not enough: read off one call each, two d96/d64 packs
+    # picked flex at 1.25x and 2.8x (a pack of 56 short sequences read off one of 15 long ones).
+    relative_k: int = 2
 
 
 COST_MODEL = CostModel()
@@ -454,6 +471,8 @@ class Prediction:
     neighbours: tuple[str, ...]
     machine: str | None = None
     own_entries: int = 0  # this machine's entries of this kind of call
+    # providers predicted relative to others (Profile.relative): the measured packed calls each was read off
+    relative: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def best(self, candidates: list[str]) -> str | None:
         known = [(self.times_ms[c], i, c) for i, c in enumerate(candidates) if c in self.times_ms]
@@ -488,16 +507,13 @@ class Profile:
         self.machines: list[str] = data.get("machines", [])
         self.stack: dict[str, str] = data.get("stack", {})
         self.date: str = data.get("date", "")
-        self.entries: list[Entry] = []
-        for e in data["entries"]:
-            kind = tuple(e["kind"])
-            sizes = tuple(e["log2"][f] for f in _FEATURES)
-            machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
-            if isinstance(machine, int):
-                machine = self.machines[machine]
-            self.entries.append(Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine,
-                                      e.get("runs", 1), sizes, _shape(kind, sizes, e["fmt"]),
-                                      e.get("host_ms", {}), e.get("gpu_ms", {}), e.get("work_unwindowed", 0.0)))
+        self.entries: list[Entry] = [self._entry(e) for e in data["entries"]]
+        # The packed fit grids' calls (every provider's step time): what a provider without a rate is read off, per
+        # kind of call (Profile.relative). Never a neighbour of the rate model.
+        self._packed: dict[tuple, list[Entry]] = {}
+        for e in data.get("packed", ()):
+            entry = self._entry(e)
+            self._packed.setdefault(entry.kind, []).append(entry)
         self.masked: list[MaskedCall] = [
             MaskedCall(e["label"], self.machines[e["machine"]], tuple(e["kind"]), tuple(e["modifiers"]),
                        tuple(e["log2"][f] for f in _FEATURES), e["fmt"], e["times_ms"], e.get("runs", 1))
@@ -541,6 +557,16 @@ class Profile:
                 self._neighbours[(kind, machine, False)] = _Neighbours.of(
                     [e for e in entries if e.machine == machine] + [e for e in entries if e.machine != machine])
 
+    def _entry(self, e: dict[str, Any]) -> Entry:
+        kind = tuple(e["kind"])
+        sizes = tuple(e["log2"][f] for f in _FEATURES)
+        machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
+        if isinstance(machine, int):
+            machine = self.machines[machine]
+        return Entry(e["label"], kind, e["log2"], e["fmt"], e["work"], e["times_ms"], machine, e.get("runs", 1), sizes,
+                     _shape(kind, sizes, e["fmt"]), e.get("host_ms", {}), e.get("gpu_ms", {}),
+                     e.get("work_unwindowed", 0.0))
+
     def describe(self) -> str:
         stack = ", ".join(f"{k} {v}" for k, v in self.stack.items())
         return f"the {self.arch} profile measured on {' and '.join(self.machines)} ({stack}; {self.date})"
@@ -552,9 +578,57 @@ class Profile:
             return machine
         return None
 
-    def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Prediction:
-        """Each provider's step time for the call on `machine` (the platform's device name; None: any machine)."""
-        return self.parts(params, machine=machine, leave_out=leave_out).prediction(self.model)
+    def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False,
+                among: list[str] | None = None) -> Prediction:
+        """Each provider's step time for the call on `machine` (the platform's device name; None: any machine).
+        `among`: the providers the decision compares; on a packed call, those of them without a rate are predicted
+        relative to the others (relative())."""
+        found = self.parts(params, machine=machine, leave_out=leave_out).prediction(self.model)
+        if among is None or params.qkv_format != "thd":
+            return found
+        relative = self.relative(params, found.times_ms, among, machine=machine, leave_out=leave_out)
+        if not relative:
+            return found
+        return Prediction({**found.times_ms, **{p: t for p, (t, _) in relative.items()}}, found.neighbours,
+                          found.machine, found.own_entries, {p: calls for p, (_, calls) in relative.items()})
+
+    def relative(self, params: AttentionParams, predicted: dict[str, float], among: list[str], *,
+                 machine: str | None = None, leave_out: bool = False) -> dict[str, tuple[float, tuple[str, ...]]]:
+        """The providers of `among` without a prediction on this packed call, each as (step ms, the measured packed
+        calls it was read off): on the relative_k nearest packed entries of the call's kind and head dims (the rate
+        model's distance; the machine's own first among equals) that timed it and some of the predicted providers of
+        `among`, its time over each of those there (the geometric mean), x that provider's predicted time here;
+        averaged in log, weighted 1 / (distance + 0.25) as the rate model weights its neighbours. Fewer than
+        relative_k such entries: none. leave_out leaves the call's own shape out."""
+        m = self.model
+        references = [p for p in among if p in predicted]
+        missing = [p for p in among if p not in predicted]
+        if not references or not missing or m.relative_k < 1:
+            return {}
+        kind, log2, fmt = features(params, m)
+        here = tuple(log2[f] for f in _FEATURES)
+        dims = tuple(round(v, 4) for v in here[:2])  # head dims qk and v, as entries keep their sizes
+        skip = _shape(kind, here, fmt) if leave_out else None
+        near = sorted(((sum(w * abs(h - v) for w, h, v in zip(m.weights, here, e.sizes))
+                        + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
+                       for i, e in enumerate(self._packed.get(kind, ())) if e.sizes[:2] == dims and e.shape != skip),
+                      key=lambda found: found[:3])
+        out = {}
+        for provider in missing:
+            used = [(dist, e) for dist, _, _, e in near
+                    if provider in e.times_ms and any(r in e.times_ms for r in references)][:m.relative_k]
+            if len(used) < m.relative_k:
+                continue
+            logs, weights = [], []
+            for dist, e in used:
+                shared = [r for r in references if r in e.times_ms]
+                logs.append(sum(math.log(predicted[r] * e.times_ms[provider] / e.times_ms[r]) for r in shared)
+                            / len(shared))
+                weights.append(1.0 / (dist + 0.25))
+            ms = math.exp(sum(w * lg for w, lg in zip(weights, logs)) / sum(weights))
+            out[provider] = (ms, tuple(e.label + ("" if len(self.machines) < 2 else f" ({e.machine})")
+                                       for _, e in used))
+        return out
 
     def parts(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Parts:
         """predict()'s host and GPU time of each provider, apart."""
@@ -872,12 +946,13 @@ def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[flo
 
 
 def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
-          model: CostModel = COST_MODEL, masked: list[dict] = ()) -> dict[str, Any]:
+          model: CostModel = COST_MODEL, masked: list[dict] = (), packed: list[dict] = ()) -> dict[str, Any]:
     """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
     (the same parameters) on one machine, from any number of runs, make one entry (combine_runs), with the host and
     GPU times of the providers some run split (pooled_splits). `masked`: runs of the same form whose calls have
-    modifiers() (bench_masks.py's, as rows), kept apart as the profile's `masked` entries (MaskedCall)."""
-    machines = sorted({run["machine"] for run in [*runs, *masked]})
+    modifiers() (bench_masks.py's, as rows), kept apart as the profile's `masked` entries (MaskedCall). `packed`:
+    bench_user_step.py runs of packed grids, kept apart as its `packed` entries (packed_entries)."""
+    machines = sorted({run["machine"] for run in [*runs, *masked, *packed]})
     entries = []
     splits = pooled_splits(runs)
     for key, (label, params_dict, times, count) in pooled_calls(runs).items():
@@ -897,7 +972,36 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
     profile = {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
     if masked:
         profile["masked"] = masked_entries(masked, machines, model)
+    if packed:
+        profile["packed"] = packed_entries(packed, machines, model)
     return profile
+
+
+# A time over this many times the fastest provider's on the same call is no compiled kernel's: in
+# eval-blind-packed-2 flex_attention:torch ran the grid's last packs eagerly, materialising the scores as unfused does
+# (146-430 ms against the fastest engine's 0.4-4 ms: 175-504x; on the last pack it ran out of memory allocating
+# 54 GiB). Every other compiled kernel of the four packed grids ran within 8.1x of the fastest; the unfused engine
+# (the last resort, never compared while another provider is eligible) ran 10-98x.
+EAGER_FALLBACK = 20.0
+
+
+def packed_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
+    """The profile's `packed` entries: each packed (thd) call of the runs on one machine, pooled over the runs as
+    build() pools its entries (a stock run's times scaled onto the full stack's by the providers both timed), with
+    every provider's time within EAGER_FALLBACK x the call's fastest. Profile.relative reads a provider without a
+    rate off them."""
+    entries = []
+    for (machine, _), (label, params_dict, times, count) in pooled_calls(runs).items():
+        params = AttentionParams(**params_dict)
+        if params.qkv_format != "thd":
+            raise ValueError(f"{label!r} ({params.describe()}) is not a packed call: packed entries hold thd calls")
+        fastest = min(times.values())
+        kind, log2, fmt = features(params, model)
+        entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
+                        "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
+                        "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()
+                                     if v <= EAGER_FALLBACK * fastest}})
+    return entries
 
 
 def masked_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
