@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attn_dispatch.benchmarking.cases import (CASE_GRIDS, FOURTH_PACKED, PACKED_2_SEED, PACKED_3_SEED, PACKED_4_SEED,
-                                              PACKED_SEEDS, SECOND_PACKED, THIRD_PACKED, Case, _draw_packed,
-                                              _packed_2_coverage, _packed_3_coverage, _packed_4_coverage,
-                                              _packed_coverage)
+from attn_dispatch.benchmarking.cases import (CASE_GRIDS, FIFTH_PACKED, FOURTH_PACKED, PACKED_2_SEED, PACKED_3_SEED,
+                                              PACKED_4_SEED, PACKED_5_SEED, PACKED_SEEDS, SECOND_PACKED, THIRD_PACKED,
+                                              Case, _draw_packed, _packed_2_coverage, _packed_3_coverage,
+                                              _packed_4_coverage, _packed_5_coverage, _packed_coverage)
 
 
 def _shape(case: Case) -> Case:
@@ -84,6 +84,27 @@ def test_the_fourth_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_f
     assert {c.d for c in grid} == {64, 96, 128, 192, 256} and max(c.b for c in grid) >= 40
     assert any(c.window and c.window[1] == 0 and c.window[0] <= 512 and c.hkv != c.h for c in grid)
     assert any(c.d == 64 and c.b >= 32 and c.s <= 1024 for c in grid)
+
+
+def test_the_fifth_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_from_other_ranges():
+    grid = CASE_GRIDS["eval-blind-packed-5"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    assert _packed_5_coverage(_draw_packed(PACKED_5_SEED, 12, FIFTH_PACKED))
+    assert not any(_packed_5_coverage(_draw_packed(s, 12, FIFTH_PACKED)) for s in range(20261601, PACKED_5_SEED))
+    for c in grid:
+        assert c.fmt == "thd" and len(c.seqlens) == c.b <= 60 and max(c.seqlens) == c.s and c.h % c.hkv == 0
+        assert sum(c.seqlens) <= max(36864, 2 * c.s) and min(c.seqlens) >= 1
+    earlier = [c for name in ("eval-blind-packed", "eval-blind-packed-2", "eval-blind-packed-3", "eval-blind-packed-4")
+               for c in CASE_GRIDS[name]()]
+    assert not {c.s for c in grid} & {c.s for c in earlier}  # other longest lengths and window widths
+    assert not {c.window[0] for c in grid if c.window} & {c.window[0] for c in earlier if c.window}
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "eval-blind-packed-5" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert _packed_4_coverage(_draw_packed(PACKED_5_SEED, 12, FIFTH_PACKED))
+    # windowed long packs, whose forwards are where a provider without a rate was picked relative to FA2
+    assert any(c.d == 128 and c.window and c.window[1] == 0 and c.window[0] >= 640 and c.s >= 8192 for c in grid)
+    assert any(c.d != 128 and c.window and c.s >= 8192 for c in grid)
+    assert sum(bool(c.window) and c.s >= 8192 and not c.train for c in grid) >= 4
 
 
 def test_a_case_refuses_lengths_that_do_not_fit_it():

@@ -416,6 +416,12 @@ PACKED_3_SEED = 20261402
 # from 20 tokens, 12, 36, 40 and 56 heads, windows 160-3072. The seed is the first from 20261501 whose draw covers
 # what _packed_4_coverage asks.
 PACKED_4_SEED = 20261555
+# eval-blind-packed-5: drawn after the four packed grids became fit data and a provider without a rate (FlexAttention)
+# became predicted on packed calls relative to the others, to check it. Other ranges again: longest lengths
+# 960-13312, token budgets 24k and 36k, up to 60 sequences from 28 tokens, 24, 28, 48 and 64 heads, windows
+# 224-2560, and a window in two draws of three (two of five before). The seed is the first from 20261601 whose draw
+# covers what _packed_5_coverage asks.
+PACKED_5_SEED = 20262572
 
 
 @dataclass(frozen=True)
@@ -458,6 +464,12 @@ FOURTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 16
                              patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                              kinds=("causal", "causal", "plain", "causal-window", "two-sided"),
                              windows=(160, 448, 1280, 3072), prefix="ps")
+FIFTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 24, 28, 48, 64),
+                            longest=(960, 2560, 3072, 4864, 6656, 8704, 11264, 13312), budgets=(24576, 36864),
+                            max_sequences=60, shortest=28,
+                            patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                            kinds=("causal", "plain", "causal-window", "causal-window", "two-sided", "two-sided"),
+                            windows=(224, 640, 960, 1792, 2560), prefix="pt")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -540,6 +552,16 @@ def _packed_4_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 64 and c.b >= 32 and c.s <= 1024 for c in shapes))
 
 
+def _packed_5_coverage(shapes: list[Case]) -> bool:
+    """The fourth grid's coverage, and the kind its miss was, windowed long packs: a d128 causal-window pack whose
+    longest is 8192 or more under a window of 640 or more (where flex_attention:torch's forward beat FA2's), and a
+    windowed pack as long at another head dim (where it lost)."""
+    return (_packed_4_coverage(shapes)
+            and any(c.d == 128 and c.window and c.window[1] == 0 and c.window[0] >= 640 and c.s >= 8192
+                    for c in shapes)
+            and any(c.d != 128 and c.window and c.s >= 8192 for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -560,6 +582,11 @@ def eval_packed_4_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_4_SEED, 12, FOURTH_PACKED))
 
 
+def eval_packed_5_cases() -> list[Case]:
+    """12 packed shapes of FIFTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_5_SEED, 12, FIFTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -572,4 +599,5 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
               "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
-              "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases}
+              "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases,
+              "eval-blind-packed-5": eval_packed_5_cases}
