@@ -150,6 +150,6 @@ def test_explanations_say_how_a2a_exchanges_travel(monkeypatch):
     assert describe("nccl", bad, cuda) == ("a2a exchanges: NCCL's all-to-all (the copy-engine self-check failed: "
                                            "RuntimeError: no peer access)")
     monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "copy_engine")
-    assert describe("nccl", bad, cuda).startswith("a2a exchanges: the call raises")
+    assert describe("nccl", bad, cuda).startswith("a2a exchanges: none, the call raises")
     monkeypatch.setenv(copy_engine.TRANSPORT_ENV, "nccl")
     assert describe("nccl", ok, cuda) == "a2a exchanges: NCCL's all-to-all (ATTN_DISPATCH_CP_TRANSPORT=nccl)"

@@ -280,27 +280,28 @@ def self_check_answer(group, device: torch.device):
     return checked[1]
 
 
-def describe_transport(backend: str, group, device: torch.device) -> str:
-    """What ring_for gives a group, for explanations: never collective (the self-check's answer only where a call
-    already ran it)."""
+def describe_transport(backend: str, group, device: torch.device, what: str = "ring hops",
+                       collective: str = "send/recv") -> str:
+    """What ring_for gives a group (or copy_engine_a2a an a2a call: `what` and the `collective` it falls back to), for
+    explanations: never collective (the self-check's answer only where a call already ran it)."""
     wanted = requested_transport()
     if wanted == "nccl":
-        return f"ring hops: NCCL's send/recv ({TRANSPORT_ENV}=nccl)"
+        return f"{what}: NCCL's {collective} ({TRANSPORT_ENV}=nccl)"
     if device.type != "cuda" or backend != "nccl":
         if wanted == "copy_engine":
-            return (f"ring hops: none, the call raises: {TRANSPORT_ENV}=copy_engine needs CUDA tensors and an NCCL "
+            return (f"{what}: none, the call raises: {TRANSPORT_ENV}=copy_engine needs CUDA tensors and an NCCL "
                     f"group ({device.type} tensors, a {backend} group)")
-        return f"ring hops: {backend}'s send/recv"
+        return f"{what}: {backend}'s {collective}"
     reason = self_check_answer(group, device)
     if reason is UNCHECKED:
-        fallback = "the call raises" if wanted == "copy_engine" else "NCCL's send/recv"
-        return ("ring hops: pulled by the copy engines from symmetric memory if the group's one-time self-check "
+        fallback = "the call raises" if wanted == "copy_engine" else f"NCCL's {collective}"
+        return (f"{what}: pulled by the copy engines from symmetric memory if the group's one-time self-check "
                 f"(collective, at its first context-parallel call) passes, else {fallback}")
     if reason is None:
-        return "ring hops: pulled by the copy engines from symmetric memory (the group's self-check passed)"
+        return f"{what}: pulled by the copy engines from symmetric memory (the group's self-check passed)"
     if wanted == "copy_engine":
-        return f"ring hops: none, the call raises: {TRANSPORT_ENV}=copy_engine but the self-check failed: {reason}"
-    return f"ring hops: NCCL's send/recv (the copy-engine self-check failed: {reason})"
+        return f"{what}: none, the call raises: {TRANSPORT_ENV}=copy_engine but the self-check failed: {reason}"
+    return f"{what}: NCCL's {collective} (the copy-engine self-check failed: {reason})"
 
 
 def transport_of(ring: Ring) -> str:

@@ -26,8 +26,8 @@ import math
 import torch
 
 from ._comm import GroupInfo
-from .copy_engine import (_ALIGN, TRANSPORT_ENV, UNCHECKED, _aligned, _side_stream, requested_transport, self_check,
-                          self_check_answer)
+from .copy_engine import (_ALIGN, TRANSPORT_ENV, _aligned, _side_stream, describe_transport, requested_transport,
+                          self_check)
 
 REGIONS = ("fwd_in", "fwd_out", "bwd_in", "bwd_out")
 _FIRST_ACK = 1  # ack channel of region r: _FIRST_ACK + r; ready channels follow (channel 0: unused here)
@@ -240,21 +240,5 @@ def copy_engine_exchange(info: GroupInfo, device: torch.device, groups: int) -> 
 
 
 def describe_exchange(backend: str, group, device: torch.device) -> str:
-    """How an 'a2a' call's exchanges travel, for explanations: never collective (the self-check's answer only where a
-    call already ran it)."""
-    wanted = requested_transport()
-    if wanted == "nccl":
-        return f"a2a exchanges: NCCL's all-to-all ({TRANSPORT_ENV}=nccl)"
-    if device.type != "cuda" or backend != "nccl":
-        if wanted == "copy_engine":
-            return (f"a2a exchanges: none, the call raises: {TRANSPORT_ENV}=copy_engine needs CUDA tensors and an "
-                    f"NCCL group ({device.type} tensors, a {backend} group)")
-        return f"a2a exchanges: {backend}'s all-to-all"
-    reason = self_check_answer(group, device)
-    fallback = "the call raises" if wanted == "copy_engine" else "NCCL's all-to-all"
-    if reason is UNCHECKED:
-        return ("a2a exchanges: pulled by the copy engines from symmetric memory if the group's one-time self-check "
-                f"(collective, at its first context-parallel call) passes, else {fallback}")
-    if reason is None:
-        return "a2a exchanges: pulled by the copy engines from symmetric memory (the group's self-check passed)"
-    return f"a2a exchanges: {fallback} (the copy-engine self-check failed: {reason})"
+    """How an 'a2a' call's exchanges travel, for explanations: never collective."""
+    return describe_transport(backend, group, device, what="a2a exchanges", collective="all-to-all")
