@@ -276,6 +276,7 @@ def test_while_a_cuda_graph_is_captured_the_facts_are_not_used_and_nothing_deriv
     and the cu_seqlens-derived tensors made inside the graph (tests/gpu/test_thd_host_gpu.py replays one)."""
     from attn_dispatch.backends import cudnn_fused as cd
 
+    tensor_cache.clear()  # a full cache is emptied whole: what earlier tests left could drop an entry in between
     monkeypatch.setattr(_flash_io, "capturing", lambda t: True)
     q, k, v, aux, cfg = _with_facts("thd no tail")
     fwd_ops, bwd_ops = _ops_outside_the_kernel("fa2", q.detach(), k.detach(), v.detach(), aux, cfg)
