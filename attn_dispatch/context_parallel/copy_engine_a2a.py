@@ -21,6 +21,7 @@ every rank; ATTN_DISPATCH_CP_TRANSPORT=nccl keeps NCCL's all-to-all.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,6 +43,7 @@ def channel_capacity(world: int) -> int:
     return size // (4 * world)
 
 
+@functools.lru_cache(maxsize=None)  # fixed per process once allocations exist; asked on every a2a call
 def max_groups(world: int) -> int:
     """The most head groups an exchange can signal for: a ready channel per region and group."""
     return (channel_capacity(world) - _FIRST_READY) // len(REGIONS)

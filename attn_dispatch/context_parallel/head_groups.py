@@ -139,25 +139,17 @@ class SeqOrder:
                     targets[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(
                         whole.narrow(self.sd, c * self.chunk, self.chunk))
 
-    def to_parts(self, whole: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The inverse: the whole sequence -> [P, *local shape], slice p for rank p; into `out` (any strides) if
-        given, else a new contiguous tensor."""
+    def to_parts(self, whole: torch.Tensor) -> torch.Tensor:
+        """The inverse of to_whole: the whole sequence -> contiguous [P, *local shape], slice p for rank p."""
         if self.fmt == "thd":
-            parts = whole.index_select(0, self.rank_from).unflatten(0, (self.size, self.local_len))
-        elif self.identity:
-            parts = whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0)
-        else:
-            if out is None:
-                local = list(whole.shape)
-                local[self.sd] = self.local_len
-                out = torch.empty(self.size, *local, dtype=whole.dtype, device=whole.device)
-            for c, (p, h) in self.placement:
-                out[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(whole.narrow(self.sd, c * self.chunk,
-                                                                                      self.chunk))
-            return out
-        if out is None:
-            return parts.contiguous()
-        return out.copy_(parts)
+            return whole.index_select(0, self.rank_from).unflatten(0, (self.size, self.local_len))
+        if self.identity:
+            return whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0).contiguous()
+        local = list(whole.shape)
+        local[self.sd] = self.local_len
+        parts = torch.empty(self.size, *local, dtype=whole.dtype, device=whole.device)
+        self.write_rows(whole, dict(enumerate(parts)))
+        return parts
 
 
 @functools.lru_cache(maxsize=32)
