@@ -59,6 +59,16 @@ def _in_environ(rank: int, environ: dict, worker: Callable, *args) -> None:
 def spawn_ranks(worker: Callable, args: tuple, nprocs: int, out_path: str, what: str, deadline_s: float) -> Any:
     """worker(rank, *args) in nprocs spawned processes; the JSON they leave at out_path, or a message saying why not
     (a hung or failed spawn is reported, once, to every test that reads it)."""
+    failure = run_ranks(worker, args, nprocs, what, deadline_s)
+    if failure is not None:
+        return failure
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def run_ranks(worker: Callable, args: tuple, nprocs: int, what: str, deadline_s: float) -> str | None:
+    """worker(rank, *args) in nprocs processes started at once from the fork server; None once all have finished,
+    else a message saying which did not."""
     import multiprocessing
 
     import torch.multiprocessing as mp
@@ -79,8 +89,7 @@ def spawn_ranks(worker: Callable, args: tuple, nprocs: int, out_path: str, what:
                 return f"{what} workers did not finish in {deadline_s} s"
     except Exception as exc:  # noqa: BLE001 - a worker died: report it for every test
         return f"a {what} worker failed: {exc}"
-    with open(out_path) as f:
-        return json.load(f)
+    return None
 
 
 def write_gathered(results: Any, world: int, rank: int, out_path: str) -> None:

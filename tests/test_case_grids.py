@@ -1,6 +1,7 @@
 """The benchmark grids: the blind held-out grid is fixed by its seed, distinct, and shares no call with the grids
 the profile is fitted on or was checked against before."""
 from dataclasses import replace
+from functools import cache
 
 import pytest
 
@@ -11,11 +12,18 @@ def _shape(case):
     return replace(case, name="")
 
 
+@cache
+def _shapes(name: str) -> frozenset:
+    """A grid's calls without their names, drawn once per test process (each test compares a grid with all others;
+    that a seed gives the same draw twice is checked below)."""
+    return frozenset(_shape(c) for c in CASE_GRIDS[name]())
+
+
 def test_blind_grid_is_fixed_distinct_and_disjoint_from_other_grids():
     blind = eval_blind_cases()
     assert [c.label for c in blind] == [c.label for c in eval_blind_cases()]  # same seed, same draw
     assert len(blind) == 48 and len({_shape(c) for c in blind}) == 48
-    others = {_shape(c) for name, grid in CASE_GRIDS.items() if not name.startswith("eval-blind") for c in grid()}
+    others = set().union(*(_shapes(name) for name in CASE_GRIDS if not name.startswith("eval-blind")))
     assert not others & {_shape(c) for c in blind}
     assert {c.fmt for c in blind} >= {"bshd", "sbhd", "thd"}
     assert {c.d for c in blind} >= {64, 80, 96, 128, 192, 256}
@@ -26,14 +34,14 @@ def test_blind_grid_is_fixed_distinct_and_disjoint_from_other_grids():
 def test_second_blind_grid_is_disjoint_from_every_earlier_grid():
     second = CASE_GRIDS["eval-blind2"]()
     assert len(second) == 48 and len({_shape(c) for c in second}) == 48
-    earlier = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind2" for c in grid()}
+    earlier = set().union(*(_shapes(name) for name in CASE_GRIDS if name != "eval-blind2"))
     assert not earlier & {_shape(c) for c in second}
 
 
 def test_third_blind_grid_is_disjoint_from_every_other_grid():
     third = CASE_GRIDS["eval-blind3"]()
     assert len(third) == 48 and len({_shape(c) for c in third}) == 48
-    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "eval-blind3" for c in grid()}
+    others = set().union(*(_shapes(name) for name in CASE_GRIDS if name != "eval-blind3"))
     assert not others & {_shape(c) for c in third}
 
 
@@ -41,7 +49,7 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
     a, b = CASE_GRIDS["fit-drawn-a"](), CASE_GRIDS["fit-drawn-b"]()
     a_shapes, b_shapes = {_shape(c) for c in a}, {_shape(c) for c in b}
     assert len(a_shapes) == len(a) and len(b_shapes) == len(b) and not a_shapes & b_shapes
-    blind = {_shape(c) for name, grid in CASE_GRIDS.items() if name.startswith("eval-blind") for c in grid()}
+    blind = set().union(*(_shapes(name) for name in CASE_GRIDS if name.startswith("eval-blind")))
     assert not blind & (a_shapes | b_shapes)
     assert sum(1 for c in a if c.window) >= 30 and sum(1 for c in a if c.d == 192) >= 6
 
@@ -55,7 +63,7 @@ def test_fit_drawn_grids_share_no_call_with_each_other_or_the_blind_grids():
 def test_later_blind_grids_cover_the_issue_and_are_disjoint_from_every_other_grid(name):
     grid = CASE_GRIDS[name]()
     assert len(grid) == 48 and len({_shape(c) for c in grid}) == 48
-    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != name for c in cases()}
+    others = set().union(*(_shapes(other) for other in CASE_GRIDS if other != name))
     assert not others & {_shape(c) for c in grid}  # fit-drawn, fit-thd and the other blind grids included
     assert {c.d for c in grid} >= {64, 80, 96, 128, 192, 256} and {c.fmt for c in grid} >= {"sbhd", "thd"}
     assert {c.window[1] == 0 for c in grid if c.window} == {True, False}  # causal and two-sided windows
@@ -66,7 +74,7 @@ def test_fit_dense_grid_is_new_and_drawn_from_the_missed_families():
     dense = CASE_GRIDS["fit-dense"]()
     shapes = {_shape(c) for c in dense}
     assert len(dense) == len(shapes) == 76 and sum(c.train for c in dense) == 38
-    others = {_shape(c) for name, grid in CASE_GRIDS.items() if name != "fit-dense" for c in grid()}
+    others = set().union(*(_shapes(name) for name in CASE_GRIDS if name != "fit-dense"))
     assert not others & shapes  # no call of a fit grid, and none of a blind grid (before or after it)
     assert sum(c.name.split("-", 1)[1].startswith("enc") for c in dense) == 24
     assert {c.fmt for c in dense} >= {"thd", "sbhd"} and any(c.window for c in dense)
@@ -80,7 +88,7 @@ def test_fit_thd_grid_is_every_runnable_packed_call_of_the_fit_grids():
                  if not name.startswith(("eval-blind", "fit-thd", "smoke", "fit-dense"))]
     packed = {_shape(c) for grid in fit_grids for c in grid() if c.fmt == "thd" and c.h % c.hkv == 0}
     assert {_shape(c) for c in refresh} == packed and len(refresh) == len(packed)
-    blind = {_shape(c) for name, grid in CASE_GRIDS.items() if name.startswith("eval-blind") for c in grid()}
+    blind = set().union(*(_shapes(name) for name in CASE_GRIDS if name.startswith("eval-blind")))
     assert not blind & packed
 
 

@@ -687,7 +687,8 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     out = tmp_path / "cp.json"
     proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", str(out), "--world-size", "2",
                            "--seqlens", "256", "--comm", "p2p,a2a", "--iters", "2", "--warmup", "1",
-                           "--check-seqlen", "128", "--a2a-head-groups", "1,2", "--window", "0", "--profile"],
+                           "--check-seqlen", "128", "--a2a-head-groups", "1,2", "--window", "0", "--profile",
+                           "--heads", "4", "--head-dim", "32"],  # the pipeline, not the numerics: small heads
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

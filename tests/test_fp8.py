@@ -21,7 +21,7 @@ from attn_dispatch.fp8 import quantize as fp8q
 from attn_dispatch.fp8.autocast import current_region
 from attn_dispatch.fp8.state import BACKWARD, FORWARD, INDEX
 from reference import reference_attention
-from spawn_ranks import free_port, teardown, write_gathered
+from spawn_ranks import free_port, spawn_ranks, teardown, write_gathered
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -722,13 +722,9 @@ def _amax_worker(rank: int, port: int, out_path: str) -> None:
 
 
 def test_amax_reduction_over_a_group_keeps_ranks_in_step(tmp_path):
-    import json
-
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "amax.json"
-    mp.start_processes(_amax_worker, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
-    ranks = json.loads(out.read_text())
+    out = str(tmp_path / "amax.json")
+    ranks = spawn_ranks(_amax_worker, (free_port(), out), 2, out, "FP8 amax reduction", 120)
+    assert not isinstance(ranks, str), ranks
     assert ranks[0]["True"] == ranks[1]["True"] == [448.0 / 8.0, 448.0 / 4.0]  # the max over both ranks
     assert ranks[0]["False"] == [448.0 / 2.0, 448.0 / 4.0] and ranks[1]["False"] == [448.0 / 8.0, 448.0 / 2.0]
 

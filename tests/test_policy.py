@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -25,6 +22,7 @@ from attn_dispatch.benchmarking.grid import load_shapes, shape_label
 from attn_dispatch.policy.measured import why_not_tunable
 from attn_dispatch.policy.timing import (attended_pairs, attention_flops, build_inputs, engine_step, time_engine,
                                         time_interleaved)
+from spawn_ranks import run_ranks
 
 FAST = TimerSettings(warmup=1, reps=3, max_reps=5, target_ms=0.0, confirm=1)
 
@@ -267,17 +265,19 @@ def test_unwritable_cache_directory_keeps_results_in_memory(tmp_path, caplog):
     assert "cannot use its measured-policy cache" in caplog.text
 
 
+def _write_cache_entries(worker: int, directory: str, start) -> None:
+    start.wait(timeout=60)  # every writer ready: their puts overlap
+    for i in range(25):
+        TuningCache(Platform.parse("h100-cudnn9"), directory).put(f"w{worker}-{i}", {"times_ms": {"p": i}})
+
+
 def test_concurrent_writers_lose_nothing(tmp_path):
-    writer = textwrap.dedent("""
-        import sys
-        from attn_dispatch import Platform
-        from attn_dispatch.policy.cache import TuningCache
-        worker, directory = sys.argv[1], sys.argv[2]
-        for i in range(25):
-            TuningCache(Platform.parse("h100-cudnn9"), directory).put(f"w{worker}-{i}", {"times_ms": {"p": i}})
-    """)
-    procs = [subprocess.Popen([sys.executable, "-c", writer, str(w), str(tmp_path)]) for w in range(4)]
-    assert all(p.wait(timeout=120) == 0 for p in procs)
+    import multiprocessing
+
+    # four processes of their own, forked from a server that has imported torch (not four fresh interpreters)
+    start = multiprocessing.get_context("forkserver").Barrier(4)
+    failure = run_ranks(_write_cache_entries, (str(tmp_path), start), 4, "cache writer", 120)
+    assert failure is None, failure
     entries = TuningCache(H100, tmp_path).entries()
     assert set(entries) == {f"w{w}-{i}" for w in range(4) for i in range(25)}
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []

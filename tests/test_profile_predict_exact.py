@@ -3,6 +3,7 @@ of the plain form kept here (recomputed from the profile's JSON on every run, ne
 every benchmark grid, on both profiled machines and an unprofiled one, with and without leave-one-out."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -90,7 +91,8 @@ class PlainProfile:
         self.machines = data.get("machines", [])
         self.entries = []
         self.floors = {}  # host floors, memoised: the plain form scans every entry for one
-        self.kinds = {}  # each kind's entries, in the JSON's order, and the providers split in one of them
+        self.kinds = {}  # each kind's entries, in the JSON's order, the providers split in one of them, and all
+        self.distances = {}  # a call's distance to each entry of its kind: the same for every machine and leave-out
         for e in data["entries"]:
             machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
             machine = self.machines[machine] if isinstance(machine, int) else machine
@@ -133,10 +135,13 @@ class PlainProfile:
         min(floor_rank, calls // 10), of the calls of this training mode and packing, else of this training mode."""
         m = self.model
         for packed in (kind[2], None):
-            timed = sorted((e["times"][provider], e["shape"]) for e in self.entries
-                           if provider in e["times"] and e["kind"][0] == kind[0]
-                           and (packed is None or e["kind"][2] == packed)
-                           and (machine is None or e["machine"] == machine))
+            key = ("timed", provider, kind[0], packed, machine)  # the same sorted list whatever is left out
+            if key not in self.floors:
+                self.floors[key] = sorted((e["times"][provider], e["shape"]) for e in self.entries
+                                          if provider in e["times"] and e["kind"][0] == kind[0]
+                                          and (packed is None or e["kind"][2] == packed)
+                                          and (machine is None or e["machine"] == machine))
+            timed = self.floors[key]
             least = [ms for ms, shape in timed[:m.floor_rank + 1] if shape != skip]
             if least:
                 return least[min(m.floor_rank, len(timed) // 10, len(least) - 1)]
@@ -193,15 +198,19 @@ class PlainProfile:
         skip = shape_of(kind, here, fmt) if leave_out else None
         if kind not in self.kinds:
             entries = [e for e in self.entries if e["kind"] == kind]
-            self.kinds[kind] = entries, sorted({p for e in entries for p in e["gpu_ms"]})
-        of_kind, split_in_kind = self.kinds[kind]
+            self.kinds[kind] = (entries, sorted({p for e in entries for p in e["gpu_ms"]}),
+                                {p for e in entries for p in e["times"]})
+        of_kind, split_in_kind, timed_in_kind = self.kinds[kind]
+        if (kind, here, fmt) not in self.distances:
+            self.distances[kind, here, fmt] = [plain_distance(m, here, e["sizes"], e["fmt"], fmt) for e in of_kind]
+        distances = self.distances[kind, here, fmt]
         mine = sum(1 for e in of_kind if e["machine"] == machine and e["shape"] != skip)
         own = machine if machine and mine >= m.min_own else None
         near = []
         for i, e in enumerate(of_kind):
             if e["shape"] == skip or (own is not None and e["machine"] != own):
                 continue
-            near.append((plain_distance(m, here, e["sizes"], e["fmt"], fmt), e["machine"] != machine, i))
+            near.append((distances[i], e["machine"] != machine, i))
         near.sort()
         left, right = params.window_size
         two_sided = params.is_training and params.has_sliding_window and right != 0
@@ -220,21 +229,27 @@ class PlainProfile:
         # under min_rate_gpu_ms of GPU time and of less work than the call only a fallback.
         split = set()
         for provider in split_in_kind if m.use_split else ():
-            with_split = [(dist, of_kind[i]) for dist, _, i in near if provider in of_kind[i]["gpu_ms"]]
-            if not with_split:
+            with_split = ((dist, of_kind[i]) for dist, _, i in near if provider in of_kind[i]["gpu_ms"])
+            nearest_split = list(itertools.islice(with_split, m.host_k))  # read on from there below, not again
+            if not nearest_split:
                 continue
             split.add(provider)
-            nearest = [e["host_ms"][provider] for _, e in with_split[:m.host_k]]
+            nearest = [e["host_ms"][provider] for _, e in nearest_split]
             hosts[provider] = statistics.median(nearest) * m.host_scale
             found = rates[provider] = []
-            for dist, e in with_split:
+            for dist, e in itertools.chain(nearest_split, with_split):
                 gpu = e["gpu_ms"][provider]
                 shift = self.shift(provider, params, machine, e["machine"])
                 if gpu < m.min_rate_gpu_ms and amount_of(provider) > done(e, provider):
                     fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu) - shift))
                 elif len(found) < m.k:
                     found.append((dist, math.log(done(e, provider) / gpu) - shift))
+                if m.k and len(found) == m.k:
+                    break  # a fallback is read only where no rate was found
+        short = timed_in_kind - split  # the providers still short of k rates
         for dist, _, i in near:
+            if m.k and not short:
+                break  # every provider has its k rates: the entries further away change nothing
             e = of_kind[i]
             for provider, ms in e["times"].items():
                 if provider in split:
@@ -249,6 +264,8 @@ class PlainProfile:
                     fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu) - shift))
                 else:
                     found.append((dist, math.log(done(e, provider) / gpu) - shift))
+                    if len(found) >= m.k:
+                        short.discard(provider)
         gpus = {}
         for provider, found in rates.items():
             found = found or [fallback[provider]]
