@@ -17,14 +17,18 @@ import torch
 from . import runtime_facts
 from .env import DECISION_ENV_VARS, PRIVATE_TORCH
 
-_deterministic_now = torch.are_deterministic_algorithms_enabled
+# torch's determinism flag read in C where allowed (torch.are_deterministic_algorithms_enabled is a Python wrapper
+# around this call: a frame less for each stamp, which every cached call takes)
+_deterministic_now = getattr(torch._C, "_get_deterministic_algorithms", None) if PRIVATE_TORCH else None
+if _deterministic_now is None:
+    _deterministic_now = torch.are_deterministic_algorithms_enabled
 
 
 def _environ_reader():
-    """A function returning the raw values of DECISION_ENV_VARS. os.environ.get decodes every key and value
-    (~2 us for the set); os.environ's own store, keyed by the encoded names, answers in ~0.3 us. That store is a
-    CPython detail, so it is used only where it agrees with os.environ here (checked once), and not at all with
-    the private switch off."""
+    """(a function returning the raw values of DECISION_ENV_VARS, and for the private read its store's get and
+    keys, else None, None). os.environ.get decodes every key and value (~2 us for the set); os.environ's own store,
+    keyed by the encoded names, answers in ~0.3 us. That store is a CPython detail, so it is used only where it
+    agrees with os.environ here (checked once), and not at all with the private switch off."""
     names = DECISION_ENV_VARS
     environ = os.environ
 
@@ -34,32 +38,36 @@ def _environ_reader():
     store = getattr(environ, "_data", None)
     encode = getattr(environ, "encodekey", None)
     if not PRIVATE_TORCH or not isinstance(store, dict) or encode is None:
-        return public
+        return public, None, None
     try:
         keys = tuple(encode(name) for name in names)
         decode = environ.decodevalue
         if tuple(None if raw is None else decode(raw) for raw in map(store.get, keys)) != public():
-            return public
+            return public, None, None
         probe = "ATTN_DISPATCH_FRESHNESS_PROBE"
         probe_key = encode(probe)
         environ[probe] = "1"
         seen = store.get(probe_key)
         del environ[probe]
         if seen is None or store.get(probe_key) is not None:
-            return public
+            return public, None, None
     except Exception:  # noqa: BLE001 - an interpreter that keeps os.environ otherwise: use the public reads
-        return public
+        return public, None, None
     get = store.get
-    return lambda: tuple(map(get, keys))
+    return (lambda: tuple(map(get, keys))), get, keys
 
 
-environ_now = _environ_reader()
+environ_now, _ENV_GET, _ENV_KEYS = _environ_reader()
 
-
-def current_stamp() -> tuple:
-    """What every plan is checked against: (the runtime facts, torch's determinism flag, the decision's
-    environment variables as set now)."""
-    return _current_facts(), _deterministic_now(), environ_now()
-
-
-_current_facts = runtime_facts.current
+# current_stamp: every cached call asks it (some twice), so it is one frame: the facts value read from its holder
+# (runtime_facts._CURRENT, looked up each call, as tests replace it), the flag and the store read inline
+if _ENV_GET is not None:
+    def current_stamp() -> tuple:
+        """What every plan is checked against: (the runtime facts, torch's determinism flag, the decision's
+        environment variables as set now)."""
+        return runtime_facts._CURRENT[0], _deterministic_now(), tuple(map(_ENV_GET, _ENV_KEYS))
+else:
+    def current_stamp() -> tuple:
+        """What every plan is checked against: (the runtime facts, torch's determinism flag, the decision's
+        environment variables as set now)."""
+        return runtime_facts._CURRENT[0], _deterministic_now(), environ_now()

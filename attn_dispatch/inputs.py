@@ -66,22 +66,28 @@ class FastHit:
     bhsd: Any = None
 
 
-def tensor_guard(*tensors: torch.Tensor) -> Callable[..., bool] | None:
+def tensor_guard(*tensors: torch.Tensor, free_dims: tuple | None = None) -> Callable[..., bool] | None:
     """A check that later tensors match these in dtype, device, shape, strides and requires_grad, done in C++
     by one call (the tensor guard torch.compile uses; ~0.8 us for q, k, v where reading those attributes from
-    Python costs ~2 us). None where this torch lays it out otherwise: callers then compare Python keys."""
-    if _TensorGuards is None:
+    Python costs ~2 us). free_dims: per tensor, a dim whose size is left free (and the strides of the dims before
+    it, which follow from it in a row-major layout), or None: exact. None where this torch lays it out
+    otherwise (or leaves no dim free): callers then compare Python keys."""
+    if _TensorGuards is None or (free_dims is not None and not _FREE_DIMS[0]):
         return None
+    sizes, strides = [list(t.shape) for t in tensors], [list(t.stride()) for t in tensors]
+    for i, dim in enumerate(free_dims or ()):
+        if dim is not None:
+            sizes[i][dim] = None
+            strides[i][:dim] = [None] * dim
     try:
-        guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
-        return guard.check
+        return _TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides).check
     except Exception:  # noqa: BLE001 - a private API: any surprise means "not available"
         return None
 
 
 def _load_tensor_guards() -> Any:
-    """torch._C._dynamo.guards.TensorGuards if it behaves as expected here (checked once on tiny tensors)."""
+    """torch._C._dynamo.guards.TensorGuards if it behaves as expected here (checked once on tiny tensors), and
+    whether it leaves a dim free as tensor_guard asks (_FREE_DIMS)."""
     try:
         from torch._C._dynamo.guards import TensorGuards
 
@@ -90,11 +96,23 @@ def _load_tensor_guards() -> Any:
         ok = (guard.check(torch.ones(2, 3), torch.ones(3, 2)) and not guard.check(torch.ones(3, 2), b)
               and not guard.check(a, b.double()) and not guard.check(a.t().contiguous().t(), b)
               and not guard.check(a.requires_grad_(), b) and not guard.check("a", b))
-        return TensorGuards if ok else None
     except Exception:  # noqa: BLE001
         return None
+    if not ok:
+        return None
+    try:  # a [2, n, 4] with n free: any n, the rest exact
+        c = torch.zeros(2, 3, 4)
+        free = TensorGuards(c, dynamic_dims_sizes=[[2, None, 4]], dynamic_dims_strides=[[None, 4, 1]])
+        _FREE_DIMS[0] = (free.check(torch.ones(2, 5, 4)) and free.check(torch.ones(2, 9, 4)[:, :5])
+                         and not free.check(torch.ones(2, 5, 3)) and not free.check(torch.ones(3, 5, 4))
+                         and not free.check(torch.ones(2, 5, 4).double())
+                         and not free.check(torch.ones(2, 4, 5).transpose(1, 2)))
+    except Exception:  # noqa: BLE001
+        _FREE_DIMS[0] = False
+    return TensorGuards
 
 
+_FREE_DIMS = [False]  # whether TensorGuards leaves a dim free here (_load_tensor_guards)
 _TensorGuards = _load_tensor_guards() if PRIVATE_TORCH else None
 
 
@@ -134,6 +152,16 @@ def decode_bucket_cut(fmt: str, q, k, v, args: CallArgs, training: bool) -> tupl
         if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[-1] not in (1, skv)):
             return None
     return dim, decided_kv_length(fmt, sq, skv, training) - DECODE_KV_STEP + 1
+
+
+def decode_bucket_lengths(fmt: str, q, k, v, args: CallArgs, training: bool) -> tuple[int, int]:
+    """(first, last) key length of the calls that share this call's plan, the call being the same but for its key
+    length: a one-query inference step's key-length bucket (decode_bucket_cut), the call's own length otherwise."""
+    cut = decode_bucket_cut(fmt, q, k, v, args, training)
+    if cut is None:
+        skv = k.shape[1 if fmt == "bshd" else 0]
+        return skv, skv
+    return cut[1], cut[1] + DECODE_KV_STEP - 1
 
 
 def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, int], q, k, v, seq: SeqInfo,

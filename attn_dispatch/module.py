@@ -518,8 +518,9 @@ class DotProductAttention(torch.nn.Module):
     def _attend_bhsd(self, q, k, v, call: CallArgs = QKV_ONLY):
         """The SDPA function's cached path: [b, h, s, d] tensors in, [b, h, sq, d_v] out, the engine's call bound to
         them (no bshd views either way); None unless this signature's plan was bound through _attend_unmerged (with
-        bhsd=): a q, k, v-only call once its plan was used twice, a masked inference call (`call`, the SDPA
-        function's CallArgs for its mask) once, where the engine binds such a call."""
+        bhsd=): a q, k, v-only call once its plan was used twice; a masked inference call (`call`, the SDPA
+        function's CallArgs for its mask) once such a call was bound (Engine.bind_masked), and then the calls that
+        differ from it only in their mask and their keys' length within its plan's range (plans.MaskedBinding)."""
         if self.cp_group is not None or (_FP8_REGIONS[0] and self._fp8_dpa) or _is_compiling():
             return None
         bound, plan = self._plans.bhsd_call(q, k, v, self.training, call)
@@ -527,7 +528,7 @@ class DotProductAttention(torch.nn.Module):
             return None
         if self.__dict__["last_decision"] is not plan.decision:
             self.__dict__["last_decision"] = plan.decision
-        return bound(q, k, v)
+        return bound(q, k, v) if call is QKV_ONLY else bound(q, k, v, call.attention_mask)
 
     def _attend_unmerged(self, q, k, v, args: CallArgs = QKV_ONLY, bhsd: tuple | None = None):
         """forward's work for a bshd call (forward's keywords after q, k, v as `args`: attention_mask, the mask
@@ -548,14 +549,19 @@ class DotProductAttention(torch.nn.Module):
         for attempt in (0, 1):
             plan, aux = self._prepare(q, k, v, args)
             self.__dict__["last_decision"] = plan.decision
-            # a masked inference call the engine binds: bound now (the other layers of a decode step repeat it
-            # through _attend_bhsd), and this call runs the bound call too
-            bound = self._plans.remember_masked_bhsd(plan, aux, *bhsd, self.training, args) if bind_masked else None
+            # a masked inference call the engine binds: bound now, with the mask an argument, for the calls that
+            # differ from it only in the mask and the keys' length within its plan's range (the other layers of a
+            # decode step and the next steps, through _attend_bhsd); this call runs the bound call too
+            bound = None
+            if bind_masked:
+                lengths = inputs.decode_bucket_lengths("bshd", q, k, v, args, self.training)  # the SDPA path's views
+                bound = self._plans.remember_masked_bhsd(plan, aux, *bhsd, self.training, args, lengths)
             with self._dropout_ctx():
                 if plan.cfg.dropout_p > 0.0:
                     aux.extra["dropout_seed"] = draw_dropout_seed(q.device)
                 try:
-                    out = plan.engine(q, k, v, aux, plan.cfg)[0] if bound is None else bound(*bhsd).transpose(1, 2)
+                    out = plan.engine(q, k, v, aux, plan.cfg)[0] if bound is None else \
+                        bound(*bhsd, args.attention_mask).transpose(1, 2)
                 except EngineRefused:  # recorded by the engine: selecting again moves on (see _dispatch)
                     if attempt:
                         raise

@@ -16,14 +16,16 @@ Translation to Transformer Engine's terms (the module's forward):
   inside the row), exact on every row. So the fused engines take them. Any other bool mask is 'arbitrary'
   (True = masked out, inverted here), and explain_sdpa's `notes` say why. Recognising a pattern runs a few
   reductions over the mask on its device and one host sync; the verdict is cached per mask tensor and version,
-  and `recognize_masks=False` skips it.
+  and `recognize_masks=False` skips it. `recognize_masks` may also be a function (query, key, value, attn_mask,
+  dropout_p, scale, enable_gqa, softcap) -> bool, asked only when a bool mask is translated (once per mask tensor
+  and version, not once per layer): the transformers integration's choice of a decode step's reading.
 - A row every key of which is masked out returns 0, as torch's SDPA does.
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .document_masks import documents
+from .freshness import current_stamp
 from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
 from .module import DotProductAttention
@@ -42,8 +45,8 @@ _MODULES: dict[tuple, Any] = {}
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-                                 recognize_masks: bool = True, softcap: float = 0.0, mask_mod=None,
-                                 score_mod=None) -> torch.Tensor:
+                                 recognize_masks: bool | Callable[..., bool] = True, softcap: float = 0.0,
+                                 mask_mod=None, score_mod=None) -> torch.Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on [b, h, s, d] tensors. Our extensions:
     `softcap` (0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does; `mask_mod`
     ((b, h, q_idx, kv_idx) -> bool, ANDed with the mask) and `score_mod` ((score, b, h, q_idx, kv_idx) -> score)
@@ -84,8 +87,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False, *, recognize_masks: bool = True, softcap: float = 0.0, mask_mod=None,
-                 score_mod=None) -> Decision:
+                 enable_gqa: bool = False, *, recognize_masks: bool | Callable[..., bool] = True,
+                 softcap: float = 0.0, mask_mod=None, score_mod=None) -> Decision:
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
     say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
     module, kwargs, _, note, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal,
@@ -145,7 +148,9 @@ def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         if version is not None:
             memo = (version, query.shape, key.shape, value.shape, query.device, torch.is_grad_enabled(),
                     query.requires_grad, key.requires_grad, value.requires_grad, attn_mask.requires_grad, dropout_p,
-                    is_causal, scale, enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
+                    is_causal, scale, enable_gqa, recognize_masks, softcap, mask_mod, score_mod,
+                    # a function's reading asks selection: it stands while selection's answers do
+                    None if recognize_masks.__class__ is bool else current_stamp())
             last = _LAST_MASKED[0]
             if last is not None and last[0]() is attn_mask and last[1] == memo and \
                     _MODULES.get(last[2]) is last[3].module:
@@ -153,6 +158,9 @@ def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                 if module.training is not last[4]:
                     module.train(last[4])
                 return last[3]
+    if recognize_masks.__class__ is not bool:  # a function choosing the reading of a bool mask
+        recognize_masks = bool(recognize_masks(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap)) \
+            if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool else True
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks, softcap, mask_mod, score_mod)
     note, packed, layout = (kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),

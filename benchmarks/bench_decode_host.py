@@ -207,6 +207,12 @@ class DecodeStandIn(Engine):
             return None
         return self.decode.bind_fast(q, k, v, aux, cfg, layout)
 
+    def bind_masked(self, q, k, v, aux, cfg):
+        """The stood-in GPU engine's bound call with the mask an argument (the layers and steps after the first)."""
+        if aux.max_seqlen_q != 1 or self.decode is None:
+            return None
+        return self.decode.bind_masked(q, k, v, aux, cfg)
+
 
 @contextmanager
 def reading_fixed(reading: str, device: torch.device):

@@ -137,3 +137,68 @@ def test_alibi_and_longer_queries_still_match(engine):
         dout = torch.randn(out.shape, generator=gen, dtype=F64)
         for got, want in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref_out, (q, k, v), dout)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("h, hk, sq, mask_heads", [(8, 2, 1, 1), (8, 2, 1, 8), (4, 4, 1, 1), (6, 3, 3, 1)])
+def test_masked_binding_serves_new_masks_and_key_lengths(engine, h, hk, sq, mask_heads):
+    """bind_masked's call (the SDPA function's [b, h, s, d] tensors, the mask an argument) on the masks of several
+    steps, each new and of its own length and padding (a row without keys among them; one mask for every head, or
+    one per head), and on a mask written in place: each output is its own mask's against the float64 reference (a
+    row without keys: 0), in the op's [b, h, sq, d_v] order; the fold where there is one query, the repeat
+    otherwise."""
+    b = 3
+    gen = _gen("bind_masked", h, hk, sq, mask_heads)
+
+    def tensors(skv):
+        return (torch.randn(b, h, sq, D, generator=gen, dtype=F64),
+                *(torch.randn(b, hk, skv, D, generator=gen, dtype=F64) for _ in range(2)))
+
+    def step_mask(skv, keyless):
+        mask = _left_padded(gen, b, skv, keyless_row=keyless).expand(b, mask_heads, sq, skv).clone()
+        if mask_heads > 1:
+            mask[:, 1::2, ..., -2] = True  # odd heads also lose their next-to-last key
+        return mask
+
+    q, k, v = tensors(21)
+    mask = step_mask(21, None)
+    call = engine.bind_masked(q, k, v, AttnAux(attention_mask=mask, max_seqlen_q=sq, max_seqlen_kv=21),
+                              _cfg("arbitrary"))
+    assert call is not None
+    steps = [(21, None), (22, 1), (23, None), (40, 0)]
+    for skv, keyless in steps:
+        q, k, v = tensors(skv)
+        mask = step_mask(skv, keyless)
+        for _ in range(2):  # a step's layers: the mask's bias made once, then found
+            q, k, v = tensors(skv)
+            out = call(q, k, v, mask)
+            want, _ = reference_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask_type="arbitrary",
+                                          attention_mask=mask)
+            assert out.shape == (b, h, sq, D)
+            torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-9, atol=1e-9)
+            if keyless is not None:
+                assert not out[keyless].any()
+    written = step_mask(30, None)
+    q, k, v = tensors(30)
+    before = call(q, k, v, written)
+    written[2] = False  # written in place: the bias follows it (row 2 now sees every key)
+    out = call(q, k, v, written)
+    want, _ = reference_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask_type="arbitrary",
+                                  attention_mask=written)
+    torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(out[2], before[2]) and torch.equal(out[:2], before[:2])
+
+
+def test_masked_binding_refuses_what_it_cannot_serve(engine):
+    """No binding for gradients, dropout, a bias tensor, softcapping, or a call without an 'arbitrary' mask."""
+    b, skv, h, hk = 2, 9, 4, 2
+    gen = _gen("bind_masked_refusals")
+    q = torch.randn(b, h, 1, D, generator=gen, dtype=F64)
+    k, v = (torch.randn(b, hk, skv, D, generator=gen, dtype=F64) for _ in range(2))
+    aux = AttnAux(attention_mask=_left_padded(gen, b, skv, None))
+    assert engine.bind_masked(q, k, v, aux, _cfg("arbitrary")) is not None
+    assert engine.bind_masked(q.requires_grad_(), k, v, aux, _cfg("arbitrary")) is None
+    q.requires_grad_(False)
+    assert engine.bind_masked(q, k, v, aux, _cfg("arbitrary", dropout_p=0.1)) is None
+    assert engine.bind_masked(q, k, v, aux, _cfg("arbitrary", bias_type="post_scale_bias")) is None
+    assert engine.bind_masked(q, k, v, aux, _cfg("arbitrary", softcap=5.0)) is None
+    assert engine.bind_masked(q, k, v, AttnAux(), _cfg("no_mask")) is None

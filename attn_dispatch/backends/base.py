@@ -157,6 +157,17 @@ class Engine:
         in and out (the SDPA function's); None (here): call the engine."""
         return None
 
+    def bind_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux,
+                    cfg: AttnConfig) -> Callable[..., torch.Tensor] | None:
+        """For the SDPA function's [b, h, s, d] tensors (cfg describing their bshd views): an inference call whose
+        one per-call tensor is an 'arbitrary' bool mask (aux.attention_mask, True = masked out). A function
+        (q, k, v, mask) -> [b, h, sq, d_v] that serves every call whose q matches this one (shape, strides, dtype,
+        device), whose k and v match these but for the keys' length (and the strides that follow from it), and
+        whose mask is a bool tensor of this one's shape but for its last dim, the keys' length: what it derives
+        from a mask it derives per mask tensor and version (a decode step's new mask, read by nothing on the host).
+        The caller keeps the length within the range its plan was decided for. None (here): no such call."""
+        return None
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: AttnAux, cfg: AttnConfig, *,
                  flatten_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Differentiable attention: (out, lse, max_logit). Gradients flow to q, k, v, bias and the sink.

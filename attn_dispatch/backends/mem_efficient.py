@@ -171,33 +171,37 @@ def _static(aux: AttnAux, cfg: AttnConfig, b: int, h: int, sq: int, skv: int, dt
 
 def _mask_static(mask, b: int, h: int, sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> _Static:
     """The bias of an 'arbitrary' mask alone (a decode step's), kept on the mask tensor itself per version and call
-    sizes: every layer of a step hands the engine one mask, and one attribute read finds it (the bias cache's lookup
-    by identity costs several calls), and it goes with the mask as a bias cache entry does."""
+    sizes (_kept_on): every layer of a step hands the engine one mask, and one attribute read finds it (the bias
+    cache's lookup by identity costs several calls), and it goes with the mask as a bias cache entry does."""
     if mask is None or mask.dtype != torch.bool:
         raise ValueError("attn_mask_type='arbitrary' needs aux.attention_mask, a bool tensor (True = masked out)")
     key = (b, h, sq, skv, dtype, device)
-    try:
-        version = mask._version
-    except RuntimeError:  # an inference tensor: no version counter to tell an in-place write, so nothing is kept
-        version = None
-    if version is not None:
-        kept = getattr(mask, "_attn_dispatch_mem_efficient", None)  # (version, {call sizes: _Static})
-        if kept is not None and kept[0] == version:
-            static = kept[1].get(key)
-            if static is not None:
-                return static
-        else:
-            kept = None
+    kept = _kept_on(mask)
+    if kept is not None:
+        static = kept.get(key)
+        if static is not None:
+            return static
     # four kernels, written straight into aligned rows
     masked = _as_4d(mask, b, h, sq, skv)
     keyless = masked.all(-1)
     bias = _aligned_zeros(tuple(masked.shape), dtype, device).masked_fill_(masked, NEG_INF)
     static = _Static(bias.masked_fill_(keyless.unsqueeze(-1), 0.0), False, keyless, _zero(dtype, device), {})
-    if version is not None:
-        if kept is None:
-            kept = mask._attn_dispatch_mem_efficient = (version, {})
-        kept[1][key] = static
+    if kept is not None:
+        kept[key] = static
     return static
+
+
+def _kept_on(mask: torch.Tensor) -> dict | None:
+    """What is kept on a mask tensor for its current version (emptied when it was written since): a dict on the
+    tensor itself, which goes with it; None for an inference tensor (no version counter to tell a write)."""
+    try:
+        version = mask._version
+    except RuntimeError:
+        return None
+    kept = getattr(mask, "_attn_dispatch_mem_efficient", None)  # (version, {what: value})
+    if kept is None or kept[0] != version:
+        kept = mask._attn_dispatch_mem_efficient = (version, {})
+    return kept[1]
 
 
 def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -391,6 +395,72 @@ class MemEfficientEngine(Engine):
             out4 = op(q, k, v, bias, False, 0.0, causal, scale=scale)[0]
             if keyless is not None:
                 out4.masked_fill_(keyless, 0.0)
+            return out4
+        return call
+
+    def bind_masked(self, q, k, v, aux: AttnAux, cfg: AttnConfig):
+        """See Engine.bind_masked: bind_fast's bhsd call with the mask an argument. A mask's bias and keyless rows,
+        as this call's op and clean-up read them, are made by the first call given that mask tensor and version and
+        kept on the mask (_kept_on), so a decode step's first layer makes its new mask's bias and the other layers
+        find it in one lookup; nothing else depends on the keys' length. The outputs of rows without keys are
+        replaced by 0 here and no lse is read, so their bias rows are left -inf (the op's output there is not
+        read): one kernel fewer than _mask_static's."""
+        mask = aux.attention_mask
+        if mask is None or mask.dtype != torch.bool or cfg.attn_mask_type != "arbitrary" \
+                or cfg.qkv_format != "bshd" or tuple(cfg.window_size) not in ((-1, -1), (-1, 0)) \
+                or cfg.dropout_p > 0 or cfg.bias_type != "no_bias" or cfg.softmax_type != "vanilla" \
+                or cfg.return_max_logit or cfg.softcap or aux.softmax_offset is not None \
+                or q.requires_grad or k.requires_grad or v.requires_grad:
+            return None
+        b, h, sq, d = q.shape
+        hk, dv = k.shape[1], v.shape[3]
+        op, scale, dtype, device = self._op, cfg.softmax_scale, q.dtype, q.device
+        zero = _zero(dtype, device)
+        folded = hk != h and sq == 1  # one query: the group's query heads as query rows of its key/value head
+        token = object()  # this binding's entry among what is kept on a mask
+        g = h // hk
+
+        def views_of(mask) -> tuple:
+            """(the op's bias, the keyless rows as the output's clean-up reads them) for this mask, kept on it for
+            its version: three kernels (the bias in aligned rows, masked keys -inf; which rows see no key) and
+            views."""
+            skv = mask.shape[-1]
+            masked = _as_4d(mask, b, h, sq, skv)  # [b|1, h|1, sq, skv]
+            bias = _aligned_zeros(masked.shape, dtype, device).masked_fill_(masked, NEG_INF)
+            keyless = masked.all(-1, keepdim=True)
+            if not folded:
+                views = (bias.expand(b, h, sq, skv), keyless.expand(b, h, sq, 1))
+            elif masked.shape[1] == 1:  # rows shared by the heads: straight to the folded shape
+                views = (bias.expand(b, hk, g, skv), keyless.expand(b, hk, g, 1))
+            else:  # a row per query head: the group's rows side by side
+                views = (bias.expand(b, h, 1, skv).view(b, hk, g, skv), keyless.expand(b, h, 1, 1).view(b, hk, g, 1))
+            kept = _kept_on(mask)
+            if kept is not None:
+                kept[token] = views
+            return views
+
+        if folded:
+            out_shape, folded_shape = (b, sq, h, dv), (b, hk, g, dv)
+
+            def folded_call(q, k, v, mask):
+                kept = getattr(mask, "_attn_dispatch_mem_efficient", None)
+                views = kept[1].get(token) if kept is not None and kept[0] == mask._version else None
+                bias, rows = views or views_of(mask)
+                out4 = op(q.reshape(b, hk, g, d), k, v, bias, False, 0.0, False, scale=scale)[0]
+                out = q.new_empty(out_shape)  # [b, 1, h, dv]: written in head order by the one pass below
+                torch.where(rows, zero, out4, out=out.view(folded_shape))
+                return out.transpose(1, 2)
+            return folded_call
+        groups = h // hk
+
+        def call(q, k, v, mask):
+            kept = getattr(mask, "_attn_dispatch_mem_efficient", None)
+            views = kept[1].get(token) if kept is not None and kept[0] == mask._version else None
+            bias, rows = views or views_of(mask)
+            if groups != 1:  # the op takes one key/value head per query head
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out4 = op(q, k, v, bias, False, 0.0, False, scale=scale)[0]
+            out4.masked_fill_(rows, 0.0)
             return out4
         return call
 

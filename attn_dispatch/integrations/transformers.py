@@ -59,9 +59,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     gqa = key.shape[1] != query.shape[1]
     dropout_p = dropout if module.training else 0.0
-    recognize = True
-    if q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool:
-        recognize = _recognise_decode_masks(query, key, value, attention_mask, dropout_p, scaling, gqa, softcap)
+    # a one-query step's bool mask: its reading chosen by _recognise_decode_masks, which the SDPA function asks once
+    # per mask tensor (the step's first layer), not once per layer
+    recognize = _recognise_decode_masks if q_len == 1 and attention_mask is not None else True
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout_p,
                                        is_causal=is_causal, scale=scaling, enable_gqa=gqa, softcap=softcap,
                                        recognize_masks=recognize)

@@ -66,3 +66,32 @@ def test_one_query_gqa_on_the_gpu_kernel(grad, h, hk, skv):
     for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
                           torch.autograd.grad(ref_out, leaves, dout.float())):
         assert rel_err(g, w) < TOL, (name, rel_err(g, w))
+
+
+@pytest.mark.parametrize("h, hk", [(16, 8), (8, 8)])
+def test_masked_binding_on_the_gpu_kernel(h, hk):
+    """bind_masked's call (the SDPA function's [b, h, s, d] tensors, the mask an argument: a decode step's bound call)
+    over the masks of several steps, new tensors of growing length and changing padding, one with a row that sees no
+    key (its bias row left -inf, the kernel's output for it replaced by 0), against the float32 reference."""
+    b, d = 8, 128
+    engine = get_engine("mem_efficient:torch")
+    cfg = AttnConfig(attn_mask_type="arbitrary", window_size=normalize_window(None, "arbitrary"),
+                     softmax_scale=1 / math.sqrt(d))
+    gen = torch.Generator(device=DEV).manual_seed(h * 100 + hk)
+    call = None
+    for step, skv in enumerate((517, 518, 530, 531)):
+        q = torch.randn(b, h, 1, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hk, skv, d, generator=gen, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        keep = torch.ones(b, 1, 1, skv, dtype=torch.bool, device=DEV)
+        for row in range(b):
+            keep[row, ..., : (row + step) * skv // (3 * b)] = False
+        if step == 1:
+            keep[3] = False
+        if call is None:
+            call = engine.bind_masked(q, k, v, AttnAux(attention_mask=~keep, max_seqlen_q=1, max_seqlen_kv=skv), cfg)
+            assert call is not None
+        out = call(q, k, v, ~keep)
+        ref_out, _ = _reference(q.float(), k.float(), v.float(), keep, None, cfg.softmax_scale)
+        assert out.shape == ref_out.shape and rel_err(out, ref_out) < TOL, (step, rel_err(out, ref_out))
+        if step == 1:
+            assert torch.equal(out[3], torch.zeros_like(out[3]))
