@@ -378,12 +378,18 @@ def measure(transformers, model, ids, keep, new, device, rounds: int, profile: b
                     counts, calls = probe.counter.counts, probe.calls
                     probe.counter, probe.calls = OpCounter(python=True), 0
                     forget_plans()
-                    with kernels_stubbed(device):
-                        generate(model, impl, ids, keep, new)
+                    python_counted = True
+                    try:
+                        with kernels_stubbed(device):
+                            generate(model, impl, ids, keep, new)
+                    except Exception as error:  # noqa: BLE001 - a compiled engine under the profile hook: dynamo
+                        # leaves traced frames to eager, and eager flex materialises every score
+                        python_counted = False
+                        not_counted = not_counted or f"{type(error).__name__}: {str(error).strip()[:240]}"
                     if not_counted is not None:
-                        counts, calls = collections.Counter(), probe.calls
+                        counts, calls = collections.Counter(), max(probe.calls, 1)
                     for what in ("python_calls", "host_read_calls"):
-                        counts[what] = probe.counter.counts[what] * calls / probe.calls
+                        counts[what] = probe.counter.counts[what] * calls / probe.calls if python_counted else 0
                     extra[name]["per_call"], probe.counter = summarise(counts, calls, not_counted), None
                     if reading:
                         extra[name]["engine"] = engine_of_decode()
