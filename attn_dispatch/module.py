@@ -352,6 +352,10 @@ class DotProductAttention(torch.nn.Module):
             packed = question.as_documents(self, q, k, v, args, fp8)
             if packed is not None:
                 return packed.restore(dispatch(packed.q, packed.k, packed.v, packed.args, fp8))
+            split = question.as_prefix_lm(self, q, k, v, args, fp8)
+            if split is not None:  # the tail last: its decision is last_decision, as explain() answers
+                head = dispatch(*split.head, fp8)
+                return split.join(head, dispatch(*split.tail, fp8))
         return dispatch(q, k, v, args, fp8)
 
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------
@@ -419,8 +423,8 @@ class DotProductAttention(torch.nn.Module):
         self._plans.forget()
 
     @torch.compiler.disable
-    def _dispatch_opaque(self, q, k, v, args: CallArgs):
-        return self._dispatch(q, k, v, args)
+    def _dispatch_opaque(self, q, k, v, args: CallArgs, fp8: tuple | None = None):
+        return self._dispatch(q, k, v, args, fp8)
 
     def explain(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 **kwargs: Any) -> Decision:

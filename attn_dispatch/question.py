@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from . import document_masks, selection, sequences, validation
+from . import document_masks, prefix_masks, selection, sequences, validation
 from .call_args import CallArgs
 from .constraints.cudnn_fused_fp8 import backward_text
 from .context_parallel import module_glue
@@ -66,9 +66,16 @@ def ask(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         transport = module_glue.transport_note(module, params, q.device)
         read = (transport,) if transport else ()
     else:
-        packed = as_documents(module, q, k, v, args, fp8) if args.attention_mask is not None else None
+        packed = split = None
+        if args.attention_mask is not None:
+            packed = as_documents(module, q, k, v, args, fp8)
+            split = as_prefix_lm(module, q, k, v, args, fp8) if packed is None else None
         if packed is not None:
             q, k, v, args, read = packed.q, packed.k, packed.v, packed.args, (packed.note,)
+        elif split is not None:  # two calls: this Decision is the second's (forward's last); a note names the first's
+            head = plain_params(describe_plain(module, *split.head, fp8)[0])[0]
+            q, k, v, args = split.tail
+            read = (split.note(selection.explain(head, force=module.backend, policy=module.policy).chosen),)
         params = describe_plain(module, q, k, v, args, fp8)[0]
     params, notes = plain_params(params)
     notes = read + notes
@@ -94,6 +101,13 @@ def as_documents(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | 
     # a forced backend runs the call as given (it may not take thd: forced means forced)
     plain = fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
     return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, plain)
+
+
+def as_prefix_lm(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
+    """A plain call whose bool mask is a prefix-LM mask, as its two calls (prefix_masks), or None."""
+    fmt, mask_type, window = validation.resolve_call(module, args)
+    plain = fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
+    return prefix_masks.as_prefix_lm(fmt, mask_type, window, q, k, v, args, plain)
 
 
 def describe_plain(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None = None):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .document_masks import documents
+from .prefix_masks import prefix_length, split as prefix_split
 from .freshness import current_stamp
 from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
@@ -51,8 +52,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     `softcap` (0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does; `mask_mod`
     ((b, h, q_idx, kv_idx) -> bool, ANDed with the mask) and `score_mod` ((score, b, h, q_idx, kv_idx) -> score)
     are FlexAttention's modifiers, which only the flex_attention engine runs."""
-    module, _, args, _, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                      enable_gqa, recognize_masks, softcap, mask_mod, score_mod)
+    module, _, args, _, packed, layout, prefix = _translation(query, key, value, attn_mask, dropout_p, is_causal,
+                                                              scale, enable_gqa, recognize_masks, softcap, mask_mod,
+                                                              score_mod)
+    if prefix is not None:  # a prefix-LM mask: its two calls (prefix_masks), the second's decision the last
+        split = _prefix_calls(query, key, value, prefix)
+        head = module._attend_unmerged(*split.head)
+        return split.join(head, module._attend_unmerged(*split.tail)).transpose(1, 2)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
         return varlen_attention(query, key, value, packed, dropout_p, scale, enable_gqa, softcap=softcap)
     if layout is not None:  # keys (and queries) starting inside the row: thd views with offsets
@@ -91,9 +97,13 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
                  softcap: float = 0.0, mask_mod=None, score_mod=None) -> Decision:
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
     say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
-    module, kwargs, _, note, packed, layout = _translation(query, key, value, attn_mask, dropout_p, is_causal,
-                                                           scale, enable_gqa, recognize_masks, softcap, mask_mod,
-                                                           score_mod)
+    module, kwargs, _, note, packed, layout, prefix = _translation(query, key, value, attn_mask, dropout_p,
+                                                                   is_causal, scale, enable_gqa, recognize_masks,
+                                                                   softcap, mask_mod, score_mod)
+    if prefix is not None:
+        split = _prefix_calls(query, key, value, prefix)
+        head = module.explain(*split.head[:3], **split.head[3]._asdict()).chosen
+        return module.explain(*split.tail[:3], **split.tail[3]._asdict()).with_notes(split.note(head))
     if packed is not None:
         decision = module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd",
                                   attn_mask_type="padding_causal", cu_seqlens_q=packed, cu_seqlens_kv=packed)
@@ -102,6 +112,11 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     else:
         decision = module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
     return decision if note is None else decision.with_notes(note())
+
+
+def _prefix_calls(query, key, value, prefix: int):
+    """The two calls of a prefix-LM mask's call, on the bshd views of the [b, h, s, d] tensors."""
+    return prefix_split("bshd", query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), QKV_ONLY, prefix)
 
 
 def _thd_views(query, key, value, layout: PaddingLayout):
@@ -131,6 +146,7 @@ class _Translation(NamedTuple):
     note: Any
     packed: torch.Tensor | None
     layout: PaddingLayout | None
+    prefix: int | None  # a prefix-LM mask's prefix length: two calls (prefix_masks)
 
 
 def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
@@ -163,9 +179,10 @@ def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool else True
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks, softcap, mask_mod, score_mod)
-    note, packed, layout = (kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
-                            kwargs.pop("padding_layout", None))
-    translation = _Translation(module, kwargs, CallArgs(**kwargs) if kwargs else QKV_ONLY, note, packed, layout)
+    note, packed, layout, prefix = (kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
+                                    kwargs.pop("padding_layout", None), kwargs.pop("prefix_len", None))
+    translation = _Translation(module, kwargs, CallArgs(**kwargs) if kwargs else QKV_ONLY, note, packed, layout,
+                               prefix)
     if memo is not None:
         previous = _LAST_MASKED[0]
         if previous is not None:  # its bound call goes with it: a module keeps none past its translation
@@ -217,7 +234,7 @@ def _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     mask_type = "causal" if is_causal else "no_mask"
     if attn_mask is not None:
         kwargs = {"attn_mask_type": mask_type, **_mask_kwargs(attn_mask, b, h, sq, skv, query.device,
-                                                              recognize_masks)}
+                                                              recognize_masks, mask_mod is None and score_mod is None)}
         mask_type = "no_mask"
         if set(kwargs) == {"attn_mask_type"}:  # a mask that is a plain causal / no-mask pattern: that module type
             mask_type = kwargs.pop("attn_mask_type")
@@ -286,7 +303,9 @@ def _inverted(mask: torch.Tensor, mask4: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: torch.device,
-                 recognize: bool) -> dict[str, Any]:
+                 recognize: bool, splittable: bool = True) -> dict[str, Any]:
+    """forward's keywords for attn_mask (and how it was read: a note, or a thd route); splittable: no user
+    modifier reads positions, so that a prefix-LM mask may run as two calls."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"attn_mask must be a tensor (bool: True takes part; float: added to the scores); got "
                          f"{type(mask).__name__}")
@@ -308,6 +327,10 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
                     return {"packed_cu_seqlens": cu, "mask_note": lambda: "bool attn_mask recognised as packed "
                             f"causal sequences: thd 'padding_causal' with cu_seqlens {cu.tolist()}"}
         layout = recognise_padding(mask, mask4, b, sq, skv)
+        if isinstance(layout, NotRecognised) and splittable and sq == skv and mask4.shape[1] == 1:
+            prefix = prefix_length(mask, b, sq, true_keeps=True, view=mask4)
+            if prefix is not None:
+                return {"prefix_len": prefix}  # explain's note: PrefixSplit.note
         if isinstance(layout, NotRecognised):
             return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4),
                     "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}"}

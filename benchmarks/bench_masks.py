@@ -39,6 +39,8 @@ import torch.nn.functional as F
 
 from attn_dispatch import AttentionParams, DotProductAttention, Platform, runtime_facts, scaled_dot_product_attention, \
     selection
+from attn_dispatch import question
+from attn_dispatch.call_args import CallArgs
 from attn_dispatch.policy.timing import TimerSettings, time_interleaved
 from attn_dispatch.validation import bias_shape_label
 
@@ -229,7 +231,9 @@ def columns(call: Call, q, k, v) -> dict[str, Callable]:
         return lambda q, k, v: m(q, k, v, **call.module_kwargs)
 
     default = _module((call.mask_type, "bshd", call.softcap, None))
-    decision = default.explain(q, k, v, **call.module_kwargs)
+    # the engines that take the call as given (the default may run it otherwise: a prefix-LM mask as two calls)
+    as_given = question.plain_params(question.describe_plain(default, q, k, v, CallArgs(**call.module_kwargs))[0])[0]
+    decision = selection.explain(as_given)
     cols = {"module:default": module_with(None)}
     for verdict in decision.verdicts:
         if verdict.eligible and not (verdict.backend == "unfused" and call.s > 8192):

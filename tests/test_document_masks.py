@@ -53,6 +53,7 @@ def test_other_masks_stay_arbitrary_and_an_edited_mask_is_read_again():
     module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="arbitrary")
     prefix = _documents_mask(1, s, [[]])
     prefix[..., :8, :8] = False  # a bidirectional prefix: not causal documents
+    prefix[..., 20, 3] = True  # and a hole: no prefix-LM mask either (those run as two calls: test_prefix_masks)
     decision = module.explain(q, k, v, attention_mask=prefix)
     assert decision.params["attn_mask_type"] == "arbitrary"
     assert not any("consecutive documents" in n for n in decision.notes)
