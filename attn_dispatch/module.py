@@ -352,7 +352,7 @@ class DotProductAttention(torch.nn.Module):
             packed = question.as_documents(self, q, k, v, args, fp8)
             if packed is not None:
                 return packed.restore(dispatch(packed.q, packed.k, packed.v, packed.args, fp8))
-            split = question.as_prefix_lm(self, q, k, v, args, fp8)
+            split = question.as_prefix_lm(self, q, k, v, args, fp8)[0]
             if split is not None:  # the tail last: its decision is last_decision, as explain() answers
                 head = dispatch(*split.head, fp8)
                 return split.join(head, dispatch(*split.tail, fp8))

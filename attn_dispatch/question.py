@@ -17,10 +17,12 @@ from .constraints.cudnn_fused_fp8 import backward_text
 from .context_parallel import module_glue
 from .env import EnvFlags
 from .fp8 import autocast as fp8_autocast, speed
+from .freshness import current_stamp
 from .inputs import build_params, plain_params
 from .kv_cache import attend
 from .params import AttentionParams
 from .platform import Platform
+from .tensor_cache import cached_on
 from .policy.profile import profile_for
 
 PLAIN, CONTEXT_PARALLEL, KV_CACHE = "plain", "context_parallel", "kv_cache"
@@ -69,13 +71,13 @@ def ask(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         packed = split = None
         if args.attention_mask is not None:
             packed = as_documents(module, q, k, v, args, fp8)
-            split = as_prefix_lm(module, q, k, v, args, fp8) if packed is None else None
+            if packed is None:
+                split, note = as_prefix_lm(module, q, k, v, args, fp8)
+                read = (note,) if note else ()
         if packed is not None:
             q, k, v, args, read = packed.q, packed.k, packed.v, packed.args, (packed.note,)
-        elif split is not None:  # two calls: this Decision is the second's (forward's last); a note names the first's
-            head = plain_params(describe_plain(module, *split.head, fp8)[0])[0]
+        elif split is not None:  # two calls: this Decision is the second's (forward's last)
             q, k, v, args = split.tail
-            read = (split.note(selection.explain(head, force=module.backend, policy=module.policy).chosen),)
         params = describe_plain(module, q, k, v, args, fp8)[0]
     params, notes = plain_params(params)
     notes = read + notes
@@ -104,10 +106,57 @@ def as_documents(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | 
 
 
 def as_prefix_lm(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
-    """A plain call whose bool mask is a prefix-LM mask, as its two calls (prefix_masks), or None."""
+    """(the call as its two calls or None, a note or None) for a plain call whose bool mask is a prefix-LM mask
+    (prefix_masks): the two calls where they are predicted to pay, else the call as given, the note saying why.
+    Decided once per mask tensor and version, module and call signature, as selection's answers stand."""
     fmt, mask_type, window = validation.resolve_call(module, args)
     plain = fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
-    return prefix_masks.as_prefix_lm(fmt, mask_type, window, q, k, v, args, plain)
+    split = prefix_masks.as_prefix_lm(fmt, mask_type, window, q, k, v, args, plain)
+    if split is None:
+        return None, None
+    signature = (id(module), module.training, module.policy, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                 q.dtype, q.device, q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled(),
+                 current_stamp())
+    pays, note = cached_on((args.attention_mask,), ("prefix_split_pays", signature),
+                           lambda: _split_pays(module, q, k, v, args, split))
+    return (split if pays else None), note
+
+
+# FlexAttention on a prefix-LM mask (the call as given) reached at best 0.83x the causal call's TFLOP/s (H200, flex
+# lowered to flash-attn-4, inference; 0.79 training; on its Triton kernels 0.6-0.68: benchmarks/results/masks/
+# bench_masks_h200_full_inference.json, bench_masks_h200_full_flash_train.json, bench_masks_h200_stock_inference.json)
+FLEX_PREFIX_FRACTION = 0.83
+
+
+def _pick(module: torch.nn.Module, q, k, v, args: CallArgs) -> tuple[str | None, float | None]:
+    """(selection's pick for a plain call, its predicted ms or None)."""
+    params = plain_params(describe_plain(module, q, k, v, args)[0])[0]
+    decision = selection.explain(params, force=module.backend, policy=module.policy)
+    return decision.chosen, decision.estimates.get(decision.chosen) if decision.chosen else None
+
+
+def _split_pays(module: torch.nn.Module, q, k, v, args: CallArgs, split) -> tuple[bool, str]:
+    """Whether the two calls are predicted within 1 / FLEX_PREFIX_FRACTION of the causal call over the same tensors
+    (where the mask as given would at best run), and the note saying so. Without a prediction for either (no
+    profile for this platform), the two calls: fused where a fused engine takes them, and fewer pairs than the
+    mask's square where none does."""
+    (head, head_ms), (tail, tail_ms) = _pick(module, *split.head), _pick(module, *split.tail)
+    causal, causal_ms = _pick(module, q, k, v, args.replace(attention_mask=None, attn_mask_type="causal",
+                                                            window_size=(-1, 0)))
+    if head is None or tail is None:
+        return False, (f"the bool attention_mask is a prefix-LM mask (a prefix of {split.prefix} tokens); its two "
+                       f"calls have no engine ({head or 'none'} for the prefix rows, {tail or 'none'} for the rest): "
+                       "run as given")
+    if head_ms is None or tail_ms is None or not causal_ms:
+        return True, split.note(head) + "; no predicted time to weigh them against the mask as given"
+    ratio = (head_ms + tail_ms) / causal_ms
+    weighed = (f"predicted {head_ms + tail_ms:.3f} ms ({head} {head_ms:.3f}, {tail} {tail_ms:.3f}), {ratio:.2f}x "
+               f"the causal call over the same tensors ({causal} {causal_ms:.3f} ms)")
+    if ratio <= 1.0 / FLEX_PREFIX_FRACTION:
+        return True, f"{split.note(head)}; {weighed}"
+    return False, (f"the bool attention_mask is a prefix-LM mask (a prefix of {split.prefix} tokens), run as given: "
+                   f"its two calls are {weighed}, more than the {1.0 / FLEX_PREFIX_FRACTION:.2f}x at which "
+                   f"FlexAttention on the mask measured at best ({FLEX_PREFIX_FRACTION}x the causal call's TFLOP/s)")
 
 
 def describe_plain(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None = None):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .document_masks import documents
-from .prefix_masks import prefix_length, split as prefix_split
+from .prefix_masks import prefix_length
 from .freshness import current_stamp
 from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
@@ -55,10 +55,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     module, _, args, _, packed, layout, prefix = _translation(query, key, value, attn_mask, dropout_p, is_causal,
                                                               scale, enable_gqa, recognize_masks, softcap, mask_mod,
                                                               score_mod)
-    if prefix is not None:  # a prefix-LM mask: its two calls (prefix_masks), the second's decision the last
-        split = _prefix_calls(query, key, value, prefix)
-        head = module._attend_unmerged(*split.head)
-        return split.join(head, module._attend_unmerged(*split.tail)).transpose(1, 2)
+    if prefix is not None:  # a prefix-LM mask: the module's reading of it, as its forward and explain have it
+        b, h, sq = query.shape[:3]
+        out = module._forward_args(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), args)
+        return out.view(b, sq, h, -1).transpose(1, 2)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
         return varlen_attention(query, key, value, packed, dropout_p, scale, enable_gqa, softcap=softcap)
     if layout is not None:  # keys (and queries) starting inside the row: thd views with offsets
@@ -100,10 +100,6 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     module, kwargs, _, note, packed, layout, prefix = _translation(query, key, value, attn_mask, dropout_p,
                                                                    is_causal, scale, enable_gqa, recognize_masks,
                                                                    softcap, mask_mod, score_mod)
-    if prefix is not None:
-        split = _prefix_calls(query, key, value, prefix)
-        head = module.explain(*split.head[:3], **split.head[3]._asdict()).chosen
-        return module.explain(*split.tail[:3], **split.tail[3]._asdict()).with_notes(split.note(head))
     if packed is not None:
         decision = module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd",
                                   attn_mask_type="padding_causal", cu_seqlens_q=packed, cu_seqlens_kv=packed)
@@ -112,11 +108,6 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     else:
         decision = module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
     return decision if note is None else decision.with_notes(note())
-
-
-def _prefix_calls(query, key, value, prefix: int):
-    """The two calls of a prefix-LM mask's call, on the bshd views of the [b, h, s, d] tensors."""
-    return prefix_split("bshd", query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), QKV_ONLY, prefix)
 
 
 def _thd_views(query, key, value, layout: PaddingLayout):
@@ -146,7 +137,7 @@ class _Translation(NamedTuple):
     note: Any
     packed: torch.Tensor | None
     layout: PaddingLayout | None
-    prefix: int | None  # a prefix-LM mask's prefix length: two calls (prefix_masks)
+    prefix: int | None  # a prefix-LM mask's prefix length: forward takes the module's path (prefix_masks)
 
 
 def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
@@ -329,8 +320,8 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
         layout = recognise_padding(mask, mask4, b, sq, skv)
         if isinstance(layout, NotRecognised) and splittable and sq == skv and mask4.shape[1] == 1:
             prefix = prefix_length(mask, b, sq, true_keeps=True, view=mask4)
-            if prefix is not None:
-                return {"prefix_len": prefix}  # explain's note: PrefixSplit.note
+            if prefix is not None:  # forward through the module's own path, which reads it (two calls or as given)
+                return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4), "prefix_len": prefix}
         if isinstance(layout, NotRecognised):
             return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4),
                     "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}"}

@@ -113,3 +113,33 @@ def test_the_sdpa_function_splits_a_prefix_lm_mask(grad):
         dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         for g, e in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
             torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("tail_over_causal, split", [(1.05, True), (1.9, False)])
+def test_the_two_calls_run_only_where_predicted_to_pay(monkeypatch, tail_over_causal, split):
+    """Where the profile predicts the calls (a GPU platform), the two calls run only within 1 / FLEX_PREFIX_FRACTION
+    of the causal call over the same tensors; else the mask runs as given, and explain's note says why with the
+    predicted times. The predictions stand in here for a platform's (the CPU has no profile)."""
+    from attn_dispatch import question
+
+    real = question._pick
+
+    def predicted(module, q, k, v, args):
+        chosen, _ = real(module, q, k, v, args)
+        if q.shape[1] < k.shape[1]:  # the tail: rows after the prefix, every key
+            return chosen, tail_over_causal
+        return chosen, 1.0 if args.attn_mask_type == "causal" else 0.01  # the causal call; the prefix's rows
+
+    monkeypatch.setattr(question, "_pick", predicted)
+    s, h, d = 32, 2, 8
+    q, k, v = (torch.randn(1, s, h, d, dtype=torch.float64) for _ in range(3))
+    mask = _prefix_mask(1, s, [8]).clone()
+    module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="arbitrary")
+    decision = module.explain(q, k, v, attention_mask=mask)
+    assert decision.params["attn_mask_type"] == ("causal_bottom_right" if split else "arbitrary")
+    note = next(n for n in decision.notes if "prefix-LM" in n)
+    assert f"{tail_over_causal + 0.01:.2f}x the causal call" in note
+    assert ("run as given" in note) is not split
+    out = module(q, k, v, attention_mask=mask)
+    assert module.last_decision.params["attn_mask_type"] == decision.params["attn_mask_type"]
+    torch.testing.assert_close(out, _reference(q, k, v, mask, "bshd"))
