@@ -5,7 +5,7 @@ policy/profile.py's CostModel were chosen by (no GPU needed).
     python3 benchmarks/fit_packed.py --model twin_k=3      # a CostModel setting (repeatable, evaluate_profile's form)
     python3 benchmarks/fit_packed.py --before packed_twin=false    # against a model before a change: what moved
 
-Three checks over the fit data:
+The checks over the fit data:
 - split: the profile's packed calls that some run split into host and GPU time (bench_user_step.py --split), each
   predicted with its own shape left out: the predicted GPU time over the measured, per provider (rms of the log),
   and per pair of providers (rms of the log of the predicted ratio over the measured one: what a pick depends on);
@@ -14,9 +14,11 @@ Three checks over the fit data:
 - picks: the profile's pick over the fastest engine on those rows (evaluate_profile.score: a case's own lengths give
   its fills; where nothing is predicted, the order's pick), and on every row of the blind grids (dense ones too: a
   packed term must not move them);
-- relative: every packed-fit run (stock ones too) picked with the profile's packed entries of its own grid left out
-  (a provider without a rate read off the other grids alone, as before the grid was measured), and with only each
-  row's own call left out.
+- grids: every measured packed grid's run (the manifest's packed-fit runs and its held-out runs of packed grids;
+  stock ones too) picked with the profile's packed entries made of every other measured packed grid (leave one grid
+  out: a provider without a rate read off the other grids alone, as before the grid was measured), and of every
+  measured packed grid (the full fit); the machine varlen factors stay the model's (refitted in each fold on the
+  other grids' rows they moved no pick: benchmarks/results/README.md).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.policy.profile import (PROFILE_DIR, CostModel, Profile, packed_entries, pooled_calls,  # noqa: E402
                                           pooled_splits)
 import results_manifest  # noqa: E402
-from build_profile import load_runs, packed_sources, shipped_sources  # noqa: E402
+from build_profile import load_runs, shipped_sources  # noqa: E402
 from evaluate_profile import call_of, evaluate, model_with  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -154,22 +156,35 @@ def pick_line(results: list[dict]) -> str:
             f"over 1.05: {sum(x > 1.05 for x in ratios)}")
 
 
-def relative_check(profile_data: dict, model: CostModel) -> dict[str, tuple[list[dict], list[dict]]]:
-    """Per packed-fit run: (its rows' picks with its grid's packed entries left out of the profile, with each row's
-    own call left out)."""
-    runs, _ = load_runs(packed_sources())
+def measured_packed_grids(manifest: Path = results_manifest.MANIFEST) -> list[str]:
+    """Every measured packed grid's runs, each checked against its sha256: the manifest's packed-fit runs and its
+    held-out runs of packed grids (eval-blind-packed*)."""
+    return [str(results_manifest.verified_path(e, manifest)) for e in results_manifest.entries(manifest=manifest)
+            if e["role"] == "packed-fit" or (e["role"] == "held-out"
+                                             and e.get("grid", "").startswith("eval-blind-packed"))]
+
+
+def grid_check(profile_data: dict, model: CostModel, paths: list[str]) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per run of the packed grids `paths`: (its rows' picks with the profile's packed entries made of the other
+    grids' runs, made of every run)."""
+    runs, _ = load_runs(paths)
+    machines = sorted({*profile_data["machines"], *(r["machine"] for r in runs)})
+    data = {**profile_data, "machines": machines}
+
+    def profile_of(fit: list[dict]) -> Profile:
+        return Profile({**data, "packed": packed_entries(fit, machines, model)}, model=model)
+
+    every = profile_of(runs)
     found = {}
     for run in runs:
-        others = [r for r in runs if r["grid"] != run["grid"]]
-        without = Profile({**profile_data, "packed": packed_entries(others, profile_data["machines"], model)},
-                          model=model)
-        found[Path(run["path"]).name] = (
-            evaluate(run["rows"], without, run["machine"], stock=False),
-            evaluate(run["rows"], Profile(profile_data, model=model), run["machine"], stock=False, leave_out=True))
+        others = profile_of([r for r in runs if r["grid"] != run["grid"]])
+        found[Path(run["path"]).name] = (evaluate(run["rows"], others, run["machine"], stock=False),
+                                         evaluate(run["rows"], every, run["machine"], stock=False))
     return found
 
 
-def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str], blind: list[str]) -> dict:
+def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str], blind: list[str],
+           grids: list[str]) -> dict:
     profile = Profile(profile_data, model=model)
     if model.packed_twin:
         factors = varlen_factors(profile_data, runs, model)
@@ -186,9 +201,11 @@ def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str
              "blind grids, stock": picks(profile, [p for p in blind if "stock" in p], False)}
     for name, results in found.items():
         print(f"  picks, {name}: {pick_line(results)}")
-    for name, (grid_out, call_out) in relative_check(profile_data, model).items():
-        print(f"  relative, {name}: its grid's packed calls left out {pick_line(grid_out)}; its own call left out "
-              f"{pick_line(call_out)}")
+    checked = grid_check(profile_data, model, grids)
+    for name, (grid_out, every) in checked.items():
+        print(f"  grids, {name}: other grids' packed calls {pick_line(grid_out)}; every grid's {pick_line(every)}")
+    for index, name in enumerate(("other grids", "every grid")):
+        print(f"  grids, all runs, {name}: {pick_line([r for found in checked.values() for r in found[index]])}")
     return found
 
 
@@ -198,6 +215,8 @@ def main() -> int:
     ap.add_argument("--before", action="append", default=[], metavar="KEY=VALUE",
                     help="also the model (with --model) changed by these settings, as the one before: what moved")
     ap.add_argument("--fit", nargs="*", default=[str(RESULTS / p) for p in PACKED_FIT])
+    ap.add_argument("--grids", nargs="*", default=measured_packed_grids(),
+                    help="the packed grids' runs left out in turn (default: every measured one in the manifest)")
     ap.add_argument("--verbose", action="store_true", help="every packed fit row whose pick is over 1.02")
     args = ap.parse_args()
     model = model_with(args.model)
@@ -209,7 +228,7 @@ def main() -> int:
     found = {}
     for name, m in models:
         print(f"{name}: {', '.join(f'{k}={v}' for k, v in dataclasses.asdict(m).items() if k in _packed_fields())}")
-        found[name] = report(m, profile_data, runs, args.fit, blind)
+        found[name] = report(m, profile_data, runs, args.fit, blind, args.grids)
         if args.verbose:
             for r in found[name]["packed fit rows"]:
                 if r["ratio"] > 1.02:
@@ -226,7 +245,8 @@ def main() -> int:
 
 
 def _packed_fields() -> set[str]:
-    return {"packed_lengths", "packed_twin", "varlen_factor", "machine_varlen_factor", "host_scale", "machine_shift"}
+    return {"packed_lengths", "packed_twin", "varlen_factor", "machine_varlen_factor", "host_scale", "machine_shift",
+            "relative_k", "relative_length_slope"}
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from ..params import PACKED_TILE, TOP_LEFT_MASKS, AttentionParams, is_bottom_right, is_causal, score_tiles
+from ..params import (PACKED_TILE, TOP_LEFT_MASKS, AttentionParams, is_bottom_right, is_causal, packed_fills,
+                      score_tiles)
 from ..platform import Platform
 from .timing import BACKWARD_FLOP_FACTOR, attended_pairs, attention_flops, band_sum, mode_of
 
@@ -155,8 +156,25 @@ class CostModel:
     # head dims (flex's d96 and d256 kernels are slow), the pass, the mask and window, and many short sequences
     # (document boundaries make partial blocks); within one kind and head dim, near calls agreed (d128 causal-window
     # forwards 0.84-0.92x, d128 causal 1.00-1.51x). One call was not enough: read off one call each, two d96/d64 packs
-    # picked flex at 1.25x and 2.8x (a pack of 56 short sequences read off one of 15 long ones).
-    relative_k: int = 2
+    # picked flex at 1.25x and 2.8x (a pack of 56 short sequences read off one of 15 long ones). Two were not either
+    # once grid 5 was fit data: grid 4's d128 causal bimodal forward (ps8, mean length 1463) was read off two uniform
+    # packs of long sequences (grid 5's pt7, flex 0.92x FA2, and grid 3's pr8, 1.00x) and picked flex at 1.32x FA2's
+    # time; with three (grid 2's pq6 of short ones, 1.51x, the third) every packed grid left out in turn kept or
+    # improved its picks (benchmarks/fit_packed.py's grids check; benchmarks/results/README.md).
+    relative_k: int = 3
+    # Its time over a reference's moves with the pack's mean sequence length (packed_mean_length): flex runs the pack
+    # as one long sequence under a document mask, so every document boundary cuts blocks that are computed in part,
+    # and short documents make many of them. Over the packed grids, within one kind and head dims, the log of flex's
+    # time over FA2's fell by 0.06-0.09 per doubling of the mean length with any one grid left out (over cuDNN's by
+    # 0.02-0.11; over flash-attn-4's by -0.02 to 0.04: its kernel pays for short sequences too). With
+    # relative_length_slope, each neighbour's ratio is moved to the call's mean length along that slope, fitted on
+    # the profile's packed entries (Profile.relative_slope: least squares within each kind and head dims, pooled), but
+    # never past the longest mean length measured of the call's kind and head dims: no pack says flex keeps gaining on
+    # longer ones (moved past them, stock torch's picks of 8k-16k causal d128 packs of one or two sequences went to
+    # flex, which no run timed there). Toward shorter ones it is moved all the way: grid 5's pt3 (60 sequences of mean
+    # 611 tokens, shorter than any d128 causal-window pack measured before it, 2731 and up) read flex at 0.87x FA2 off
+    # them, and flex ran 1.08x.
+    relative_length_slope: bool = True
 
 
 COST_MODEL = CostModel()
@@ -267,6 +285,16 @@ def measured_pack_fills(batch: int, max_q: int, max_kv: int, mask_type: str, til
     fill = (longest + (batch - 1) * total / count) / (batch * longest)
     tokens = (max_q + (batch - 1) * (low + max_q) / 2) / (batch * max_q)
     return fill, tokens
+
+
+def packed_mean_length(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
+    """A packed call's mean query tokens per sequence: its token fill (packed_token_fill) x the longest; without
+    known lengths, the measured packs' expected token fill (measured_pack_fills)."""
+    tokens = p.packed_token_fill
+    if tokens is None:
+        tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
+                                     model.tile or PACKED_TILE)[1]
+    return tokens * p.max_seqlen_q
 
 
 _DENSE_MASK = {"padding": "no_mask", "padding_causal": "causal", "padding_causal_bottom_right": "causal_bottom_right"}
@@ -514,6 +542,7 @@ class Profile:
         for e in data.get("packed", ()):
             entry = self._entry(e)
             self._packed.setdefault(entry.kind, []).append(entry)
+        self._relative_slopes: dict[tuple[str, str], float] = {}  # relative_slope's answers, computed once each
         self.masked: list[MaskedCall] = [
             MaskedCall(e["label"], self.machines[e["machine"]], tuple(e["kind"]), tuple(e["modifiers"]),
                        tuple(e["log2"][f] for f in _FEATURES), e["fmt"], e["times_ms"], e.get("runs", 1))
@@ -597,9 +626,11 @@ class Profile:
         """The providers of `among` without a prediction on this packed call, each as (step ms, the measured packed
         calls it was read off): on the relative_k nearest packed entries of the call's kind and head dims (the rate
         model's distance; the machine's own first among equals) that timed it and some of the predicted providers of
-        `among`, its time over each of those there (the geometric mean), x that provider's predicted time here;
-        averaged in log, weighted 1 / (distance + 0.25) as the rate model weights its neighbours. Fewer than
-        relative_k such entries: none. leave_out leaves the call's own shape out."""
+        `among`, its time over each of those there (the geometric mean), moved to the call's mean sequence length
+        (relative_slope, with model.relative_length_slope; at most to the longest mean length of those entries), x
+        that provider's predicted time here; averaged in log, weighted 1 / (distance + 0.25) as the rate model weights
+        its neighbours. Fewer than relative_k such entries: none. leave_out leaves the call's own shape out (of the
+        slope's fit too)."""
         m = self.model
         references = [p for p in among if p in predicted]
         missing = [p for p in among if p not in predicted]
@@ -607,12 +638,16 @@ class Profile:
             return {}
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in _FEATURES)
+        length = math.log2(packed_mean_length(params, m))
         dims = tuple(round(v, 4) for v in here[:2])  # head dims qk and v, as entries keep their sizes
         skip = _shape(kind, here, fmt) if leave_out else None
         near = sorted(((sum(w * abs(h - v) for w, h, v in zip(m.weights, here, e.sizes))
                         + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
                        for i, e in enumerate(self._packed.get(kind, ())) if e.sizes[:2] == dims and e.shape != skip),
                       key=lambda found: found[:3])
+        measured = [e.log2["mean_length"] for *_, e in near if "mean_length" in e.log2]
+        if measured:  # never moved past the longest mean length measured
+            length = min(length, max(measured))
         out = {}
         for provider in missing:
             used = [(dist, e) for dist, _, _, e in near
@@ -622,13 +657,39 @@ class Profile:
             logs, weights = [], []
             for dist, e in used:
                 shared = [r for r in references if r in e.times_ms]
-                logs.append(sum(math.log(predicted[r] * e.times_ms[provider] / e.times_ms[r]) for r in shared)
-                            / len(shared))
+                moved = [self.relative_slope(provider, r, skip) * (length - e.log2["mean_length"])
+                         if m.relative_length_slope and "mean_length" in e.log2 else 0.0 for r in shared]
+                logs.append(sum(math.log(predicted[r] * e.times_ms[provider] / e.times_ms[r]) + shift
+                                for r, shift in zip(shared, moved)) / len(shared))
                 weights.append(1.0 / (dist + 0.25))
             ms = math.exp(sum(w * lg for w, lg in zip(weights, logs)) / sum(weights))
             out[provider] = (ms, tuple(e.label + ("" if len(self.machines) < 2 else f" ({e.machine})")
                                        for _, e in used))
         return out
+
+    def relative_slope(self, provider: str, reference: str, skip: tuple | None = None) -> float:
+        """The slope of log(provider's time / reference's time) over log2 of the mean sequence length, on the
+        profile's packed entries that timed both (but those of the shape skip): least squares within each kind and
+        head dims (each group's own mean taken out), pooled; 0 where no group holds two different mean lengths."""
+        key = (provider, reference)
+        if skip is None and key in self._relative_slopes:
+            return self._relative_slopes[key]
+        products = squares = 0.0
+        for entries in self._packed.values():
+            groups: dict[tuple, list[tuple[float, float]]] = {}
+            for e in entries:
+                if provider in e.times_ms and reference in e.times_ms and "mean_length" in e.log2 and e.shape != skip:
+                    groups.setdefault(e.sizes[:2], []).append(
+                        (e.log2["mean_length"], math.log(e.times_ms[provider] / e.times_ms[reference])))
+            for points in groups.values():
+                x0 = sum(x for x, _ in points) / len(points)
+                y0 = sum(y for _, y in points) / len(points)
+                products += sum((x - x0) * (y - y0) for x, y in points)
+                squares += sum((x - x0) ** 2 for x, _ in points)
+        slope = products / squares if squares > 0 else 0.0
+        if skip is None:
+            self._relative_slopes[key] = slope
+        return slope
 
     def parts(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False) -> Parts:
         """predict()'s host and GPU time of each provider, apart."""
@@ -988,20 +1049,35 @@ EAGER_FALLBACK = 20.0
 def packed_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
     """The profile's `packed` entries: each packed (thd) call of the runs on one machine, pooled over the runs as
     build() pools its entries (a stock run's times scaled onto the full stack's by the providers both timed), with
-    every provider's time within EAGER_FALLBACK x the call's fastest. Profile.relative reads a provider without a
-    rate off them."""
+    every provider's time within EAGER_FALLBACK x the call's fastest, and the log2 of its mean sequence length
+    (packed_mean_length) beside its sizes. Profile.relative reads a provider without a rate off them."""
     entries = []
-    for (machine, _), (label, params_dict, times, count) in pooled_calls(runs).items():
+    for (machine, _), (label, params_dict, times, count) in pooled_calls([_with_fills(run) for run in runs]).items():
         params = AttentionParams(**params_dict)
         if params.qkv_format != "thd":
             raise ValueError(f"{label!r} ({params.describe()}) is not a packed call: packed entries hold thd calls")
         fastest = min(times.values())
         kind, log2, fmt = features(params, model)
+        log2["mean_length"] = math.log2(packed_mean_length(params, model))
         entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
                         "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
                         "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()
                                      if v <= EAGER_FALLBACK * fastest}})
     return entries
+
+
+def _with_fills(run: dict) -> dict:
+    """The run with each packed row's fills in its parameters, read from its case's lengths where the row has none
+    (the first packed grid's rows were recorded before calls carried them)."""
+    rows = []
+    for row in run["rows"]:
+        params, lengths = row["params"], tuple((row.get("case") or {}).get("seqlens") or ())
+        if params.get("qkv_format") == "thd" and params.get("packed_token_fill") is None and lengths:
+            fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
+                                        params["attn_mask_type"])
+            row = {**row, "params": {**params, "packed_fill": fill, "packed_token_fill": tokens}}
+        rows.append(row)
+    return {**run, "rows": rows}
 
 
 def masked_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
