@@ -131,7 +131,10 @@ class CostModel:
     # moved with it (windowed packed training, cuDNN picked at 1.11-1.20x flash-attn-4's time). With the fourth packed
     # grid in the fit (96 rows) the medians read 1.02, 1.03 and 0.96: no pick of any held-out or packed grid moves
     # with them, five shipped picks of small H200 packs no grid measured would (flash-attn-4 or cuDNN to FA2), so
-    # the three-grid values stay until a measured grid tells them apart.
+    # the three-grid values stay until a measured grid tells them apart. None has since: with the fifth grid (120
+    # rows) they read 1.00, 1.02 and 0.93, and refitted on the other grids with each packed grid left out in turn
+    # (cuDNN 0.99-1.02, FA2 1.01-1.03, flash-attn-4 0.91-0.96), or set to either set above, they moved no pick of
+    # any grid (benchmarks/results/README.md).
     machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
                                                             ("flash_attn_2:torch@NVIDIA H200", 1.06),
                                                             ("flash_attn_4:cute@NVIDIA H200", 0.97))
