@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from attn_dispatch.benchmarking.cases import (CASE_GRIDS, FIFTH_PACKED, FOURTH_PACKED, PACKED_2_SEED, PACKED_3_SEED,
-                                              PACKED_4_SEED, PACKED_5_SEED, PACKED_SEEDS, SECOND_PACKED, THIRD_PACKED,
-                                              Case, _draw_packed, _packed_2_coverage, _packed_3_coverage,
-                                              _packed_4_coverage, _packed_5_coverage, _packed_coverage)
+                                              PACKED_4_SEED, PACKED_5_SEED, PACKED_6_SEED, PACKED_SEEDS, SECOND_PACKED,
+                                              SIXTH_PACKED, THIRD_PACKED, Case, _draw_packed, _packed_2_coverage,
+                                              _packed_3_coverage, _packed_4_coverage, _packed_5_coverage,
+                                              _packed_6_coverage, _packed_coverage)
 
 
 def _shape(case: Case) -> Case:
@@ -105,6 +106,32 @@ def test_the_fifth_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_fr
     assert any(c.d == 128 and c.window and c.window[1] == 0 and c.window[0] >= 640 and c.s >= 8192 for c in grid)
     assert any(c.d != 128 and c.window and c.s >= 8192 for c in grid)
     assert sum(bool(c.window) and c.s >= 8192 and not c.train for c in grid) >= 4
+
+
+def test_the_sixth_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_from_other_ranges():
+    grid = CASE_GRIDS["eval-blind-packed-6"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    assert _packed_6_coverage(_draw_packed(PACKED_6_SEED, 12, SIXTH_PACKED))
+    assert not any(_packed_6_coverage(_draw_packed(s, 12, SIXTH_PACKED)) for s in range(20261701, PACKED_6_SEED))
+    for c in grid:
+        assert c.fmt == "thd" and len(c.seqlens) == c.b <= 64 and max(c.seqlens) == c.s and c.h % c.hkv == 0
+        assert sum(c.seqlens) <= max(28672, 2 * c.s) and min(c.seqlens) >= 1
+    earlier = [c for name in ("eval-blind-packed", "eval-blind-packed-2", "eval-blind-packed-3", "eval-blind-packed-4",
+                              "eval-blind-packed-5") for c in CASE_GRIDS[name]()]
+    assert not {c.s for c in grid} & {c.s for c in earlier}  # other longest lengths and window widths
+    assert not {c.window[0] for c in grid if c.window} & {c.window[0] for c in earlier if c.window}
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "eval-blind-packed-6" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert _packed_5_coverage(_draw_packed(PACKED_6_SEED, 12, SIXTH_PACKED))
+    # ragged and uniform lengths, GQA, head dims 64-256, windows of both kinds, training and inference
+    assert {c.name.split("-", 1)[1] for c in grid} == set(SIXTH_PACKED.patterns)
+    assert {c.d for c in grid} == {64, 96, 128, 192, 256} and any(c.hkv < c.h for c in grid)
+    assert {c.window[1] == 0 for c in grid if c.window} == {True, False}
+    # a pack of sequences under a tile long on average, a long near-uniform d128 causal pack, a d192 unmasked one
+    assert any(c.b >= 32 and sum(c.seqlens) < 128 * c.b for c in grid)
+    assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.s >= 6144
+               and c.name.split("-", 1)[1] in ("uniform", "near") for c in grid)
+    assert any(c.d == 192 and c.mask == "padding" and not c.window for c in grid)
 
 
 def test_a_case_refuses_lengths_that_do_not_fit_it():

@@ -422,6 +422,11 @@ PACKED_4_SEED = 20261555
 # 224-2560, and a window in two draws of three (two of five before). The seed is the first from 20261601 whose draw
 # covers what _packed_5_coverage asks.
 PACKED_5_SEED = 20262572
+# eval-blind-packed-6: drawn after grid 5 became fit data and a provider without a rate became read off three packs,
+# moved to the call's mean sequence length, to check them. Other ranges again: longest lengths 832-15360, token
+# budgets 16k and 28k, up to 64 sequences from 16 tokens, windows 192-2304. The seed is the first from 20261701 whose
+# draw covers what _packed_6_coverage asks.
+PACKED_6_SEED = 20263339
 
 
 @dataclass(frozen=True)
@@ -470,6 +475,12 @@ FIFTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 24,
                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                             kinds=("causal", "plain", "causal-window", "causal-window", "two-sided", "two-sided"),
                             windows=(224, 640, 960, 1792, 2560), prefix="pt")
+SIXTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 24, 32, 40, 64),
+                            longest=(832, 1152, 2176, 3328, 5376, 7680, 9728, 15360), budgets=(16384, 28672),
+                            max_sequences=64, shortest=16,
+                            patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                            kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                            windows=(192, 320, 576, 1152, 2304), prefix="pu")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -562,6 +573,19 @@ def _packed_5_coverage(shapes: list[Case]) -> bool:
             and any(c.d != 128 and c.window and c.s >= 8192 for c in shapes))
 
 
+def _packed_6_coverage(shapes: list[Case]) -> bool:
+    """The fifth grid's coverage, and the kinds of its misses and of the picks its fit moved: a pack of 32 sequences
+    or more whose mean length is under 128 tokens (flash-attn-4's and cuDNN's forwards ran 1.5-1.8x their predicted
+    time on the two such packs measured, FA2's did not), a d128 causal pack without a window, of near or uniform
+    lengths, whose longest is 6144 or more (where stock torch now picks flex_attention:torch over FA2), and a d192
+    pack without a mask or window (pt0's kind: cuDNN picked, flash-attn-4 faster)."""
+    return (_packed_5_coverage(shapes)
+            and any(c.b >= 32 and sum(c.seqlens) < 128 * c.b for c in shapes)
+            and any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.s >= 6144
+                    and c.name.split("-", 1)[1] in ("uniform", "near") for c in shapes)
+            and any(c.d == 192 and c.mask == "padding" and not c.window for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -587,6 +611,11 @@ def eval_packed_5_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_5_SEED, 12, FIFTH_PACKED))
 
 
+def eval_packed_6_cases() -> list[Case]:
+    """12 packed shapes of SIXTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_6_SEED, 12, SIXTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -600,4 +629,4 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
               "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
               "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases,
-              "eval-blind-packed-5": eval_packed_5_cases}
+              "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases}
