@@ -64,12 +64,12 @@ def documents(mask: torch.Tensor, batch: int, seqlen: int, *, true_keeps: bool =
     return cached_on((mask,), ("document_mask", batch, seqlen, true_keeps), compute)
 
 
-def as_documents(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,
-                 plain_module: bool) -> DocumentCall | None:
-    """The call as packed documents (thd, 'padding_causal'), or None when it is not one: an 'arbitrary' bool mask
-    of causal documents on a bshd/sbhd self-attention call with nothing else that reads positions (no window, bias,
-    ALiBi, explicit lengths). plain_module: the module adds nothing the thd call would change (no user mask_mod or
-    score_mod, no max-logit output)."""
+def self_attention_mask_call(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,
+                             plain_module: bool) -> tuple[int, int, int] | None:
+    """(sequence dim, batch, seqlen) of a call a bool mask's reading may rewrite, else None: an 'arbitrary' [b|1, 1,
+    s, s] bool mask on a bshd/sbhd self-attention call with nothing else that reads positions (no window, bias,
+    ALiBi, explicit lengths). plain_module: the module adds nothing a rewritten call would change (no user mask_mod
+    or score_mod, no max-logit output, no forced backend)."""
     mask = args.attention_mask
     if (mask_type != "arbitrary" or fmt not in SEQ_DIM or not plain_module or not isinstance(mask, torch.Tensor)
             or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
@@ -82,6 +82,18 @@ def as_documents(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, arg
     if k.shape[sd] != seqlen or mask.shape[2:] != (seqlen, seqlen) or mask.shape[0] not in (1, batch) \
             or mask.device != q.device:
         return None
+    return sd, batch, seqlen
+
+
+def as_documents(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,
+                 plain_module: bool) -> DocumentCall | None:
+    """The call as packed documents (thd, 'padding_causal'), or None when it is not one (a call
+    self_attention_mask_call takes, whose mask is causal documents)."""
+    call = self_attention_mask_call(fmt, mask_type, window, q, k, v, args, plain_module)
+    if call is None:
+        return None
+    sd, batch, seqlen = call
+    mask = args.attention_mask
     found = documents(mask, batch, seqlen)
     if found is None:
         return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .call_args import CallArgs
-from .document_masks import SEQ_DIM
+from .document_masks import SEQ_DIM, self_attention_mask_call
 from .tensor_cache import cached_on
 
 
@@ -82,21 +82,11 @@ def split(fmt: str, q, k, v, args: CallArgs, prefix: int) -> PrefixSplit:
 
 def as_prefix_lm(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,
                  plain_module: bool) -> PrefixSplit | None:
-    """The call as its two calls, or None when it is not a prefix-LM call: an 'arbitrary' bool mask of that shape on
-    a bshd/sbhd self-attention call with nothing else that reads positions (no window, bias, ALiBi, explicit
-    lengths). plain_module: the module adds nothing that reads positions or rows (no user mask_mod or score_mod, no
-    max-logit output, no forced backend)."""
-    mask = args.attention_mask
-    if (mask_type != "arbitrary" or fmt not in SEQ_DIM or not plain_module or not isinstance(mask, torch.Tensor)
-            or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
-            or window not in ((-1, -1), (-1, 0)) or args.core_attention_bias_type != "no_bias"
-            or args.alibi_slopes is not None or args.cu_seqlens_q is not None or args.cu_seqlens_kv is not None
-            or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))):
+    """The call as its two calls, or None when it is not a prefix-LM call (a call
+    document_masks.self_attention_mask_call takes, whose mask has that shape)."""
+    call = self_attention_mask_call(fmt, mask_type, window, q, k, v, args, plain_module)
+    if call is None:
         return None
-    sd = SEQ_DIM[fmt]
-    batch, seqlen = q.shape[1 - sd], q.shape[sd]
-    if k.shape[sd] != seqlen or mask.shape[2:] != (seqlen, seqlen) or mask.shape[0] not in (1, batch) \
-            or mask.device != q.device:
-        return None
-    prefix = prefix_length(mask, batch, seqlen)
+    _, batch, seqlen = call
+    prefix = prefix_length(args.attention_mask, batch, seqlen)
     return None if prefix is None else split(fmt, q, k, v, args, prefix)

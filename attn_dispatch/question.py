@@ -100,9 +100,14 @@ def fp8_context(module: torch.nn.Module, args: CallArgs) -> tuple | None:
 def as_documents(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
     """A plain call whose bool mask is causal documents, as the thd call it is (document_masks), or None."""
     fmt, mask_type, window = validation.resolve_call(module, args)
-    # a forced backend runs the call as given (it may not take thd: forced means forced)
-    plain = fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
-    return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, plain)
+    return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, _rewritable(module, fp8))
+
+
+def _rewritable(module: torch.nn.Module, fp8: tuple | None) -> bool:
+    """Whether a mask's reading may rewrite the module's call: nothing the rewritten call would change (user
+    modifiers, the max-logit output, FP8's scaling over the call), and no forced backend (it may not take the
+    rewritten call: forced means forced)."""
+    return fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
 
 
 def as_prefix_lm(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
@@ -110,8 +115,7 @@ def as_prefix_lm(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | 
     (prefix_masks): the two calls where they are predicted to pay, else the call as given, the note saying why.
     Decided once per mask tensor and version, module and call signature, as selection's answers stand."""
     fmt, mask_type, window = validation.resolve_call(module, args)
-    plain = fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
-    split = prefix_masks.as_prefix_lm(fmt, mask_type, window, q, k, v, args, plain)
+    split = prefix_masks.as_prefix_lm(fmt, mask_type, window, q, k, v, args, _rewritable(module, fp8))
     if split is None:
         return None, None
     signature = (id(module), module.training, module.policy, tuple(q.shape), tuple(k.shape), tuple(v.shape),
