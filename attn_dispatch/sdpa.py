@@ -56,9 +56,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                                               scale, enable_gqa, recognize_masks, softcap, mask_mod,
                                                               score_mod)
     if prefix is not None:  # a prefix-LM mask: the module's reading of it, as its forward and explain have it
-        b, h, sq = query.shape[:3]
         out = module._forward_args(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), args)
-        return out.view(b, sq, h, -1).transpose(1, 2)
+        return out.unflatten(-1, (query.shape[1], -1)).transpose(1, 2)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
         return varlen_attention(query, key, value, packed, dropout_p, scale, enable_gqa, softcap=softcap)
     if layout is not None:  # keys (and queries) starting inside the row: thd views with offsets
