@@ -14,6 +14,11 @@ _comm.CollectiveExchange (torch.distributed's all-to-all; NCCL runs it on its ow
 SMs beside attention) or, on NVLink groups, copy_engine_a2a.CopyEngineExchange (peers' rows pulled by the copy
 engines from symmetric memory). num_heads and num_gqa_groups must be divisible by P * G (query head group g uses kv
 head group g). G = 1 is the plain Ulysses exchange.
+
+The memory passes around each exchange (packing heads into a region, assembling whole sequences in natural order
+from the rows received, writing each rank's tokens back, placing the rows received into the caller's heads) are one
+_row_copy.copy_rows call each: one kernel launch on CUDA, reading each source row once and writing each destination
+row once, the token order applied by SeqOrder's runs.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 from ..backends.base import AttnAux, AttnConfig, Engine
 from ._comm import CollectiveExchange, GroupInfo
 from ._layout import HEAD_DIM, SEQ_DIM
+from ._row_copy import Move, Rows, Runs, copy_rows, full_runs, rowable
 from .merge import BlockState, acc_dtype, add_sink, sink_grad
 from .sharding import chunks_of_rank, thd_natural_index
 
@@ -80,9 +86,10 @@ def resolve_head_groups(requested: int | None, num_heads: int, num_kv_heads: int
 
 class SeqOrder:
     """Where each whole-sequence token sits among the shards an all-to-all delivers (rank p's local token i), and
-    back. Load-balanced bshd/sbhd: rank p holds chunks p and 2P-1-p, so each direction moves 2P chunks in one pass
-    (no per-token index); thd: a token index, each sequence so; otherwise rank order is natural order and both
-    directions are reshapes. Built once per layout (seq_order): a call copies nothing to the device."""
+    back. Load-balanced bshd/sbhd: rank p holds chunks p and 2P-1-p; thd: a token index, each sequence so; otherwise
+    rank order is natural order. runs(p) says it as runs of consecutive tokens, which A2AAttention's passes copy by;
+    to_whole / write_rows / to_parts copy the same tokens with one torch op per chunk (the reference the passes are
+    tested against). Built once per layout (seq_order)."""
 
     def __init__(self, fmt: str, size: int, local_len: int, device: torch.device, balanced: bool,
                  thd_lengths: tuple[int, ...] | None = None):
@@ -96,6 +103,24 @@ class SeqOrder:
             rank_order = torch.empty_like(slot)
             rank_order[slot] = torch.arange(slot.numel())
             self.natural_from, self.rank_from = slot.to(device), rank_order.to(device)
+            self._rank_from_host = rank_order
+        self._runs: list[Runs] | None = None
+
+    def runs(self, part: int) -> Runs:
+        """Where rank `part`'s tokens sit in the whole sequence, as runs of consecutive tokens (built once)."""
+        if self._runs is None:
+            if self.fmt == "thd":
+                local = self.local_len
+                self._runs = [Runs.from_index(self._rank_from_host[p * local:(p + 1) * local])
+                              for p in range(self.size)]
+            elif self.identity:
+                self._runs = [Runs([(0, p * self.local_len, self.local_len)], self.local_len)
+                              for p in range(self.size)]
+            else:
+                self._runs = [Runs([(h * self.chunk, c * self.chunk, self.chunk)
+                                    for h, c in enumerate(chunks_of_rank(self.size, p))], self.local_len)
+                              for p in range(self.size)]
+        return self._runs[part]
 
     def to_whole(self, parts) -> torch.Tensor:
         """[P, *local shape] (a tensor of any strides, or a list of P tensors; slice p from rank p) -> the whole
@@ -189,17 +214,17 @@ class A2AAttention:
         return layout, offset
 
     def _pack(self, region: str, tensors) -> tuple[torch.Tensor, list]:
-        """The region as [G, P, n], holding every tensor's group-g heads for rank p at [g, p], in one pass each (rank p
-        = this rank left out where the exchange never sends a rank its own row)."""
+        """The region as [G, P, n], holding every tensor's group-g heads for rank p at [g, p], all in one pass (rank
+        p = this rank left out where the exchange never sends a rank its own row)."""
         views = [self.group_heads(t) for t in tensors]
         layout, n = self._layout([v.shape[2:] for v in views])
-        buf = self.exchange.buffer(region, (self.groups, self.info.size, n), tensors[0].dtype, tensors[0].device)
-        for view, (offset, size, shape) in zip(views, layout):
-            if self.exchange.keeps_own_row:
-                for p in self._peers:
-                    buf[:, p, offset:offset + size].unflatten(-1, shape).copy_(view[:, p])
-            else:
-                buf[:, :, offset:offset + size].unflatten(-1, shape).copy_(view)
+        size = self.info.size
+        buf = self.exchange.buffer(region, (self.groups, size, n), tensors[0].dtype, tensors[0].device)
+        ranks = self._peers if self.exchange.keeps_own_row else range(size)
+        full = full_runs(self.order.local_len)
+        copy_rows([Move(Rows.of(view[g, p], self.fmt), Rows.packed(buf, (g * size + p) * n + offset, self.fmt, shape),
+                        full)
+                   for view, (offset, _, shape) in zip(views, layout) for g in range(self.groups) for p in ranks])
         return buf, layout
 
     def _own(self, tensors, group: int) -> list[torch.Tensor] | None:
@@ -208,35 +233,56 @@ class A2AAttention:
             return None
         return [self.group_heads(t)[group, self.info.rank] for t in tensors]
 
+    def _piece(self, parts, p: int, i: int, offset: int, shape) -> Rows:
+        """Tensor i's piece of row p of `parts` (a [P, n] tensor, or P rows, each a tensor or a list of pieces)."""
+        row = parts[p]
+        if isinstance(row, list):
+            return Rows.of(row[i], self.fmt)
+        return Rows.packed(row, offset, self.fmt, shape)
+
     def _unpack(self, parts, layout) -> list[torch.Tensor]:
-        """Each tensor's whole sequence (for this rank's heads of the group) from the P received rows (a row may be
-        a list holding each tensor's piece: this rank's own, read in place)."""
-        if isinstance(parts, torch.Tensor):
-            return [self.order.to_whole(parts[:, offset:offset + n].unflatten(-1, shape))
-                    for offset, n, shape in layout]
-        return [self.order.to_whole([row[i] if isinstance(row, list) else row[offset:offset + n].view(shape)
-                                     for row in parts])
-                for i, (offset, n, shape) in enumerate(layout)]
+        """Each tensor's whole sequence in natural order (for this rank's heads of the group) from the P received
+        rows (a row may be a list holding each tensor's piece: this rank's own, read in place), in one pass."""
+        wholes, moves = [], []
+        for i, (offset, _, shape) in enumerate(layout):
+            whole_shape = list(shape)
+            whole_shape[self.order.sd] *= self.info.size
+            first = parts[0][i] if isinstance(parts[0], list) else parts[0]
+            whole = torch.empty(whole_shape, dtype=first.dtype, device=first.device)
+            into = Rows.of(whole, self.fmt)
+            moves += [Move(self._piece(parts, p, i, offset, shape), into, self.order.runs(p), into_whole=True)
+                      for p in range(self.info.size)]
+            wholes.append(whole)
+        copy_rows(moves)
+        return wholes
 
-    def _send_back(self, whole: torch.Tensor, row_buf: torch.Tensor, piece, dest: torch.Tensor, group: int) -> None:
-        """Each rank's tokens of `whole` (this rank's heads of the group) into its row of row_buf ([P, n], rows of
-        `piece` shape); where the exchange keeps our own row, ours go straight to `dest`'s heads of the group."""
-        rows = {p: row_buf[p].unflatten(-1, piece) for p in range(self.info.size)}
-        if self.exchange.keeps_own_row:
-            rows[self.info.rank] = self.group_heads(dest)[group, self.info.rank]
-        self.order.write_rows(whole, rows)
+    def _send_back(self, wholes, row_buf: torch.Tensor, layout, dests, group: int) -> None:
+        """Each rank's tokens of each whole sequence (this rank's heads of the group) into its row of row_buf ([P, n],
+        pieces at `layout`), in one pass; where the exchange keeps our own row, ours go straight to the heads of the
+        group in `dests`."""
+        moves = []
+        for whole, dest, (offset, _, shape) in zip(wholes, dests, layout):
+            src = Rows.of(whole if rowable(whole) else whole.contiguous(), self.fmt)
+            for p in range(self.info.size):
+                if p == self.info.rank and self.exchange.keeps_own_row:
+                    into = Rows.of(self.group_heads(dest)[group, p], self.fmt)
+                else:
+                    into = Rows.packed(row_buf, p * row_buf.stride(0) + offset, self.fmt, shape)
+                moves.append(Move(src, into, self.order.runs(p)))
+        copy_rows(moves)
 
-    def _place(self, dest: torch.Tensor, parts, group: int, offset: int = 0) -> None:
-        """dest's heads of `group` (for every rank p) <- row p of `parts` from `offset` on (rank p sent this rank's
-        tokens); our own row is in place already where the exchange keeps it."""
-        view = self.group_heads(dest)[group]
-        n = view[0].numel()
-        if isinstance(parts, torch.Tensor):
-            view.copy_(parts[:, offset:offset + n].view(view.shape))
-            return
-        for p, row in enumerate(parts):
-            if p != self.info.rank or not self.exchange.keeps_own_row:
-                view[p].copy_(row[offset:offset + n].view(view.shape[1:]))
+    def _place(self, dests, received, layout) -> None:
+        """The heads of every group in `dests` (for every rank p) <- row p of received[g] (rank p sent this rank's
+        tokens), every group and tensor in one pass; our own rows are in place already where the exchange keeps
+        them."""
+        full = full_runs(self.order.local_len)
+        moves = []
+        for i, (dest, (offset, _, shape)) in enumerate(zip(dests, layout)):
+            view = self.group_heads(dest)
+            for g, parts in enumerate(received):
+                moves += [Move(self._piece(parts, p, i, offset, shape), Rows.of(view[g, p], self.fmt), full)
+                          for p in range(self.info.size) if p != self.info.rank or not self.exchange.keeps_own_row]
+        copy_rows(moves)
 
     def _reserve(self, q, k, v) -> None:
         """Every region of the call, forward and backward: q, k, v in and dq, dk, dv back; out back and dout in."""
@@ -253,12 +299,13 @@ class A2AAttention:
 
     def forward(self, q, k, v, sink):
         ex, last, size = self.exchange, self.groups - 1, self.info.size
+        q, k, v = (t if rowable(t) else t.contiguous() for t in (q, k, v))
         self.local = [(t.shape, t.dtype) for t in (q, k, v)]
         self._reserve(q, k, v)
         buf, layout = self._pack("fwd_in", (q, k, v))
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-        out_piece = self.group_heads(out).shape[2:]
-        out_buf = ex.buffer("fwd_out", (self.groups, size, math.prod(out_piece)), q.dtype, q.device)
+        out_layout, n_out = self._layout([self.group_heads(out).shape[2:]])
+        out_buf = ex.buffer("fwd_out", (self.groups, size, n_out), q.dtype, q.device)
         ex.publish("fwd_in")
         pending = ex.pull("fwd_in", 0, buf[0], "fwd_qkv:0", exposed=True, own=self._own((q, k, v), 0))
         outgoing, saved, states = [], [], []
@@ -273,20 +320,20 @@ class A2AAttention:
                 if sink_g is not None:
                     out_h, lse = add_sink(out_h.to(acc_dtype(q)), lse, sink_g, self.fmt)
                     out_h = out_h.to(q.dtype)
-            self._send_back(out_h, out_buf[g], out_piece, out, g)
+            self._send_back([out_h], out_buf[g], out_layout, [out], g)
             ex.publish("fwd_out", g)
             outgoing.append(ex.pull("fwd_out", g, out_buf[g], f"fwd_out:{g}", exposed=g == last))
             saved += [qh, kh, vh, out_h, lse]
             states.append(BlockState(res.state, res.out))
             pending = following
         ex.release("fwd_in")
-        for g, transfer in enumerate(outgoing):
-            self._place(out, transfer.wait(), g)
+        self._place([out], [transfer.wait() for transfer in outgoing], out_layout)
         ex.release("fwd_out")
         return out, tuple(saved), states
 
     def backward(self, dout, saved, states, sink):
         ex, info, last = self.exchange, self.info, self.groups - 1
+        dout = dout if rowable(dout) else dout.contiguous()
         buf, layout = self._pack("bwd_in", (dout,))
         grads_local = [torch.empty(shape, dtype=dtype, device=dout.device) for shape, dtype in self.local]
         grad_layout, n = self._layout([self.group_heads(t).shape[2:] for t in grads_local])
@@ -307,15 +354,11 @@ class A2AAttention:
                     n_sink = sink_g.numel()
                     first = (info.rank * self.groups + g) * n_sink
                     dsink[first:first + n_sink] = sink_grad(dout_h, out_h, lse, sink_g, self.fmt)
-            for grad, dest, (offset, size, shape) in zip((grads.dq, grads.dk, grads.dv), grads_local, grad_layout):
-                self._send_back(grad, grad_buf[g][:, offset:offset + size], shape, dest, g)
+            self._send_back((grads.dq, grads.dk, grads.dv), grad_buf[g], grad_layout, grads_local, g)
             ex.publish("bwd_out", g)
             outgoing.append(ex.pull("bwd_out", g, grad_buf[g], f"bwd_grads:{g}", exposed=g == last))
             pending = following
         ex.release("bwd_in")
-        for g, transfer in enumerate(outgoing):
-            parts = transfer.wait()
-            for dest, (offset, _, _) in zip(grads_local, grad_layout):
-                self._place(dest, parts, g, offset)
+        self._place(grads_local, [transfer.wait() for transfer in outgoing], grad_layout)
         ex.release("bwd_out")
         return (*grads_local, dsink)
