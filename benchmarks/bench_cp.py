@@ -55,8 +55,8 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from attn_dispatch import AttentionParams, Platform, context_parallel as cp, explain, select  # noqa: E402
-from attn_dispatch.context_parallel import copy_engine, copy_engine_a2a  # noqa: E402
-from attn_dispatch.context_parallel._comm import group_info  # noqa: E402
+from attn_dispatch.context_parallel import _row_copy, copy_engine, copy_engine_a2a, head_groups  # noqa: E402
+from attn_dispatch.context_parallel._comm import GroupInfo, group_info  # noqa: E402
 from attn_dispatch._version import __version__ as attn_dispatch_version  # noqa: E402
 from attn_dispatch.backends import AttnAux, AttnConfig, get_engine  # noqa: E402
 
@@ -110,6 +110,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "comma list of auto, nccl, copy_engine; rows name the one that ran")
     ap.add_argument("--skip-checks", action="store_true",
                     help="time only (the correctness checks are for the recorded runs; this is for diagnostics)")
+    ap.add_argument("--passes", action="store_true",
+                    help="time a2a's memory passes alone on one GPU (no attention, no transfer: peers' rows in local "
+                         "memory): one rank's pack, unpack, send-back and place, forward and backward, at each "
+                         "--seqlens for each --world-size above 1 (ranks simulated, default 2) and --a2a-head-groups, "
+                         "with each of --copies; bit-for-bit checks between them")
+    ap.add_argument("--copies", default="pieces,torch,auto",
+                    help=f"with --passes: {_row_copy.COPIES_ENV} modes timed (comma list of "
+                         f"{', '.join(_row_copy.COPY_MODES)}); pieces is the per-chunk path a2a ran before")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--timeout-s", type=int, default=120, help="collective timeout (a failed rank cannot hang us)")
     args = ap.parse_args(argv)
@@ -136,6 +144,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     available = torch.cuda.device_count() if args.device == "cuda" else 4
     if args.device == "cuda" and available == 0:
         ap.error("--device cuda but no GPU is visible (use --device cpu for a dry run)")
+    args.copies = [c for c in args.copies.split(",") if c]
+    for c in args.copies:
+        if c not in _row_copy.COPY_MODES:
+            ap.error(f"--copies {c!r}: expected some of {', '.join(_row_copy.COPY_MODES)}")
+    if args.passes:  # one process, ranks simulated: any count
+        args.world_sizes = sorted({int(s) for s in (args.world_size or "2").split(",") if int(s) > 1}) or [2]
+        if args.device == "cpu":
+            args.seqlens = [s for s in args.seqlens if s <= 4096] or [512]
+        return args
     if args.world_size is None:
         sizes, n = [1], 2
         while n <= available:
@@ -652,7 +669,8 @@ def machine(args) -> dict:
                                                                  for pkg in Platform.detect().packages},
             "torch": torch.__version__, "python": sys.version.split()[0], "hostname": socket.gethostname(),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                   "NVSHMEM_DISABLE_NVLS", "ATTN_DISPATCH_POLICY")}}
+                                                   "NVSHMEM_DISABLE_NVLS", "ATTN_DISPATCH_POLICY",
+                                                   copy_engine.TRANSPORT_ENV, _row_copy.COPIES_ENV)}}
     if args.device == "cuda":
         info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
                     capability=list(torch.cuda.get_device_capability(0)), cuda=torch.version.cuda,
@@ -740,8 +758,169 @@ def table(rows: list[dict], checks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# --passes: a2a's memory passes alone, on one device
+# ----------------------------------------------------------------------------------------------
+class _LocalExchange:
+    """The exchange interface the passes use, in local memory: one buffer per region, this rank's own row kept out
+    (as the copy-engine exchange does)."""
+
+    transport = "local"
+    keeps_own_row = True
+
+    def __init__(self):
+        self.regions: dict = {}
+
+    def buffer(self, region, shape, dtype, device):
+        got = self.regions.get(region)
+        if got is None or got.shape != torch.Size(shape):
+            got = self.regions[region] = torch.zeros(shape, dtype=dtype, device=device)
+        return got
+
+
+def _pass_ms(fn, args) -> float:
+    """Median ms per call: `reps` calls back to back per sample, as a model's layers would run them."""
+    reps, samples = 10, max(5, args.iters)
+    for _ in range(args.warmup):
+        fn()
+    times = []
+    for _ in range(samples):
+        if args.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / reps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_count(fn, device: str) -> int | None:
+    if device != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def passes_point(args, seqlen: int, size: int, groups: int) -> list[dict]:
+    """One rank (the last) of `size`: every pass, timed in each copy mode, results compared across modes."""
+    device, dtype, fmt = args.device, dtype_for(args), "bshd"
+    local, rank = seqlen // size, size - 1
+    gen = torch.Generator().manual_seed(seqlen + size)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, k, v, dout = (rnd(args.batch, local, h, args.head_dim)
+                     for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
+    order = head_groups.SeqOrder(fmt, size, local, torch.device(device), True)
+    a2a = head_groups.A2AAttention(get_engine("unfused:pytorch"), config("causal", "vanilla", args.head_dim), AttnAux(),
+                                   fmt, GroupInfo(None, size, rank, tuple(range(size))), order, groups,
+                                   _LocalExchange())
+    fwd_buf, fwd_layout = a2a._pack("fwd_in", (q, k, v))
+    bwd_buf, bwd_layout = a2a._pack("bwd_in", (dout,))
+    peer_fwd, peer_bwd = rnd(*fwd_buf.shape), rnd(*bwd_buf.shape)  # what the peers packed for this rank
+
+    def received(peer, own, g):
+        return [own if p == rank else peer[g, p] for p in range(size)]
+
+    fwd_parts = received(peer_fwd, a2a._own((q, k, v), 0), 0)
+    bwd_parts = received(peer_bwd, a2a._own((dout,), 0), 0)
+    wholes = [t.clone() for t in a2a._unpack(fwd_parts, fwd_layout)]
+    out_whole = wholes[0][..., :args.head_dim].clone()
+    out = torch.zeros_like(q)
+    out_layout, n_out = a2a._layout([a2a.group_heads(out).shape[2:]])
+    out_buf = a2a.exchange.buffer("fwd_out", (groups, size, n_out), dtype, device)
+    grad_buf = a2a.exchange.buffer("bwd_out", (groups, size, fwd_buf.shape[-1]), dtype, device)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    out_rows = [received(rnd(*out_buf.shape), None, g) for g in range(groups)]
+    grad_rows = [received(rnd(*grad_buf.shape), None, g) for g in range(groups)]
+    esize = q.element_size()
+    local_bytes = sum(t.numel() for t in (q, k, v)) * esize
+    whole_bytes = sum(t.numel() for t in wholes) * esize  # one group's heads of q, k, v
+    passes = {
+        "fwd pack q,k,v": (lambda: a2a._pack("fwd_in", (q, k, v)), lambda: [fwd_buf.clone()],
+                           2 * (size - 1) * local_bytes // size),
+        "fwd unpack q,k,v /group": (lambda: a2a._unpack(fwd_parts, fwd_layout), None, 2 * whole_bytes),
+        "fwd send back out /group": (lambda: a2a._send_back([out_whole], out_buf[0], out_layout, [out], 0),
+                                     lambda: [out_buf.clone(), out.clone()], 2 * out_whole.numel() * esize),
+        "fwd place out": (lambda: a2a._place([out], out_rows, out_layout), lambda: [out.clone()],
+                          2 * (size - 1) * out.numel() * esize // size),
+        "bwd pack dout": (lambda: a2a._pack("bwd_in", (dout,)), lambda: [bwd_buf.clone()],
+                          2 * (size - 1) * dout.numel() * esize // size),
+        "bwd unpack dout /group": (lambda: a2a._unpack(bwd_parts, bwd_layout), None,
+                                   2 * wholes[0].numel() * esize),
+        "bwd send back dq,dk,dv /group": (lambda: a2a._send_back(wholes, grad_buf[0], fwd_layout, grads, 0),
+                                          lambda: [grad_buf.clone(), *(g.clone() for g in grads)], 2 * whole_bytes),
+        "bwd place dq,dk,dv": (lambda: a2a._place(grads, grad_rows, fwd_layout), lambda: [g.clone() for g in grads],
+                               2 * (size - 1) * local_bytes // size),
+    }
+    rows = []
+    for name, (fn, state, nbytes) in passes.items():
+        row = {"seqlen": seqlen, "world_size": size, "a2a_head_groups": groups, "pass": name, "bytes": nbytes,
+               "ms": {}, "kernels": {}, "same_as": {}}
+        results = {}
+        for mode in args.copies:
+            os.environ[_row_copy.COPIES_ENV] = mode
+            got = fn()
+            results[mode] = [t.clone() for t in got] if state is None else state()
+            row["ms"][mode] = _pass_ms(fn, args)
+            row["kernels"][mode] = _kernel_count(fn, device)
+        first = args.copies[0]
+        row["same_as"] = {m: all(torch.equal(a, b) for a, b in zip(results[m], results[first]))
+                          for m in args.copies[1:]}
+        rows.append(row)
+    os.environ.pop(_row_copy.COPIES_ENV, None)
+    return rows
+
+
+def passes_main(args) -> int:
+    started = time.time()
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    groups_list = [g or 1 for g in args.a2a_head_groups]
+    rows = [r for seqlen in args.seqlens for size in args.world_sizes for groups in groups_list
+            for r in passes_point(args, seqlen, size, groups)]
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    report = {"machine": machine(args), "config": {k: v for k, v in vars(args).items()},
+              "kernel": {"triton": _row_copy.triton is not None,
+                         "self_check": _row_copy.self_check(device) if device.type == "cuda" and _row_copy.triton
+                         else "no Triton on this device"},
+              "rows": rows, "seconds": time.time() - started}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    ok = all(all(r["same_as"].values()) for r in rows)
+    print(f"machine: {report['machine'].get('gpu', 'cpu')}; kernel self-check: {report['kernel']['self_check']}; "
+          f"all modes bit-for-bit equal: {ok}")
+    modes = args.copies
+    head = f"{'S':>7} {'P':>2} {'G':>2} {'pass':<30} {'MiB':>6} " + " ".join(f"{m + ' ms':>10} {'k':>3}" for m in modes)
+    print(head + "  GB/s(" + modes[-1] + ")")
+    totals = {m: 0.0 for m in modes}
+    for r in rows:
+        cells = " ".join(f"{r['ms'][m]:>10.3f} {r['kernels'][m] if r['kernels'][m] is not None else '-':>3}"
+                         for m in modes)
+        rate = r["bytes"] / (r["ms"][modes[-1]] * 1e-3) / 1e9
+        print(f"{r['seqlen']:>7} {r['world_size']:>2} {r['a2a_head_groups']:>2} {r['pass']:<30} "
+              f"{r['bytes'] / 2**20:>6.0f} {cells}  {rate:.0f}")
+        for m in modes:
+            totals[m] += r["ms"][m]
+    print("total ms per point set: " + ", ".join(f"{m} {t:.3f}" for m, t in totals.items()))
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.passes:
+        return passes_main(args)
     started = time.time()
     baselines = baseline_rows(args)
     report: dict = {"machine": machine(args), "config": {k: v for k, v in vars(args).items()},
