@@ -39,6 +39,14 @@ PRIVATE_TORCH = os.environ.get("ATTN_DISPATCH_PRIVATE_TORCH", "1") != "0"
 DECISION_ENV_VARS = tuple(name for name in ENV_VARS if name not in ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL"))
 
 
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable `name` (default when unset), refused with what is accepted unless in `choices`."""
+    raw = os.environ.get(name, default)
+    if raw not in choices:
+        raise ValueError(f"environment variable {name}={raw!r} is not accepted; use one of {', '.join(choices)}")
+    return raw
+
+
 def _flag(name: str, raw: str | None, default: bool) -> bool:
     if raw is None or raw == "":
         return default

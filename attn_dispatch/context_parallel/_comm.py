@@ -4,12 +4,13 @@ Collectives and send/recv by torch.distributed (gloo on CPU, NCCL on GPUs); copy
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..env import choice
 
 # Set ATTN_DISPATCH_CP_CHECKS=0 to skip the per-call collective agreement check (one tiny all-gather of host
 # integers per call). Local checks always run.
@@ -63,10 +64,7 @@ def group_info(group, cp_global_ranks=None, *, name: str = "cp_group", min_size:
 
 
 def checks_enabled() -> bool:
-    raw = os.environ.get(CHECKS_ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"environment variable {CHECKS_ENV}={raw!r} is not accepted; use 0 or 1")
-    return raw == "1"
+    return choice(CHECKS_ENV, ("0", "1"), "1") == "1"
 
 
 # Keyed by the group's name; an entry also holds its group, since a process that destroys its groups and makes

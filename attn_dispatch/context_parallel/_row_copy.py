@@ -27,11 +27,12 @@ import functools
 import itertools
 import logging
 import math
-import os
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
+
+from ..env import choice
 
 try:  # Triton ships with torch's CUDA builds; the CPU build has none
     import triton
@@ -50,11 +51,7 @@ _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def copy_mode() -> str:
-    raw = os.environ.get(COPIES_ENV, "pieces")
-    if raw not in COPY_MODES:
-        raise ValueError(f"environment variable {COPIES_ENV}={raw!r} is not accepted; use one of "
-                         f"{', '.join(COPY_MODES)}")
-    return raw
+    return choice(COPIES_ENV, COPY_MODES, "pieces")
 
 
 class Rows(NamedTuple):

@@ -24,11 +24,11 @@ of known values between neighbours) passed on every rank. ATTN_DISPATCH_CP_TRANS
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
+from ..env import choice
 from ._comm import GroupInfo, Ring
 
 TRANSPORT_ENV = "ATTN_DISPATCH_CP_TRANSPORT"
@@ -38,11 +38,7 @@ _READY, _ACK = 1, 3  # signal channels: ready h = _READY + h, ack h = _ACK + h (
 
 
 def requested_transport() -> str:
-    raw = os.environ.get(TRANSPORT_ENV, "auto")
-    if raw not in TRANSPORTS:
-        raise ValueError(f"environment variable {TRANSPORT_ENV}={raw!r} is not accepted; use one of "
-                         f"{', '.join(TRANSPORTS)}")
-    return raw
+    return choice(TRANSPORT_ENV, TRANSPORTS, "auto")
 
 
 def _aligned(nbytes: int) -> int:
