@@ -127,10 +127,12 @@ def test_on_the_h200_the_padded_softcap_call_picks_flex_by_its_measurement():
 def test_the_masked_entries_hold_their_source_runs_times():
     """One source of truth: the shipped masked entries are the manifest's bench_masks.py runs, as recorded."""
     runs, _ = build_profile.load_masked_runs(build_profile.shipped_sources(masked=True))
-    recorded = {(run["machine"], row["label"]): row["times_ms"] for run in runs for row in run["rows"]}
-    entry = next(c for c in profile_for(H200).masked if c.machine == H200.device_name and "softcap_padding" in c.label)
-    source = recorded[(H200.device_name, "softcap_padding")]
-    assert entry.runs == 1 and entry.times_ms == {p: float(f"{t:.5g}") for p, t in source.items()}
+    recorded = [row["times_ms"] for run in runs if run["machine"] == H200.device_name for row in run["rows"]
+                if row["label"] == "softcap_padding" and row["params"]["is_training"]]
+    entry = next(c for c in profile_for(H200).masked
+                 if c.machine == H200.device_name and "softcap_padding" in c.label and c.kind[0])
+    assert len(recorded) == 1  # the one H200 training run of this call: its times, as recorded
+    assert entry.runs == 1 and entry.times_ms == {p: float(f"{t:.5g}") for p, t in recorded[0].items()}
 
 
 def test_a_plain_call_is_predicted_as_before(tmp_path):

@@ -24,14 +24,18 @@ class Ranking:
 def nearest_ranking(profile: Profile, params: AttentionParams, machine: str | None,
                     eligible: list[str]) -> Ranking | None:
     """The ranking by the masked call with the call's modifiers and training mode that timed the most of the eligible
-    providers (at least two: one alone ranks nothing); of those, the platform's machine's first, then the same mask
-    and padding, then the nearest in size (the rate model's weights over log2 sizes, and its format penalty)."""
+    providers (at least two: one alone ranks nothing), one-query calls (decode steps) only by one-query calls and the
+    others only by others (a step's kernels are another regime: split keys, one row per head); of those, the
+    platform's machine's first, then the same mask and padding, then the nearest in size (the rate model's weights
+    over log2 sizes, and its format penalty)."""
     found = modifiers(params)
     kind = features(params, profile.model)[0]
+    one_query = params.max_seqlen_q == 1
     best, best_key = None, None
     for call in profile.masked:
         timed = [p for p in eligible if p in call.times_ms]
-        if call.modifiers != found or call.kind[0] != params.is_training or len(timed) < 2:
+        if call.modifiers != found or call.kind[0] != params.is_training or len(timed) < 2 \
+                or call.one_query != one_query:
             continue
         key = (-len(timed), call.machine != machine, call.kind[1:3] != kind[1:3],
                call.distance(params, profile.model))

@@ -448,6 +448,11 @@ class MaskedCall:
     times_ms: dict[str, float]
     runs: int = 1
 
+    @property
+    def one_query(self) -> bool:
+        """A one-query call (a decode step): log2 of its query length is 0."""
+        return self.sizes[_FEATURES.index("sq")] <= 0.0
+
     def distance(self, p: AttentionParams, model: CostModel = COST_MODEL) -> float:
         """The rate model's distance from a call: weighted log2 sizes, and the format penalty."""
         _, log2, fmt = features(p, model)
