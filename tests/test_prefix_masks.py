@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attn_dispatch
 from attn_dispatch import DotProductAttention
@@ -143,3 +145,17 @@ def test_the_two_calls_run_only_where_predicted_to_pay(monkeypatch, tail_over_ca
     out = module(q, k, v, attention_mask=mask)
     assert module.last_decision.params["attn_mask_type"] == decision.params["attn_mask_type"]
     torch.testing.assert_close(out, _reference(q, k, v, mask, "bshd"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(s=st.integers(3, 40), data=st.data())
+def test_recognition_agrees_with_the_pattern_on_random_masks(s, data):
+    """A prefix-LM mask is recognised with its prefix, and the same mask with any one pair flipped is not (unless the
+    flip leaves another prefix-LM mask, which the reference pattern then names)."""
+    prefix = data.draw(st.integers(2, s - 1))
+    mask = _prefix_mask(1, s, [prefix]).clone()
+    assert prefix_length(mask, 1, s) == prefix
+    row, col = data.draw(st.integers(0, s - 1)), data.draw(st.integers(0, s - 1))
+    mask[0, 0, row, col] = ~mask[0, 0, row, col]
+    still = next((p for p in range(2, s) if torch.equal(mask, _prefix_mask(1, s, [p]))), None)
+    assert prefix_length(mask, 1, s) == still
