@@ -142,8 +142,8 @@ def _pick(module: torch.nn.Module, q, k, v, args: CallArgs) -> tuple[str | None,
 def _split_pays(module: torch.nn.Module, q, k, v, args: CallArgs, split) -> tuple[bool, str]:
     """Whether the two calls are predicted within 1 / FLEX_PREFIX_FRACTION of the causal call over the same tensors
     (where the mask as given would at best run), and the note saying so. Without a prediction for either (no
-    profile for this platform), the two calls: fused where a fused engine takes them, and fewer pairs than the
-    mask's square where none does."""
+    profile for this platform: nothing to weigh), the two calls, whose engines are the structured ones that take
+    most calls: an unmeasured default, said so in the note."""
     (head, head_ms), (tail, tail_ms) = _pick(module, *split.head), _pick(module, *split.tail)
     causal, causal_ms = _pick(module, q, k, v, args.replace(attention_mask=None, attn_mask_type="causal",
                                                             window_size=(-1, 0)))

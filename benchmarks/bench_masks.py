@@ -342,7 +342,10 @@ def run_call(name: str, s: int, seed: int) -> dict:
     timings, errors = time_interleaved(timed, DEVICE.type, SETTINGS, cutoff_ratio=4.0,
                                        never_cut=frozenset(n for n in USER_COLUMNS if n in timed))
     flops = attended_flops(call)
-    default = _module((call.mask_type, "bshd", call.softcap, None)).last_decision
+    default_module = _module((call.mask_type, "bshd", call.softcap, None))
+    default = default_module.last_decision
+    with torch.set_grad_enabled(TRAIN):  # explain's notes say how the mask was read (two calls, as given: why)
+        read = default_module.explain(q, k, v, **call.module_kwargs).notes if default else ()
     row = {
         "call": name, "b": call.b, "s": call.s, "h": H, "d": D, "mask_type": call.mask_type, "notes": call.notes,
         "training": TRAIN,
@@ -350,7 +353,7 @@ def run_call(name: str, s: int, seed: int) -> dict:
         "attended_pairs": flops / (4.0 * D * (3.5 if TRAIN else 1.0)),
         "default_pick": default.chosen if default else None,
         "default_reason": default.policy_reason[:400] if default else None,
-        "default_notes": list(default.notes) if default else [],
+        "default_notes": list(read),
         "check": checks, "check_and_compile_s": check_s,
         "times_ms": {n: t.median_ms for n, t in timings.items()},
         "tflops": {n: flops / (t.median_ms * 1e9) for n, t in timings.items()},
