@@ -57,8 +57,9 @@ def route(module: torch.nn.Module, args: CallArgs) -> tuple[str, tuple | None]:
 
 
 def ask(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        args: CallArgs) -> Question:
-    """The question forward's path asks selection for this call (validating it as that path does)."""
+        args: CallArgs, read_masks: bool = True) -> Question:
+    """The question forward's path asks selection for this call (validating it as that path does). read_masks=False:
+    a plain call's bool mask as given, as the SDPA function's engine-bound path hands it on."""
     mode, fp8 = route(module, args)
     read: tuple[str, ...] = ()  # what the path adds: how the call was read when not as given, how CP moves data
     if mode == KV_CACHE:
@@ -69,7 +70,7 @@ def ask(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         read = (transport,) if transport else ()
     else:
         packed = split = None
-        if args.attention_mask is not None:
+        if args.attention_mask is not None and read_masks:
             packed = as_documents(module, q, k, v, args, fp8)
             if packed is None:
                 split, note = as_prefix_lm(module, q, k, v, args, fp8)

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from .call_args import QKV_ONLY, CallArgs
 from .decision import Decision
 from .document_masks import documents
-from .prefix_masks import prefix_length
 from .freshness import current_stamp
 from .tensor_cache import cached_on
 from .mask_patterns import NotRecognised, PaddingLayout, recognise_padding
+from . import question, selection
 from .module import DotProductAttention
 
 # (h, h_kv, d_qk, d_v, scale, dropout, softcap, mask type, mask_mod, score_mod) -> DotProductAttention
@@ -52,10 +52,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     `softcap` (0 = off) caps the scaled logits at softcap * tanh(x / softcap), as Gemma 2 does; `mask_mod`
     ((b, h, q_idx, kv_idx) -> bool, ANDed with the mask) and `score_mod` ((score, b, h, q_idx, kv_idx) -> score)
     are FlexAttention's modifiers, which only the flex_attention engine runs."""
-    module, _, args, _, packed, layout, prefix = _translation(query, key, value, attn_mask, dropout_p, is_causal,
-                                                              scale, enable_gqa, recognize_masks, softcap, mask_mod,
-                                                              score_mod)
-    if prefix is not None:  # a prefix-LM mask: the module's reading of it, as its forward and explain have it
+    module, _, args, _, packed, layout, module_reads = _translation(query, key, value, attn_mask, dropout_p,
+                                                                    is_causal, scale, enable_gqa, recognize_masks,
+                                                                    softcap, mask_mod, score_mod)
+    if module_reads:  # a self-attention mask the module may read (causal documents, prefix-LM): its forward's path
         out = module._forward_args(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), args)
         return out.unflatten(-1, (query.shape[1], -1)).transpose(1, 2)
     if packed is not None:  # one packed row: thd with the sequences' own lengths (fused engines take it)
@@ -96,16 +96,21 @@ def explain_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
                  softcap: float = 0.0, mask_mod=None, score_mod=None) -> Decision:
     """The Decision scaled_dot_product_attention would act on for these arguments, without running it; its `notes`
     say how a bool mask was read (the pattern recognised, or why it stays 'arbitrary')."""
-    module, kwargs, _, note, packed, layout, prefix = _translation(query, key, value, attn_mask, dropout_p,
-                                                                   is_causal, scale, enable_gqa, recognize_masks,
-                                                                   softcap, mask_mod, score_mod)
+    module, kwargs, args, note, packed, layout, module_reads = _translation(query, key, value, attn_mask, dropout_p,
+                                                                           is_causal, scale, enable_gqa,
+                                                                           recognize_masks, softcap, mask_mod,
+                                                                           score_mod)
     if packed is not None:
         decision = module.explain(*(x[0].transpose(0, 1) for x in (query, key, value)), qkv_format="thd",
                                   attn_mask_type="padding_causal", cu_seqlens_q=packed, cu_seqlens_kv=packed)
     elif layout is not None:
         decision = module.explain(*_thd_views(query, key, value, layout), qkv_format="thd", **_thd_kwargs(layout))
-    else:
+    elif module_reads or args.attention_mask is None:
         decision = module.explain(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs)
+    else:  # forward hands the mask to the engine as it is (_attend_unmerged): asked without the module's readings
+        asked = question.ask(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), args,
+                             read_masks=False)
+        decision = selection.explain(asked.params, force=module.backend, policy=module.policy).with_notes(*asked.notes)
     return decision if note is None else decision.with_notes(note())
 
 
@@ -136,7 +141,7 @@ class _Translation(NamedTuple):
     note: Any
     packed: torch.Tensor | None
     layout: PaddingLayout | None
-    prefix: int | None  # a prefix-LM mask's prefix length: forward takes the module's path (prefix_masks)
+    module_reads: bool  # a mask the module may read (its forward's path, not the bound engine's)
 
 
 def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, recognize_masks,
@@ -169,10 +174,10 @@ def _translation(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool else True
     module, kwargs = _translate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 recognize_masks, softcap, mask_mod, score_mod)
-    note, packed, layout, prefix = (kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
-                                    kwargs.pop("padding_layout", None), kwargs.pop("prefix_len", None))
+    note, packed, layout, module_reads = (kwargs.pop("mask_note", None), kwargs.pop("packed_cu_seqlens", None),
+                                          kwargs.pop("padding_layout", None), kwargs.pop("module_reads", False))
     translation = _Translation(module, kwargs, CallArgs(**kwargs) if kwargs else QKV_ONLY, note, packed, layout,
-                               prefix)
+                               module_reads)
     if memo is not None:
         previous = _LAST_MASKED[0]
         if previous is not None:  # its bound call goes with it: a module keeps none past its translation
@@ -295,7 +300,8 @@ def _inverted(mask: torch.Tensor, mask4: torch.Tensor) -> torch.Tensor:
 def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: torch.device,
                  recognize: bool, splittable: bool = True) -> dict[str, Any]:
     """forward's keywords for attn_mask (and how it was read: a note, or a thd route); splittable: no user
-    modifier reads positions, so that a prefix-LM mask may run as two calls."""
+    modifier reads positions, so that the module may read a self-attention mask (causal documents of several rows,
+    a prefix-LM mask as two calls) on its forward's path."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"attn_mask must be a tensor (bool: True takes part; float: added to the scores); got "
                          f"{type(mask).__name__}")
@@ -317,13 +323,10 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
                     return {"packed_cu_seqlens": cu, "mask_note": lambda: "bool attn_mask recognised as packed "
                             f"causal sequences: thd 'padding_causal' with cu_seqlens {cu.tolist()}"}
         layout = recognise_padding(mask, mask4, b, sq, skv)
-        if isinstance(layout, NotRecognised) and splittable and sq == skv and mask4.shape[1] == 1:
-            prefix = prefix_length(mask, b, sq, true_keeps=True, view=mask4)
-            if prefix is not None:  # forward through the module's own path, which reads it (two calls or as given)
-                return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4), "prefix_len": prefix}
         if isinstance(layout, NotRecognised):
             return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4),
-                    "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}"}
+                    "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}",
+                    "module_reads": splittable and sq == skv and mask4.shape[1] == 1}
         note = lambda: f"bool attn_mask recognised as {layout.describe()}"  # noqa: E731 - read by explain only
         if layout.thd:
             return {"padding_layout": layout, "mask_note": note}

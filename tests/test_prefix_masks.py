@@ -159,3 +159,30 @@ def test_recognition_agrees_with_the_pattern_on_random_masks(s, data):
     mask[0, 0, row, col] = ~mask[0, 0, row, col]
     still = next((p for p in range(2, s) if torch.equal(mask, _prefix_mask(1, s, [p]))), None)
     assert prefix_length(mask, 1, s) == still
+
+
+@pytest.mark.parametrize("recognize", [True, False])
+@pytest.mark.parametrize("kind", ["prefix", "documents"])
+def test_the_sdpa_function_s_explanation_is_what_it_ran(kind, recognize):
+    """A self-attention bool mask the module can read (a prefix-LM mask; causal documents over several rows) runs on
+    the module's own path where masks are recognised, and as given with recognize_masks=False: explain_sdpa's
+    Decision is the one the call acted on either way, and the output is torch SDPA's."""
+    b, h, s, d = 2, 2, 32, 8
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    if kind == "prefix":
+        keep = ~_prefix_mask(1, s, [9])
+    else:
+        doc = torch.zeros(b, s, dtype=torch.long)
+        doc[:, 10:] += 1
+        doc[1, 20:] += 1
+        i = torch.arange(s)
+        keep = ((doc[:, :, None] == doc[:, None, :]) & (i[None, None, :] <= i[None, :, None]))[:, None]
+    decision = attn_dispatch.explain_sdpa(q, k, v, attn_mask=keep, recognize_masks=recognize)
+    out = attn_dispatch.scaled_dot_product_attention(q, k, v, attn_mask=keep, recognize_masks=recognize)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+    ran = next(m for m in attn_dispatch.sdpa._MODULES.values() if m.last_decision is not None
+               and m.last_decision.params == decision.params)
+    assert ran.last_decision.chosen == decision.chosen
+    read = {"prefix": "causal_bottom_right", "documents": "padding_causal"}[kind] if recognize else "arbitrary"
+    assert decision.params["attn_mask_type"] == read
