@@ -8,7 +8,7 @@ bench_masks_h200_full_flash_train.json, 8 documents in 16k tokens) that thd call
 2.30 for FlexAttention on the mask and 25.5 for F.scaled_dot_product_attention.
 
 Recognition reads the mask on its device with a few reductions and one read-back, once per mask tensor and version
-(cached on the tensor, as every content check is). Forward and explain() both take the call through as_documents,
+(cached on the tensor, as every content check is). Forward and explain() both take the call through question.read_mask,
 so explain describes the thd call that runs, with a note saying why.
 """
 from __future__ import annotations
@@ -85,13 +85,9 @@ def self_attention_mask_call(fmt: str, mask_type: str, window: tuple[int, int], 
     return sd, batch, seqlen
 
 
-def as_documents(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,
-                 plain_module: bool) -> DocumentCall | None:
-    """The call as packed documents (thd, 'padding_causal'), or None when it is not one (a call
-    self_attention_mask_call takes, whose mask is causal documents)."""
-    call = self_attention_mask_call(fmt, mask_type, window, q, k, v, args, plain_module)
-    if call is None:
-        return None
+def as_documents(q, k, v, args: CallArgs, call: tuple[int, int, int]) -> DocumentCall | None:
+    """The call as packed documents (thd, 'padding_causal'), or None when its mask is not causal documents. call:
+    what self_attention_mask_call answered for it."""
     sd, batch, seqlen = call
     mask = args.attention_mask
     found = documents(mask, batch, seqlen)

@@ -349,13 +349,9 @@ class DotProductAttention(torch.nn.Module):
         # microseconds) is skipped.
         dispatch = self._dispatch_opaque if torch.compiler.is_compiling() else self._dispatch
         if args.attention_mask is not None:
-            packed = question.as_documents(self, q, k, v, args, fp8)
-            if packed is not None:
-                return packed.restore(dispatch(packed.q, packed.k, packed.v, packed.args, fp8))
-            split = question.as_prefix_lm(self, q, k, v, args, fp8)[0]
-            if split is not None:  # the tail last: its decision is last_decision, as explain() answers
-                head = dispatch(*split.head, fp8)
-                return split.join(head, dispatch(*split.tail, fp8))
+            reading = question.read_mask(self, q, k, v, args, fp8)[0]
+            if reading is not None:  # in order: the last call's decision is last_decision, as explain() answers
+                return reading.combine(*[dispatch(*call, fp8) for call in reading.calls])
         return dispatch(q, k, v, args, fp8)
 
     # --- FP8 (fp8_autocast) ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ stock torch (H200, benchmarks/results/masks/bench_masks_h200_stock_inference.jso
 
 Recognition reads the mask on its device (a row count, and a comparison with the pattern it implies: two read-backs),
 once per mask tensor and version, cached on the tensor as every content check is. Forward and explain() both take a
-call through as_prefix_lm, so explain describes the two calls that run.
+call through question.read_mask, so explain describes the two calls that run.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .call_args import CallArgs
-from .document_masks import SEQ_DIM, self_attention_mask_call
+from .document_masks import SEQ_DIM
 from .tensor_cache import cached_on
 
 
@@ -80,13 +80,9 @@ def split(fmt: str, q, k, v, args: CallArgs, prefix: int) -> PrefixSplit:
     return PrefixSplit(prefix, seqlen, head, tail, sd)
 
 
-def as_prefix_lm(fmt: str, mask_type: str, window: tuple[int, int], q, k, v, args: CallArgs,
-                 plain_module: bool) -> PrefixSplit | None:
-    """The call as its two calls, or None when it is not a prefix-LM call (a call
-    document_masks.self_attention_mask_call takes, whose mask has that shape)."""
-    call = self_attention_mask_call(fmt, mask_type, window, q, k, v, args, plain_module)
-    if call is None:
-        return None
+def as_prefix_lm(fmt: str, q, k, v, args: CallArgs, call: tuple[int, int, int]) -> PrefixSplit | None:
+    """The call as its two calls, or None when its mask is not a prefix-LM mask. call: what
+    document_masks.self_attention_mask_call answered for it."""
     _, batch, seqlen = call
     prefix = prefix_length(args.attention_mask, batch, seqlen)
     return None if prefix is None else split(fmt, q, k, v, args, prefix)

@@ -9,6 +9,8 @@ describers; `DotProductAttention.explain` is `ask` answered by selection, so wha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from . import document_masks, prefix_masks, selection, sequences, validation
@@ -69,16 +71,11 @@ def ask(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         transport = module_glue.transport_note(module, params, q.device)
         read = (transport,) if transport else ()
     else:
-        packed = split = None
         if args.attention_mask is not None and read_masks:
-            packed = as_documents(module, q, k, v, args, fp8)
-            if packed is None:
-                split, note = as_prefix_lm(module, q, k, v, args, fp8)
-                read = (note,) if note else ()
-        if packed is not None:
-            q, k, v, args, read = packed.q, packed.k, packed.v, packed.args, (packed.note,)
-        elif split is not None:  # two calls: this Decision is the second's (forward's last)
-            q, k, v, args = split.tail
+            reading, note = read_mask(module, q, k, v, args, fp8)
+            read = (note,) if note else ()
+            if reading is not None:  # this Decision is the last call's, as forward's last_decision
+                q, k, v, args = reading.calls[-1]
         params = describe_plain(module, q, k, v, args, fp8)[0]
     params, notes = plain_params(params)
     notes = read + notes
@@ -98,25 +95,28 @@ def fp8_context(module: torch.nn.Module, args: CallArgs) -> tuple | None:
     return region, bool(args.fp8_output or region.recipe.fp8_mha)
 
 
-def as_documents(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
-    """A plain call whose bool mask is causal documents, as the thd call it is (document_masks), or None."""
+@dataclass(frozen=True)
+class MaskReading:
+    """A plain call whose bool mask is run otherwise than as given: the calls that run, in order (q, k, v, CallArgs
+    each; the last one's decision is forward's last, which explain answers), and how their outputs make the call's."""
+    calls: tuple[tuple, ...]
+    combine: Callable[..., torch.Tensor]
+
+
+def read_mask(module: torch.nn.Module, q, k, v, args: CallArgs,
+              fp8: tuple | None) -> tuple[MaskReading | None, str | None]:
+    """(how a plain call's bool mask runs when not as given, or None; the note saying how it was read, or None):
+    causal documents as the thd call they are (document_masks); a prefix-LM mask as its two calls (prefix_masks)
+    where they are predicted to pay, else as given with the note saying why, decided once per mask tensor and
+    version, module and call signature, as selection's answers stand."""
     fmt, mask_type, window = validation.resolve_call(module, args)
-    return document_masks.as_documents(fmt, mask_type, window, q, k, v, args, _rewritable(module, fp8))
-
-
-def _rewritable(module: torch.nn.Module, fp8: tuple | None) -> bool:
-    """Whether a mask's reading may rewrite the module's call: nothing the rewritten call would change (user
-    modifiers, the max-logit output, FP8's scaling over the call), and no forced backend (it may not take the
-    rewritten call: forced means forced)."""
-    return fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
-
-
-def as_prefix_lm(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | None):
-    """(the call as its two calls or None, a note or None) for a plain call whose bool mask is a prefix-LM mask
-    (prefix_masks): the two calls where they are predicted to pay, else the call as given, the note saying why.
-    Decided once per mask tensor and version, module and call signature, as selection's answers stand."""
-    fmt, mask_type, window = validation.resolve_call(module, args)
-    split = prefix_masks.as_prefix_lm(fmt, mask_type, window, q, k, v, args, _rewritable(module, fp8))
+    call = document_masks.self_attention_mask_call(fmt, mask_type, window, q, k, v, args, _rewritable(module, fp8))
+    if call is None:
+        return None, None
+    packed = document_masks.as_documents(q, k, v, args, call)
+    if packed is not None:
+        return MaskReading(((packed.q, packed.k, packed.v, packed.args),), packed.restore), packed.note
+    split = prefix_masks.as_prefix_lm(fmt, q, k, v, args, call)
     if split is None:
         return None, None
     signature = (id(module), module.training, module.policy, tuple(q.shape), tuple(k.shape), tuple(v.shape),
@@ -124,7 +124,14 @@ def as_prefix_lm(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple | 
                  current_stamp())
     pays, note = cached_on((args.attention_mask,), ("prefix_split_pays", signature),
                            lambda: _split_pays(module, q, k, v, args, split))
-    return (split if pays else None), note
+    return (MaskReading((split.head, split.tail), split.join) if pays else None), note
+
+
+def _rewritable(module: torch.nn.Module, fp8: tuple | None) -> bool:
+    """Whether a mask's reading may rewrite the module's call: nothing the rewritten call would change (user
+    modifiers, the max-logit output, FP8's scaling over the call), and no forced backend (it may not take the
+    rewritten call: forced means forced)."""
+    return fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
 
 
 # FlexAttention on a prefix-LM mask (the call as given) reached at best 0.83x the causal call's TFLOP/s (H200, flex

@@ -298,8 +298,8 @@ def _inverted(mask: torch.Tensor, mask4: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: torch.device,
-                 recognize: bool, splittable: bool = True) -> dict[str, Any]:
-    """forward's keywords for attn_mask (and how it was read: a note, or a thd route); splittable: no user
+                 recognize: bool, module_may_read: bool = True) -> dict[str, Any]:
+    """forward's keywords for attn_mask (and how it was read: a note, or a thd route); module_may_read: no user
     modifier reads positions, so that the module may read a self-attention mask (causal documents of several rows,
     a prefix-LM mask as two calls) on its forward's path."""
     if not isinstance(mask, torch.Tensor):
@@ -326,7 +326,7 @@ def _mask_kwargs(mask: torch.Tensor, b: int, h: int, sq: int, skv: int, device: 
         if isinstance(layout, NotRecognised):
             return {"attn_mask_type": "arbitrary", "attention_mask": _inverted(mask, mask4),
                     "mask_note": lambda: f"bool attn_mask taken as 'arbitrary': {layout.why}",
-                    "module_reads": splittable and sq == skv and mask4.shape[1] == 1}
+                    "module_reads": module_may_read and sq == skv and mask4.shape[1] == 1}
         note = lambda: f"bool attn_mask recognised as {layout.describe()}"  # noqa: E731 - read by explain only
         if layout.thd:
             return {"padding_layout": layout, "mask_note": note}

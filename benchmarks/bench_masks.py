@@ -232,8 +232,8 @@ def columns(call: Call, q, k, v) -> dict[str, Callable]:
 
     default = _module((call.mask_type, "bshd", call.softcap, None))
     # the engines that take the call as given (the default may run it otherwise: a prefix-LM mask as two calls)
-    as_given = question.plain_params(question.describe_plain(default, q, k, v, CallArgs(**call.module_kwargs))[0])[0]
-    decision = selection.explain(as_given)
+    as_given = question.ask(default, q, k, v, CallArgs(**call.module_kwargs), read_masks=False)
+    decision = selection.explain(as_given.params)
     cols = {"module:default": module_with(None)}
     for verdict in decision.verdicts:
         if verdict.eligible and not (verdict.backend == "unfused" and call.s > 8192):

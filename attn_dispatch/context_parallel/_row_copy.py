@@ -222,10 +222,6 @@ if triton is not None:
             tl.store(dst + dst_at[:, None] + cols[None, :], values, mask=mask)
 
 
-def _pow2_at_most(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 def _pow2_at_least(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
