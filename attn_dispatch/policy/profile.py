@@ -125,16 +125,10 @@ class CostModel:
     # Per machine ("provider@device name"), a factor on varlen_factor: that machine's packed steps over the prediction
     # with varlen_factor alone (benchmarks/fit_packed.py: the median over the rows of its packed grids where the
     # provider's predicted and measured times are both over 2x its host time). varlen_factor was fitted on the H100's
-    # splits, and the H100's packed steps of the blind grids sit on it (0.97-1.01 per engine); the H200's three packed
-    # grids (72 rows) do not: cuDNN 1.04, FA2 1.06, flash-attn-4 0.97, the same either side of the kinds of pack
-    # (ragged, one long, bimodal against near and uniform), so a pick between two engines whose twins are within ~10%
-    # moved with it (windowed packed training, cuDNN picked at 1.11-1.20x flash-attn-4's time). With the fourth packed
-    # grid in the fit (96 rows) the medians read 1.02, 1.03 and 0.96: no pick of any held-out or packed grid moves
-    # with them, five shipped picks of small H200 packs no grid measured would (flash-attn-4 or cuDNN to FA2), so
-    # the three-grid values stay until a measured grid tells them apart. None has since: with the fifth grid (120
-    # rows) they read 1.00, 1.02 and 0.93, and refitted on the other grids with each packed grid left out in turn
-    # (cuDNN 0.99-1.02, FA2 1.01-1.03, flash-attn-4 0.91-0.96), or set to either set above, they moved no pick of
-    # any grid (benchmarks/results/README.md).
+    # splits, whose packed steps sit on it (0.97-1.01 per engine); the H200's first packed grids did not (cuDNN 1.04,
+    # FA2 1.06, flash-attn-4 0.97, alike across kinds of pack), and picks between engines within ~10% moved with it.
+    # Refitted on later grids (each left out in turn) the factors read 0.92-1.03 and moved no measured pick, so these
+    # stay until a measured grid tells them apart (history in benchmarks/results/README.md).
     machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
                                                             ("flash_attn_2:torch@NVIDIA H200", 1.06),
                                                             ("flash_attn_4:cute@NVIDIA H200", 0.97))
@@ -159,11 +153,10 @@ class CostModel:
     # head dims (flex's d96 and d256 kernels are slow), the pass, the mask and window, and many short sequences
     # (document boundaries make partial blocks); within one kind and head dim, near calls agreed (d128 causal-window
     # forwards 0.84-0.92x, d128 causal 1.00-1.51x). One call was not enough: read off one call each, two d96/d64 packs
-    # picked flex at 1.25x and 2.8x (a pack of 56 short sequences read off one of 15 long ones). Two were not either
-    # once grid 5 was fit data: grid 4's d128 causal bimodal forward (ps8, mean length 1463) was read off two uniform
-    # packs of long sequences (grid 5's pt7, flex 0.92x FA2, and grid 3's pr8, 1.00x) and picked flex at 1.32x FA2's
-    # time; with three (grid 2's pq6 of short ones, 1.51x, the third) every packed grid left out in turn kept or
-    # improved its picks (benchmarks/fit_packed.py's grids check; benchmarks/results/README.md).
+    # picked flex at 1.25x and 2.8x (a pack of 56 short sequences read off one of 15 long ones). Two were not either:
+    # two uniform packs of long sequences sent a bimodal pack to flex at 1.32x FA2's time; three kept or improved
+    # every pick with each measured packed grid left out in turn (benchmarks/fit_packed.py's grids check; the
+    # numbers in benchmarks/results/README.md).
     relative_k: int = 3
     # Its time over a reference's moves with the pack's mean sequence length (packed_mean_length): flex runs the pack
     # as one long sequence under a document mask, so every document boundary cuts blocks that are computed in part,
@@ -174,9 +167,8 @@ class CostModel:
     # the profile's packed entries (Profile.relative_slope: least squares within each kind and head dims, pooled), but
     # never past the longest mean length measured of the call's kind and head dims: no pack says flex keeps gaining on
     # longer ones (moved past them, stock torch's picks of 8k-16k causal d128 packs of one or two sequences went to
-    # flex, which no run timed there). Toward shorter ones it is moved all the way: grid 5's pt3 (60 sequences of mean
-    # 611 tokens, shorter than any d128 causal-window pack measured before it, 2731 and up) read flex at 0.87x FA2 off
-    # them, and flex ran 1.08x.
+    # flex, which no run timed there). Toward shorter ones it is moved all the way: a pack of 60 sequences of mean 611
+    # tokens, shorter than any pack of its kind measured before it, read flex at 0.87x FA2 off them, and flex ran 1.08x.
     relative_length_slope: bool = True
 
 
