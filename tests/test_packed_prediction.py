@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from attn_dispatch.benchmarking.cases import (CASE_GRIDS, FIFTH_PACKED, FOURTH_PACKED, PACKED_2_SEED, PACKED_3_SEED,
-                                              PACKED_4_SEED, PACKED_5_SEED, PACKED_6_SEED, PACKED_SEEDS, SECOND_PACKED,
-                                              SIXTH_PACKED, THIRD_PACKED, Case, _draw_packed, _packed_2_coverage,
-                                              _packed_3_coverage, _packed_4_coverage, _packed_5_coverage,
-                                              _packed_6_coverage, _packed_coverage)
+                                              PACKED_4_SEED, PACKED_5_SEED, PACKED_6_SEED, PACKED_7_SEED, PACKED_SEEDS,
+                                              SECOND_PACKED, SEVENTH_PACKED, SIXTH_PACKED, THIRD_PACKED, Case,
+                                              _draw_packed, _packed_2_coverage, _packed_3_coverage, _packed_4_coverage,
+                                              _packed_5_coverage, _packed_6_coverage, _packed_7_coverage,
+                                              _packed_coverage)
 
 
 def _shape(case: Case) -> Case:
@@ -132,6 +133,29 @@ def test_the_sixth_packed_grid_is_its_seeds_first_with_its_coverage_and_draws_fr
     assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.s >= 6144
                and c.name.split("-", 1)[1] in ("uniform", "near") for c in grid)
     assert any(c.d == 192 and c.mask == "padding" and not c.window for c in grid)
+
+
+def test_seventh_packed_grid_is_new_and_covers_the_sixth_grids_misses():
+    grid = CASE_GRIDS["eval-blind-packed-7"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    assert _packed_7_coverage(_draw_packed(PACKED_7_SEED, 12, SEVENTH_PACKED))
+    assert not any(_packed_7_coverage(_draw_packed(s, 12, SEVENTH_PACKED)) for s in range(PACKED_7_SEED - 1000,
+                                                                                          PACKED_7_SEED))
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "eval-blind-packed-7" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert any(c.d == 256 and c.window and c.window[1] == 0 and c.window[0] <= 320 for c in grid)
+    assert any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 3072 for c in grid)
+
+
+def test_fit_windows_grid_is_dense_windowed_and_new():
+    from attn_dispatch.benchmarking.cases import FIT_WINDOWS_SEED, _fit_windows_coverage, fit_windows_cases
+
+    grid = CASE_GRIDS["fit-windows"]()
+    assert len(grid) == 24 and all(c.fmt == "bshd" and c.window and 112 <= c.window[0] <= 768 for c in grid)
+    assert _fit_windows_coverage(grid)
+    assert not any(_fit_windows_coverage(fit_windows_cases(s)) for s in range(20261901, FIT_WINDOWS_SEED))
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "fit-windows" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
 
 
 def test_a_case_refuses_lengths_that_do_not_fit_it():

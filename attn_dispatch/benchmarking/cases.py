@@ -381,6 +381,40 @@ def fit_dense_cases() -> list[Case]:
     return _both(shapes)
 
 
+# fit-windows: dense calls under windows of 112-768 keys, where the profile held few (a windowed pack's GPU time is
+# read off its dense twin's, and the measured windows were mostly 128 or over 512 keys wide). The seed is the first
+# from 20261901 whose draw covers every head dim, both kinds of window, GQA, and d64 and d256 causal windows of at
+# most 320 keys.
+FIT_WINDOWS_SEED = 20261904
+
+
+def fit_windows_cases(seed: int | None = None) -> list[Case]:
+    """12 dense windowed shapes (16k or 32k tokens, head dims 64-256, GQA, causal and two-sided windows of 112-768
+    keys), each in training and inference (24 rows)."""
+    import random
+
+    rng = random.Random(FIT_WINDOWS_SEED if seed is None else seed)
+    shapes = []
+    for i in range(12):
+        d = rng.choice((64, 96, 128, 192, 256))
+        w = 16 * round(math.exp(rng.uniform(math.log(112), math.log(768))) / 16)
+        s = rng.choice([x for x in (1024, 2048, 4096, 8192, 16384) if x >= 2 * w])
+        h = rng.choice((8, 16, 24, 32))
+        hkv = rng.choice([g for g in (1, 2, 4, 8, h) if h % g == 0])
+        kind = rng.choice(("causal-window", "causal-window", "two-sided"))
+        shapes.append(Case(b=max(1, rng.choice((16384, 32768)) // s), s=s, h=h, hkv=hkv, d=d,
+                           dv=128 if d == 192 else 0, mask="causal" if kind == "causal-window" else "no_mask",
+                           window=(w, 0) if kind == "causal-window" else (w, w), name=f"fw{i}"))
+    return _both(shapes)
+
+
+def _fit_windows_coverage(cases: list[Case]) -> bool:
+    return ({c.d for c in cases} == {64, 96, 128, 192, 256} and {c.window[1] == 0 for c in cases} == {True, False}
+            and any(c.hkv < c.h for c in cases)
+            and all(any(c.d == d and c.window == (w, 0) and w <= 320 for c in cases for w in (c.window[0],))
+                    for d in (64, 256)))
+
+
 def fit_thd_cases() -> list[Case]:
     """Every packed (thd) call of the grids the profile is built from, measured again after the thd host path
     changed (each engine's host time per packed call fell by 0.1-0.5 ms, by different amounts); a run
@@ -427,6 +461,10 @@ PACKED_5_SEED = 20262572
 # budgets 16k and 28k, up to 64 sequences from 16 tokens, windows 192-2304. The seed is the first from 20261701 whose
 # draw covers what _packed_6_coverage asks.
 PACKED_6_SEED = 20263339
+# eval-blind-packed-7: drawn after grid 6 became fit data (with more unmasked d128 packs for the relative rule), to
+# check it. Other ranges again: longest lengths 704-14848, token budgets 20k and 32k, up to 64 sequences from 20
+# tokens, windows 144-2816. The seed is the first from 20261801 whose draw covers what _packed_7_coverage asks.
+PACKED_7_SEED = 20270036
 
 
 @dataclass(frozen=True)
@@ -481,6 +519,12 @@ SIXTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 24,
                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                             kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                             windows=(192, 320, 576, 1152, 2304), prefix="pu")
+SEVENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20, 32, 48, 56),
+                              longest=(704, 1408, 2432, 3840, 4352, 6912, 10752, 14848), budgets=(20480, 32768),
+                              max_sequences=64, shortest=20,
+                              patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                              kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                              windows=(144, 272, 704, 1344, 2816), prefix="pv")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -586,6 +630,18 @@ def _packed_6_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 192 and c.mask == "padding" and not c.window for c in shapes))
 
 
+def _packed_7_coverage(shapes: list[Case]) -> bool:
+    """The third grid's coverage, and the kinds of the sixth's misses: a d256 causal-window pack under a window of at
+    most 320 (its dense twin's span is shorter than most measured windows), a d128 pack of near or uniform lengths
+    without a mask or window whose longest is 3072 or more, and a pack of 32 sequences or more whose mean length is
+    under 128 tokens. (The fourth to sixth grids' coverage compounded: no seed of 36k drawn met it with these.)"""
+    return (_packed_3_coverage(shapes)
+            and any(c.d == 256 and c.window and c.window[1] == 0 and c.window[0] <= 320 for c in shapes)
+            and any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 3072
+                    and c.name.split("-", 1)[1] in ("uniform", "near") for c in shapes)
+            and any(c.b >= 32 and sum(c.seqlens) < 128 * c.b for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -616,6 +672,11 @@ def eval_packed_6_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_6_SEED, 12, SIXTH_PACKED))
 
 
+def eval_packed_7_cases() -> list[Case]:
+    """12 packed shapes of SEVENTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_7_SEED, 12, SEVENTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -629,4 +690,5 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
               "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
               "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases,
-              "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases}
+              "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases,
+              "eval-blind-packed-7": eval_packed_7_cases, "fit-windows": fit_windows_cases}
