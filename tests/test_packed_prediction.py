@@ -158,6 +158,17 @@ def test_fit_windows_grid_is_dense_windowed_and_new():
     assert not others & {_shape(c) for c in grid}
 
 
+def test_eighth_packed_grid_and_the_held_out_windows_are_new():
+    from attn_dispatch.benchmarking.cases import EIGHTH_PACKED, PACKED_8_SEED
+
+    for name in ("eval-blind-packed-8", "eval-windows"):
+        grid = CASE_GRIDS[name]()
+        assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+        others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != name for c in cases()}
+        assert not others & {_shape(c) for c in grid}
+    assert _packed_7_coverage(_draw_packed(PACKED_8_SEED, 12, EIGHTH_PACKED))
+
+
 def test_a_case_refuses_lengths_that_do_not_fit_it():
     for bad in (dict(b=2, s=100, seqlens=(100, 50, 20)), dict(b=2, s=100, seqlens=(90, 50)),
                 dict(b=2, s=100, seqlens=(100, 0))):

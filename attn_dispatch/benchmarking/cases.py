@@ -386,9 +386,12 @@ def fit_dense_cases() -> list[Case]:
 # from 20261901 whose draw covers every head dim, both kinds of window, GQA, and d64 and d256 causal windows of at
 # most 320 keys.
 FIT_WINDOWS_SEED = 20261904
+# eval-windows: the same family, held out (drawn and committed before it was measured, after fit-windows became
+# source data): the next seed with that coverage whose draw shares no call with another grid.
+EVAL_WINDOWS_SEED = 20261907
 
 
-def fit_windows_cases(seed: int | None = None) -> list[Case]:
+def fit_windows_cases(seed: int | None = None, prefix: str = "fw") -> list[Case]:
     """12 dense windowed shapes (16k or 32k tokens, head dims 64-256, GQA, causal and two-sided windows of 112-768
     keys), each in training and inference (24 rows)."""
     import random
@@ -404,7 +407,7 @@ def fit_windows_cases(seed: int | None = None) -> list[Case]:
         kind = rng.choice(("causal-window", "causal-window", "two-sided"))
         shapes.append(Case(b=max(1, rng.choice((16384, 32768)) // s), s=s, h=h, hkv=hkv, d=d,
                            dv=128 if d == 192 else 0, mask="causal" if kind == "causal-window" else "no_mask",
-                           window=(w, 0) if kind == "causal-window" else (w, w), name=f"fw{i}"))
+                           window=(w, 0) if kind == "causal-window" else (w, w), name=f"{prefix}{i}"))
     return _both(shapes)
 
 
@@ -465,6 +468,10 @@ PACKED_6_SEED = 20263339
 # check it. Other ranges again: longest lengths 704-14848, token budgets 20k and 32k, up to 64 sequences from 20
 # tokens, windows 144-2816. The seed is the first from 20261801 whose draw covers what _packed_7_coverage asks.
 PACKED_7_SEED = 20270036
+# eval-blind-packed-8: drawn after grid 7 and the dense windows of fit-windows became fit data, to check them. Other
+# ranges again: longest lengths 768-13824, token budgets 18k and 30k, up to 64 sequences from 18 tokens, windows
+# 112-2560. The seed is the first from 20271001 whose draw covers what _packed_7_coverage asks.
+PACKED_8_SEED = 20271541
 
 
 @dataclass(frozen=True)
@@ -525,6 +532,12 @@ SEVENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 2
                               patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                               kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                               windows=(144, 272, 704, 1344, 2816), prefix="pv")
+EIGHTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 24, 28, 40, 64),
+                             longest=(768, 1664, 2688, 3200, 4864, 7424, 11776, 13824), budgets=(18432, 30720),
+                             max_sequences=64, shortest=18,
+                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                             kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                             windows=(112, 240, 480, 1216, 2560), prefix="pw")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -677,6 +690,11 @@ def eval_packed_7_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_7_SEED, 12, SEVENTH_PACKED))
 
 
+def eval_packed_8_cases() -> list[Case]:
+    """12 packed shapes of EIGHTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_8_SEED, 12, EIGHTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -691,4 +709,6 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
               "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases,
               "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases,
-              "eval-blind-packed-7": eval_packed_7_cases, "fit-windows": fit_windows_cases}
+              "eval-blind-packed-7": eval_packed_7_cases, "fit-windows": fit_windows_cases,
+              "eval-blind-packed-8": eval_packed_8_cases,
+              "eval-windows": lambda: fit_windows_cases(EVAL_WINDOWS_SEED, "ew")}
