@@ -683,3 +683,21 @@ def test_env_selects_the_checked_policy_and_set_policy_keeps_it_on_the_measured_
     selection.set_policy("measured", mine)
     checked = selection.policy_named("checked")
     assert checked.measured is mine and checked.auto.measured is mine
+
+
+def test_flex_on_dense_calls_is_predicted_relative_to_the_others_never_from_a_rate_of_its_own(tmp_path):
+    # flex takes 0.8x FA2's time on every measured windowed call: read as a rate off the nearest call of 1/4 the work,
+    # its low host floor would have it predicted far faster on a bigger call; relative, it stays at 0.8x FA2's
+    flex, fa2 = "flex_attention:torch", "flash_attn_2:torch"
+    base = dict(attn_mask_type="causal", window_size=(256, 0), head_dim_qk=64, head_dim_v=64)
+    rows = [(dict(base, max_seqlen_q=s), {fa2: 0.1 * s / 1024, flex: 0.08 * s / 1024}) for s in (1024, 2048, 4096)]
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+    assert all(flex not in e.times_ms for e in profile.entries)  # no rate of its own
+    p = AttentionParams(**dict(base, max_seqlen_q=8192))
+    assert flex not in profile.predict(p).times_ms
+    found = profile.predict(p, among=[fa2, flex])
+    assert found.times_ms[flex] == pytest.approx(0.8 * found.times_ms[fa2], rel=1e-6)
+    assert len(found.relative[flex]) == COST_MODEL.relative_k and found.best([fa2, flex]) == flex
+    # fewer measured calls than relative_k: no prediction, so the rated provider is picked
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows[:2]) / "sm90.json").read_text()))
+    assert flex not in profile.predict(p, among=[fa2, flex]).times_ms

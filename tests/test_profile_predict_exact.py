@@ -97,10 +97,14 @@ class PlainProfile:
             machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
             machine = self.machines[machine] if isinstance(machine, int) else machine
             kind, sizes = tuple(e["kind"]), tuple(e["log2"][f] for f in FEATURES)
+            rated = {name: {p: t for p, t in e.get(name, {}).items() if p not in model.relative_only}
+                     for name in ("times_ms", "host_ms", "gpu_ms")}  # relative_only providers have no rate
+            if not rated["times_ms"]:
+                continue
             self.entries.append(dict(label=e["label"], kind=kind, sizes=sizes, fmt=e["fmt"], work=e["work"],
-                                     times=e["times_ms"], machine=machine,
-                                     shape=shape_of(kind, sizes, e["fmt"]), host_ms=e.get("host_ms", {}),
-                                     gpu_ms=e.get("gpu_ms", {}), work_unwindowed=e.get("work_unwindowed", e["work"])))
+                                     times=rated["times_ms"], machine=machine,
+                                     shape=shape_of(kind, sizes, e["fmt"]), host_ms=rated["host_ms"],
+                                     gpu_ms=rated["gpu_ms"], work_unwindowed=e.get("work_unwindowed", e["work"])))
 
     def shift(self, provider, params, machine, other):
         """log(time on machine / time on other) of the provider: the median over the unpadded calls of this pass and

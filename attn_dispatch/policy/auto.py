@@ -5,8 +5,8 @@ decides, and the reason says so. KV-cache decode steps are predicted by the memo
 policy/decode.py instead (the profile has no decode rows). A call with a modifier (softcap, a bias, an arbitrary mask,
 a mask_mod / score_mod, ...: profile.modifiers) is never predicted from the rows, which have none: the nearest masked
 call measured with the same modifiers ranks its providers (policy/modified.py), else the order decides, and the
-reason says which. A packed call's provider without a rate (FlexAttention's: no profile-source run timed it on a
-plain call) is predicted relative to the eligible ones that have one (Profile.relative)."""
+reason says which. A provider without a rate (FlexAttention's: CostModel.relative_only) is predicted relative to the
+eligible ones that have one, off the nearest measured calls that timed both (Profile.relative)."""
 from __future__ import annotations
 
 from ..params import AttentionParams, SeqLengths
@@ -66,7 +66,7 @@ class AutoPolicy:
                   f"{'; '.join(prediction.neighbours)}")
         for provider, calls in prediction.relative.items():
             reason += (f"; {provider} has no rate in the profile: its time is the others' predicted here x its "
-                       "time over theirs on the nearest measured packed calls of this kind and head dims "
+                       "time over theirs on the nearest measured calls of this kind and head dims "
                        f"({'; '.join(calls)})")
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"

@@ -46,7 +46,7 @@ import itertools
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
@@ -170,6 +170,13 @@ class CostModel:
     # flex, which no run timed there). Toward shorter ones it is moved all the way: a pack of 60 sequences of mean 611
     # tokens, shorter than any pack of its kind measured before it, read flex at 0.87x FA2 off them, and flex ran 1.08x.
     relative_length_slope: bool = True
+    # Providers predicted only relative to the others, on dense calls too (from the profile's dense entries that timed
+    # them, as on packed calls from the packed entries), never from a rate of their own: FlexAttention's kernels run
+    # a block mask, whose cost over a tiled engine's moves with the window and block structure more than any work
+    # count follows. Given rates, one fit grid of dense windowed calls (H200, both stacks) sent a held-out grid's
+    # full-stack calls to flex_attention:torch at up to 1.66x the fastest (mean 1.013 -> 1.036), reading a rate off
+    # a neighbour of half the work (benchmarks/results/README.md).
+    relative_only: tuple[str, ...] = ("flex_attention:torch", "flex_attention:flash_attn_4")
 
 
 COST_MODEL = CostModel()
@@ -535,7 +542,17 @@ class Profile:
         self.machines: list[str] = data.get("machines", [])
         self.stack: dict[str, str] = data.get("stack", {})
         self.date: str = data.get("date", "")
-        self.entries: list[Entry] = [self._entry(e) for e in data["entries"]]
+        # A relative_only provider's dense times are kept apart (what it is predicted relative to the others off), and
+        # out of the rate model's entries.
+        self.entries: list[Entry] = []
+        self._dense_relative: dict[tuple, list[Entry]] = {}
+        for e in map(self._entry, data["entries"]):
+            if any(p in e.times_ms for p in model.relative_only):
+                self._dense_relative.setdefault(e.kind, []).append(e)
+                e = replace(e, **{name: {p: t for p, t in getattr(e, name).items() if p not in model.relative_only}
+                                  for name in ("times_ms", "host_ms", "gpu_ms")})
+            if e.times_ms:
+                self.entries.append(e)
         # The packed fit grids' calls (every provider's step time): what a provider without a rate is read off, per
         # kind of call (Profile.relative). Never a neighbour of the rate model.
         self._packed: dict[tuple, list[Entry]] = {}
@@ -610,10 +627,10 @@ class Profile:
     def predict(self, params: AttentionParams, *, machine: str | None = None, leave_out: bool = False,
                 among: list[str] | None = None) -> Prediction:
         """Each provider's step time for the call on `machine` (the platform's device name; None: any machine).
-        `among`: the providers the decision compares; on a packed call, those of them without a rate are predicted
-        relative to the others (relative())."""
+        `among`: the providers the decision compares; those of them without a rate are predicted relative to the others
+        (relative())."""
         found = self.parts(params, machine=machine, leave_out=leave_out).prediction(self.model)
-        if among is None or params.qkv_format != "thd":
+        if among is None:
             return found
         relative = self.relative(params, found.times_ms, among, machine=machine, leave_out=leave_out)
         if not relative:
@@ -623,8 +640,9 @@ class Profile:
 
     def relative(self, params: AttentionParams, predicted: dict[str, float], among: list[str], *,
                  machine: str | None = None, leave_out: bool = False) -> dict[str, tuple[float, tuple[str, ...]]]:
-        """The providers of `among` without a prediction on this packed call, each as (step ms, the measured packed
-        calls it was read off): on the relative_k nearest packed entries of the call's kind and head dims (the rate
+        """The providers of `among` without a prediction on this call, each as (step ms, the measured calls it was read
+        off): on the relative_k nearest entries of the call's kind and head dims that timed it (a packed call: the
+        profile's packed entries; a dense one: its dense entries that timed a relative_only provider) (the rate
         model's distance; the machine's own first among equals) that timed it and some of the predicted providers of
         `among`, its time over each of those there (the geometric mean), moved to the call's mean sequence length
         (relative_slope, with model.relative_length_slope; at most to the longest mean length of those entries), x
@@ -638,12 +656,14 @@ class Profile:
             return {}
         kind, log2, fmt = features(params, m)
         here = tuple(log2[f] for f in _FEATURES)
-        length = math.log2(packed_mean_length(params, m))
+        packed = params.qkv_format == "thd"
+        length = math.log2(packed_mean_length(params, m)) if packed else 0.0  # dense entries keep no mean length
         dims = tuple(round(v, 4) for v in here[:2])  # head dims qk and v, as entries keep their sizes
         skip = _shape(kind, here, fmt) if leave_out else None
+        pool = (self._packed if packed else self._dense_relative).get(kind, ())
         near = sorted(((sum(w * abs(h - v) for w, h, v in zip(m.weights, here, e.sizes))
                         + (m.format_mismatch if e.fmt != fmt else 0.0), e.machine != machine, i, e)
-                       for i, e in enumerate(self._packed.get(kind, ())) if e.sizes[:2] == dims and e.shape != skip),
+                       for i, e in enumerate(pool) if e.sizes[:2] == dims and e.shape != skip),
                       key=lambda found: found[:3])
         measured = [e.log2["mean_length"] for *_, e in near if "mean_length" in e.log2]
         if measured:  # never moved past the longest mean length measured
