@@ -78,8 +78,8 @@ class CostModel:
     tile: int = 128         # work counted in tile x tile blocks of the score matrix (0: attended pairs)
     split_windows: bool = True  # causal windows (right bound 0) and two-sided ones as different kinds of call
     # The host floor: the (r + 1)-th least time of a provider on calls of that kind, r = min(floor_rank, calls // 10):
-    # one timer outlier (fit-drawn-c has flash-attn-4 training at 0.195 ms on a call whose forward took 0.292)
-    # otherwise sets the floor of every call.
+    # one timer outlier (a measured training step faster than the same call's forward) otherwise sets the floor of
+    # every call.
     floor_rank: int = 3
     # Where entries hold a provider's step measured apart as host and GPU time (bench_user_step.py --split), those
     # predict it instead: G from the nearest split entry's GPU rate, H the median host time of the host_k nearest,
@@ -96,86 +96,50 @@ class CostModel:
     # of more work than its own.
     min_rate_gpu_ms: float = 0.1
     # Providers whose backward computes every key tile under a two-sided window (right bound > 0): their training
-    # work is the forward's windowed tiles plus the backward's unwindowed ones. cudnn-frontend 1.32 / cuDNN 9.19 on
-    # the H100 and H200 (the profile's split fit, 25 two-sided training calls, window covers 0.05-1): its GPU rate
-    # over the windowed work fell with the cover, 24-446 TFLOP/s, and over this work stayed at 270-500 with no
-    # trend, as flash-attn-4's (which skips the tiles) did over the windowed work; its forwards skip them
-    # (1.1-1.25x flash-attn-4's GPU time at every cover). benchmarks/results/README.md.
+    # work is the forward's windowed tiles plus the backward's unwindowed ones. cuDNN 9.19's GPU rate over the windowed
+    # work fell with the window's cover, over this work it held (25 two-sided training calls of the split fit).
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; a window's band is at most
-    # packed_token_fill of the longest's per sequence), for every engine alike, and in proportion: on the 24 packs of
-    # eval-blind-packed (H200; ragged, one long among short ones, uniform; fills 0.04-1) the steps predicted so were
-    # -4% to +6% off per engine (mean log error), where the fill to the power 0.94 (0.88, the slope seen within a
-    # shape over the profile's narrow [max/2, max] packs) over-predicted them by 5-14% (14-21%). Calls without known
-    # lengths (and the profile's own entries) are taken at the measured packs' expected fill.
+    # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; under a window at most
+    # packed_token_fill of the longest's band), in proportion: a power of the fill over-predicted the first packed
+    # grid's steps by 5-21%. Without known lengths, the measured packs' expected fill.
     packed_lengths: bool = True
-    # A packed call's GPU time is its dense twin's (dense_twin: the dense calls' rates, which cover every head dim and
-    # window) x its share of the provider's work x the provider's varlen_factor; its host time is the packed calls'
-    # (Profile.parts). Over the profile's 102 packed calls with a host/GPU split, leave-one-out, the rms log error of
-    # the GPU time fell from 0.17 / 0.15 / 0.20 (cuDNN / FA2 / flash-attn-4, the nearest packed call) to 0.11 / 0.13 /
-    # 0.12, and of the cuDNN / flash-attn-4 ratio a pick reads from 0.18 to 0.14. The profile has no packed call at
-    # d96 or d192 nor under a window: d192 forwards were read off d128 packs (cuDNN picked at 1.31x and 1.46x
-    # flash-attn-4's time) and windowed packs not at all (Transformer Engine's order then chose cuDNN, at 3.4x
-    # flash-attn-4's time on a two-sided-window d96 pack).
+    # A packed call's GPU time is its dense twin's (dense_twin: the dense rates cover every head dim and window) x its
+    # share of the provider's work x the provider's varlen_factor; its host time is the packed calls' (Profile.parts).
+    # Leave-one-out over 102 split packed calls, this cut the GPU time's rms log error from 0.15-0.20 to 0.11-0.13.
     packed_twin: bool = True
-    # Measured packed GPU time over the twin's prediction x the work's share (medians over those splits: 86, 93 and
-    # 83 calls; benchmarks/fit_packed.py): each engine's varlen kernel over its dense one. Others: 1.
+    # Each engine's varlen kernel over its dense one: measured packed GPU time over the twin's prediction x the work's
+    # share (medians over the H100's packed splits; benchmarks/fit_packed.py). Others: 1.
     varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend", 1.13), ("flash_attn_2:torch", 1.05),
                                                     ("flash_attn_4:cute", 1.08))
-    # Per machine ("provider@device name"), a factor on varlen_factor: that machine's packed steps over the prediction
-    # with varlen_factor alone (benchmarks/fit_packed.py: the median over the rows of its packed grids where the
-    # provider's predicted and measured times are both over 2x its host time). varlen_factor was fitted on the H100's
-    # splits, whose packed steps sit on it (0.97-1.01 per engine); the H200's first packed grids did not (cuDNN 1.04,
-    # FA2 1.06, flash-attn-4 0.97, alike across kinds of pack), and picks between engines within ~10% moved with it.
-    # Refitted on later grids (each left out in turn) the factors read 0.92-1.03 and moved no measured pick, so these
-    # stay until a measured grid tells them apart (history in benchmarks/results/README.md).
+    # Per machine ("provider@device name"), a factor on varlen_factor: the H200's first packed grids sat off the
+    # H100-fitted factors (medians over rows well above the host time), and picks within ~10% moved with them.
+    # Refitted on later grids they moved no measured pick, so these stay.
     machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
                                                             ("flash_attn_2:torch@NVIDIA H200", 1.06),
                                                             ("flash_attn_4:cute@NVIDIA H200", 0.97))
     # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
-    # between the two (machine_shifts: the median log time ratio over the dense calls both machines timed, of the same
-    # pass and head dim, each at least machine_pair_ms on both; at least machine_pairs such calls, else no shift; a
-    # shift under machine_shift_min is taken as none: two runs' clocks differ by a few percent (combine_runs)).
-    # The H200 has too few entries of most kinds to predict from its own (min_own), and its engines do not all gain
-    # alike over the H100: flash-attn-4's d256 training steps took 0.86x the H100's time (the two dense d256 calls
-    # both timed), cuDNN's 0.98x and FA2's 0.99x; on the packed grids measured on the H200 (fit data), flash-attn-4's
-    # d256 packed training GPU time was over-predicted from the H100's dense rates by 14-38%, its inference steps
-    # not (benchmarks/results/README.md).
+    # between the two (machine_shifts: the median log ratio over dense calls both timed, of one pass and head dim, each
+    # at least machine_pair_ms; at least machine_pairs of them; under machine_shift_min taken as none, run-to-run
+    # clock noise). Engines do not gain alike from the H100 to the H200 (flash-attn-4's d256 training 0.86x, cuDNN's
+    # 0.98x), and the H200 has too few entries of most kinds to predict from its own.
     machine_shift: bool = True
     machine_pairs: int = 2
     machine_pair_ms: float = 1.0
     machine_shift_min: float = 0.05
-    # A provider no profile-source run timed on a plain call (FlexAttention's: the fit grids forced none) has no rate,
-    # so a packed call is predicted for it relative to the providers the decision compares (Profile.relative): from
-    # the profile's `packed` entries (the packed fit grids, every provider forced), the relative_k nearest of the
-    # call's kind and head dims that timed it and some of those providers, at least relative_k of them, else no
-    # prediction. Flex's speed against FA2 on the same pack went from 0.84x to 6.6x over the packed grids, with the
-    # head dims (flex's d96 and d256 kernels are slow), the pass, the mask and window, and many short sequences
-    # (document boundaries make partial blocks); within one kind and head dim, near calls agreed (d128 causal-window
-    # forwards 0.84-0.92x, d128 causal 1.00-1.51x). One call was not enough: read off one call each, two d96/d64 packs
-    # picked flex at 1.25x and 2.8x (a pack of 56 short sequences read off one of 15 long ones). Two were not either:
-    # two uniform packs of long sequences sent a bimodal pack to flex at 1.32x FA2's time; three kept or improved
-    # every pick with each measured packed grid left out in turn (benchmarks/fit_packed.py's grids check; the
-    # numbers in benchmarks/results/README.md).
+    # A provider without a rate (relative_only) is predicted relative to the providers the decision compares, off the
+    # relative_k nearest measured calls of the call's kind and head dims that timed it and some of them (a packed call:
+    # the packed fit grids' entries; a dense call: the dense entries), else not at all. Flex's time over FA2's ranged
+    # 0.84-6.6x over the packed grids, with head dims, pass, mask and sequence lengths; near calls agreed. One or two
+    # calls sent packs to flex at 1.25-2.8x; three kept or improved every pick, each packed grid left out in turn.
     relative_k: int = 3
-    # Its time over a reference's moves with the pack's mean sequence length (packed_mean_length): flex runs the pack
-    # as one long sequence under a document mask, so every document boundary cuts blocks that are computed in part,
-    # and short documents make many of them. Over the packed grids, within one kind and head dims, the log of flex's
-    # time over FA2's fell by 0.06-0.09 per doubling of the mean length with any one grid left out (over cuDNN's by
-    # 0.02-0.11; over flash-attn-4's by -0.02 to 0.04: its kernel pays for short sequences too). With
-    # relative_length_slope, each neighbour's ratio is moved to the call's mean length along that slope, fitted on
-    # the profile's packed entries (Profile.relative_slope: least squares within each kind and head dims, pooled), but
-    # never past the longest mean length measured of the call's kind and head dims: no pack says flex keeps gaining on
-    # longer ones (moved past them, stock torch's picks of 8k-16k causal d128 packs of one or two sequences went to
-    # flex, which no run timed there). Toward shorter ones it is moved all the way: a pack of 60 sequences of mean 611
-    # tokens, shorter than any pack of its kind measured before it, read flex at 0.87x FA2 off them, and flex ran 1.08x.
+    # On a packed call, each neighbour's ratio is moved to the call's mean sequence length (packed_mean_length) along
+    # the slope the packed entries show (Profile.relative_slope): flex runs a pack as one sequence under a document
+    # mask, so short documents cut many blocks in part (its time over FA2's fell 0.06-0.09 in log per doubling). Never
+    # past the longest mean length measured of that kind and head dims: no pack says flex keeps gaining beyond it.
     relative_length_slope: bool = True
-    # Providers predicted only relative to the others, on dense calls too (from the profile's dense entries that timed
-    # them, as on packed calls from the packed entries), never from a rate of their own: FlexAttention's kernels run
-    # a block mask, whose cost over a tiled engine's moves with the window and block structure more than any work
-    # count follows. Given rates, one fit grid of dense windowed calls (H200, both stacks) sent a held-out grid's
-    # full-stack calls to flex_attention:torch at up to 1.66x the fastest (mean 1.013 -> 1.036), reading a rate off
-    # a neighbour of half the work (benchmarks/results/README.md).
+    # Providers never given a rate: FlexAttention's block-mask kernels cost, over a tiled engine, what the window and
+    # block structure make them, more than any work count follows. Rated off one dense window grid, flex was picked on
+    # a held-out grid's full-stack windowed calls at up to 1.66x the fastest.
     relative_only: tuple[str, ...] = ("flex_attention:torch", "flex_attention:flash_attn_4")
 
 
