@@ -63,43 +63,18 @@ class Rates:
     idle_ms: float | None = None
 
 
-# fwd/bwd rates: the one-GPU rows (flash_attn_4:cute, bf16, b1 h16 d128, causal, 32k and 128k) of both files,
-# 676-683 TFLOP/s forward and 620-628 backward. The three fitted values minimise the squared efficiency error over
-# the 2-GPU rows of cp_h100x2.json (tests/test_cp_efficiency.py refits them); cp_h100x4.json's 4-GPU rows were not
-# used in the fit and check it. They reproduce cp_h100x2.json within 4.0 points on average (9.5 at worst) and
-# cp_h100x4.json within 4.1 (12.0). These runs' a2a still copied its reorder index to the GPU on every call, a cost
-# the model leaves out: their 2-GPU a2a rows come out up to 3 points high. They were timed one call from an idle GPU,
-# the only timing recorded here (idle_ms None): calls back to back are predicted at that timing's costs.
+# fwd/bwd: the one-GPU rows (flash-attn-4, b1 h16 d128, causal, 32k and 128k). link_gbps, call_ms and step_ms are
+# fitted to the 2-GPU rows (tests/test_cp_efficiency.py refits them); the 4-GPU rows check them. Timed one call from
+# an idle GPU. Fit and check errors: benchmarks/results/README.md, "The CP efficiency model".
 H100_NVLINK = Rates(
     "H100 80GB HBM3 SXM, NVLink (NV18)", fwd_tflops=680.0, bwd_tflops=624.0, link_gbps=110.0, call_ms=0.35,
     step_ms=0.64,
     source="benchmarks/results/cp/cp_h100x2.json and benchmarks/results/cp/cp_h100x4.json (bench_cp.py, torch "
            "2.11, NCCL 2.28.9, 2026-11-26)")
-# fwd/bwd rates: cp_h200x2.json's one-GPU rows, which ran torch's own providers (flash-attn-4 was not installed):
-# cuDNN SDPA (cudnn_fused:torch) unwindowed, 662 TFLOP/s forward at 32k and 555 at 128k (one rate, within 10% of
-# both), 522-529 backward; the windowed row ran FlashAttention-2 (flash_attn_2:torch), 289 forward and 308 backward,
-# and so did the windowed CP rows: windowed calls take those rates. The 4x H200 files' one-GPU rows agree as closely.
-# copy_engine_gbps is measured, not fitted: a 64 MiB hop pulled in 0.21 ms beside matmuls (0.19 alone;
-# benchmarks/results/cp/ring_transport_h200x4.json); in every recorded row those hops hide under the blocks'
-# compute, so no row could pin it. The four fitted values minimise the squared efficiency error over the 18 CP rows of
-# cp_h200x4_sm_copy.json (4 calls back to back per sample, the copy-engine ring receiving in place; p2p by either
-# transport, a2a by NCCL's all-to-all, 2 and 4 GPUs, 32k, 128k and 128k under a (4096, 0) window), each predicted with
-# the transport it ran (tests/test_cp_efficiency.py refits them). They reproduce it within 1.8 points on average, 5.4 at
-# worst: 4 GPUs at 128k come out 3.6-5.4 points high, where the backward runs 5-10% slower than a quarter of one GPU's
-# while its transfers hide under 21 ms blocks. link_gbps and call_ms trade off (310-400 GB/s fit within 1% of the least
-# error, each with its best call_ms), and NCCL's ring rate is what the rows fit, not one hop's (a 4-GPU trace shows
-# 65-75 GB/s for a hop while a block runs beside it all along). The chained runs left out check them:
-# cp_h200x4_zero_copy.json, one build earlier (2.7 on average, 6.7 at worst), cp_h200x4_chain4.json, with the ring's
-# staging copies (3.0, 7.8: its 4x32k ring 70% against 78%), and the 2x a2a runs cp_h200x2_ce_a2a*.json (3.9-5.5, 11.0):
-# one head group within 2.5 points by the copy engines and 7.0 by NCCL, whose 32k runs spread over 82.5-87.5%; 2 and 4
-# head groups 3-11 points high (attention on fewer heads per call runs 5-9% slower, which the model leaves out). idle_ms
-# is measured: the mean fwd+bwd difference between runs of one build timed from idle and chained
-# (cp_h200x4_sm_copy_chain1.json against cp_h200x4_sm_copy.json, cp_h200x4_chain1.json against cp_h200x4_chain4.json; 4
-# rows, 0.46-1.56 ms): those 4 rows come out within 3.9 points on average, 7.6 at worst (the copy-engine ring from idle,
-# 63.6% against 71.1%). The earlier one-call runs, whose agreement check synced every call, come out within 2.2 on
-# average, 6.8 at worst (cp_h200x4.json, cp_h200x4_transport.json, cp_h200x4_transport_host.json, cp_h200x2.json and
-# cp_h200x2_head_groups.json, this one with p2p before the reversed ring: exposed_dkv_hop=True; its windowed a2a rows
-# ran Ulysses, which a window this narrow no longer runs, and are not predicted).
+# fwd/bwd: the one-GPU rows (torch's cuDNN SDPA; FlashAttention-2 under a window, as the windowed CP rows ran).
+# copy_engine_gbps and idle_ms are measured; link_gbps, call_ms, step_ms and nccl_ring_gbps are fitted to the 18 CP
+# rows of the source (calls back to back, each with the transport it ran; tests/test_cp_efficiency.py refits them).
+# Fit and check errors, and the runs left out that check it: benchmarks/results/README.md, "The CP efficiency model".
 H200_NVLINK = Rates(
     "H200, NVLink (torch 2.11's cuDNN SDPA; FlashAttention-2 under a window)", fwd_tflops=605.0,
     bwd_tflops=526.0, link_gbps=335.0, call_ms=0.42, step_ms=0.19,
