@@ -52,14 +52,10 @@ TUNING_SETTINGS = TimerSettings(warmup=2, reps=10, max_reps=60, target_ms=30.0, 
                                 block_ms=3.0)
 PRUNE_RATIO = 2.0
 # PACKED_LENGTHS: a packed call is timed on the tokens per sequence of the call that reached the bucket, as its
-# shape is. On a small one the engines rank by the tokens present: a held-out grid's d64 s2048 b4 h12 padding_causal thd
-# forward (H100), timed on full-length sequences, had cuDNN (frontend) at 0.105 ms and FA2 at 0.143, where the
-# modules on the row's own batch ran 0.138 and 0.105 (the policy picked cuDNN at 2.2x FA2's time); random lengths
-# instead fixed that row and lost two others (benchmarks/results/README.md).
-# On a GPU the unfused engine is not timed when a fused one is eligible: over 2329 calls timed on the H100 and H200
-# (benchmarks/results/README.md) it never came within 4.1x of the best fused engine, and its probe alone cost up to 2
-# minutes per bucket at long lengths (31 s a call at s28672 on a held-out grid). It stays the choice where nothing
-# else runs.
+# shape is: on a small one the engines rank by the tokens present (timed at full length, one pick ran at 2.2x).
+# On a GPU the unfused engine is not timed when a fused one is eligible: it never came within 4.1x of the best fused
+# engine over 2329 calls, and its probe cost up to 2 minutes a bucket (benchmarks/results/README.md). It stays the
+# choice where nothing else runs.
 UNFUSED_ON_GPU_REASON = ("not timed: on a GPU with a fused engine eligible, the unfused engine was 4.1x or more "
                          "slower than the best fused one on every one of 2329 calls measured on the H100 and H200")
 

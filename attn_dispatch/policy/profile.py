@@ -895,7 +895,7 @@ def _call_key(params: dict) -> str:
 
 def _without_impossible(training: dict[str, float], inference: tuple | None) -> dict[str, float]:
     """A training step's times without a provider's that is under its forward alone on the same call (a timer
-    artefact: fit-drawn-c has flash-attn-4 at 0.195 ms forward and backward, 0.292 ms forward)."""
+    artefact: one measured flash-attn-4 step read 0.195 ms against 0.292 for its forward)."""
     if inference is None:
         return training
     forward = inference[2]
@@ -1022,11 +1022,9 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
     return profile
 
 
-# A time over this many times the fastest provider's on the same call is no compiled kernel's: in
-# eval-blind-packed-2 flex_attention:torch ran the grid's last packs eagerly, materialising the scores as unfused does
-# (146-430 ms against the fastest engine's 0.4-4 ms: 175-504x; on the last pack it ran out of memory allocating
-# 54 GiB). Every other compiled kernel of the four packed grids ran within 8.1x of the fastest; the unfused engine
-# (the last resort, never compared while another provider is eligible) ran 10-98x.
+# A time over this many times the fastest provider's on the same call is no compiled kernel's: flex_attention:torch
+# once ran a grid's last packs eagerly, materialising the scores (175-504x the fastest), where every compiled kernel
+# of the packed grids ran within 8.1x of it.
 EAGER_FALLBACK = 20.0
 
 
