@@ -822,7 +822,7 @@ def passes_point(args, seqlen: int, size: int, groups: int) -> list[dict]:
 
     q, k, v, dout = (rnd(args.batch, local, h, args.head_dim)
                      for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
-    order = head_groups.SeqOrder(fmt, size, local, torch.device(device), True)
+    order = head_groups.SeqOrder(fmt, size, local, True)
     a2a = head_groups.A2AAttention(get_engine("unfused:pytorch"), config("causal", "vanilla", args.head_dim), AttnAux(),
                                    fmt, GroupInfo(None, size, rank, tuple(range(size))), order, groups,
                                    _LocalExchange())

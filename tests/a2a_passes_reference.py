@@ -1,6 +1,6 @@
 """The a2a memory passes (head_groups.A2AAttention's pack, unpack, send-back and place) against the per-piece torch
-copies they replaced, kept here as the reference: SeqOrder.to_whole / write_rows (one copy per chunk) and one copy
-per tensor and rank for packing and placing. Shared by tests/test_cp_row_copy.py (CPU) and
+copies they replaced, kept here as the reference: one copy per run of tokens of SeqOrder.runs (to_whole, write_rows)
+and one copy per tensor and rank for packing and placing. Shared by tests/test_cp_row_copy.py (CPU) and
 tests/gpu/test_cp_row_copy_gpu.py (the Triton kernel). Every comparison is exact: the passes only move bytes."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def thd_lengths(size: int) -> tuple[int, ...]:
 
 def make_attention(fmt: str, size: int, rank: int, groups: int, balanced: bool, keeps_own_row: bool, local_len: int,
                    device) -> head_groups.A2AAttention:
-    order = head_groups.SeqOrder(fmt, size, local_len, torch.device(device), balanced,
+    order = head_groups.SeqOrder(fmt, size, local_len, balanced,
                                  thd_lengths(size) if fmt == "thd" else None)
     cfg = AttnConfig(fmt, "causal" if balanced else "no_mask", (-1, 0) if balanced else (-1, -1), 0.5)
     return head_groups.A2AAttention(get_engine("unfused:pytorch"), cfg, AttnAux(), fmt,
@@ -75,10 +75,30 @@ def pack_reference(a2a, tensors):
     return buf, layout
 
 
+def to_whole(order, parts) -> torch.Tensor:
+    """[P, *local shape] (a tensor, or a list of P tensors; slice p from rank p) -> the whole sequence in natural
+    order: one copy per run of order.runs(p)."""
+    first = parts[0]
+    shape = list(first.shape)
+    shape[order.sd] = order.local_len * order.size
+    whole = torch.empty(shape, dtype=first.dtype, device=first.device)
+    for p in range(order.size):
+        for at_part, at_whole, n in order.runs(p).triples:
+            whole.narrow(order.sd, at_whole, n).copy_(parts[p].narrow(order.sd, at_part, n))
+    return whole
+
+
+def write_rows(order, whole: torch.Tensor, targets: dict) -> None:
+    """targets[p] (rank p's local shape, any strides) <- rank p's tokens of the whole sequence, for each p given."""
+    for p, t in targets.items():
+        for at_part, at_whole, n in order.runs(p).triples:
+            t.narrow(order.sd, at_part, n).copy_(whole.narrow(order.sd, at_whole, n))
+
+
 def unpack_reference(a2a, parts, layout):
     if isinstance(parts, torch.Tensor):
-        return [a2a.order.to_whole(parts[:, offset:offset + n].unflatten(-1, shape)) for offset, n, shape in layout]
-    return [a2a.order.to_whole([row[i] if isinstance(row, list) else row[offset:offset + n].view(shape)
+        return [to_whole(a2a.order, parts[:, offset:offset + n].unflatten(-1, shape)) for offset, n, shape in layout]
+    return [to_whole(a2a.order, [row[i] if isinstance(row, list) else row[offset:offset + n].view(shape)
                                 for row in parts])
             for i, (offset, n, shape) in enumerate(layout)]
 
@@ -88,7 +108,7 @@ def send_back_reference(a2a, wholes, row_buf, layout, dests, group):
         rows = {p: row_buf[p, offset:offset + n].unflatten(-1, shape) for p in range(a2a.info.size)}
         if a2a.exchange.keeps_own_row:
             rows[a2a.info.rank] = a2a.group_heads(dest)[group, a2a.info.rank]
-        a2a.order.write_rows(whole, rows)
+        write_rows(a2a.order, whole, rows)
 
 
 def place_reference(a2a, dests, received, layout):

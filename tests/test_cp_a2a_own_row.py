@@ -68,7 +68,7 @@ def _run(fmt, mask, size, groups, keeps_own_row, q, k, v, dout):
     def rank_main(rank):
         try:
             leaves = [cp.shard(t, fmt, size, rank, load_balance=balanced).requires_grad_() for t in (q, k, v)]
-            order = head_groups.SeqOrder(fmt, size, leaves[0].shape[sd], q.device, balanced)
+            order = head_groups.SeqOrder(fmt, size, leaves[0].shape[sd], balanced)
             a2a = head_groups.A2AAttention(engine, cfg, AttnAux(), fmt, GroupInfo(None, size, rank, tuple(range(size))),
                                            order, groups, _ThreadExchange(store, barrier, rank, size, keeps_own_row))
             out, saved, states = a2a.forward(*(t.detach() for t in leaves), None)

@@ -361,7 +361,7 @@ def test_a2a_counts_the_bytes_its_all_to_alls_send(monkeypatch):
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(batch, seqlen // size, heads, head_dim, generator=gen)
     k, v = (torch.randn(batch, seqlen // size, kv_heads, head_dim, generator=gen) for _ in range(2))
-    order = head_groups.seq_order("bshd", size, seqlen // size, q.device, True)
+    order = head_groups.seq_order("bshd", size, seqlen // size, True)
     a2a = head_groups.A2AAttention(get_engine("unfused:pytorch"), AttnConfig("bshd", "causal", (-1, 0), 0.25),
                                    AttnAux(), "bshd", GroupInfo(None, size, 0, (0, 1)), order, 1)
     out, saved, states = a2a.forward(q, k, v, None)

@@ -306,18 +306,21 @@ def test_default_head_groups(monkeypatch):
 @pytest.mark.parametrize("fmt,balanced", [("bshd", True), ("sbhd", True), ("bshd", False), ("thd", True)])
 @pytest.mark.parametrize("size", [2, 3])
 def test_seq_order_matches_sharding(fmt, balanced, size):
-    """to_whole on the shards (rank p's at p) gives the natural sequence; to_parts gives the shards back."""
+    """The runs of each rank's tokens place the shards (rank p's at p) as the natural sequence."""
     lens = [2 * size * n for n in (1, 3, 2)]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     total = int(cu[-1])
     x = {"bshd": torch.randn(2, total, 3, 4), "sbhd": torch.randn(total, 2, 3, 4), "thd": torch.randn(total, 3, 4)}[fmt]
     shards = [cp.shard(x, fmt, size, r, load_balance=balanced, cu_seqlens=cu if fmt == "thd" else None)
               for r in range(size)]
-    order = head_groups.SeqOrder(fmt, size, shards[0].shape[0 if fmt != "bshd" else 1], x.device, balanced,
+    order = head_groups.SeqOrder(fmt, size, shards[0].shape[0 if fmt != "bshd" else 1], balanced,
                                  lens if fmt == "thd" else None)
-    parts = torch.stack(shards)
-    assert torch.equal(order.to_whole(parts), x)
-    wider = torch.cat([parts.flatten(1), torch.zeros(size, 5)], dim=1)  # what a packed receive buffer hands over
-    assert torch.equal(order.to_whole(wider[:, :parts[0].numel()].unflatten(-1, parts.shape[1:])), x)
-    back = order.to_parts(x)
-    assert back.is_contiguous() and torch.equal(back, parts)
+    sd = order.sd
+    whole = torch.full_like(x, float("nan"))
+    for p in range(size):
+        runs = order.runs(p)
+        assert sum(n for *_, n in runs.triples) == shards[p].shape[sd] == runs.tokens
+        for at_part, at_whole, n in runs.triples:
+            whole.narrow(sd, at_whole, n).copy_(shards[p].narrow(sd, at_part, n))
+            assert torch.equal(x.narrow(sd, at_whole, n), shards[p].narrow(sd, at_part, n))
+    assert torch.equal(whole, x)

@@ -439,26 +439,27 @@ class MemEfficientEngine(Engine):
                 kept[token] = views
             return views
 
+        def kept_views(mask) -> tuple:
+            """views_of(mask), found kept on the mask for its version in one attribute read where it was made."""
+            kept = getattr(mask, "_attn_dispatch_mem_efficient", None)
+            views = kept[1].get(token) if kept is not None and kept[0] == mask._version else None
+            return views or views_of(mask)
+
         if folded:
             out_shape, folded_shape = (b, sq, h, dv), (b, hk, g, dv)
 
             def folded_call(q, k, v, mask):
-                kept = getattr(mask, "_attn_dispatch_mem_efficient", None)
-                views = kept[1].get(token) if kept is not None and kept[0] == mask._version else None
-                bias, rows = views or views_of(mask)
+                bias, rows = kept_views(mask)
                 out4 = op(q.reshape(b, hk, g, d), k, v, bias, False, 0.0, False, scale=scale)[0]
                 out = q.new_empty(out_shape)  # [b, 1, h, dv]: written in head order by the one pass below
                 torch.where(rows, zero, out4, out=out.view(folded_shape))
                 return out.transpose(1, 2)
             return folded_call
-        groups = h // hk
 
         def call(q, k, v, mask):
-            kept = getattr(mask, "_attn_dispatch_mem_efficient", None)
-            views = kept[1].get(token) if kept is not None and kept[0] == mask._version else None
-            bias, rows = views or views_of(mask)
-            if groups != 1:  # the op takes one key/value head per query head
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            bias, rows = kept_views(mask)
+            if g != 1:  # the op takes one key/value head per query head
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             out4 = op(q, k, v, bias, False, 0.0, False, scale=scale)[0]
             out4.masked_fill_(rows, 0.0)
             return out4

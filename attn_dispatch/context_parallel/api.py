@@ -368,7 +368,7 @@ def _build(engine, q, k, aux: AttnAux, cfg: AttnConfig, comm: str, infos: list[G
         if fmt == "thd":
             cu = aux.cu_seqlens_q.tolist()
             lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
-        order = seq_order(fmt, a2a.size, q.shape[sd], q.device, causal or windowed, lengths)
+        order = seq_order(fmt, a2a.size, q.shape[sd], causal or windowed, lengths)
         exchange, _ = copy_engine_exchange(a2a, q.device, groups)
         return A2AAttention(engine, cfg, whole, fmt, a2a, order, groups, exchange)
     order = _rank_order(fmt, a2a.size, aux, causal or windowed, q.device, outer=infos[1].size)

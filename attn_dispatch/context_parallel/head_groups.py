@@ -87,23 +87,19 @@ def resolve_head_groups(requested: int | None, num_heads: int, num_kv_heads: int
 class SeqOrder:
     """Where each whole-sequence token sits among the shards an all-to-all delivers (rank p's local token i), and
     back. Load-balanced bshd/sbhd: rank p holds chunks p and 2P-1-p; thd: a token index, each sequence so; otherwise
-    rank order is natural order. runs(p) says it as runs of consecutive tokens, which A2AAttention's passes copy by;
-    to_whole / write_rows / to_parts copy the same tokens with one torch op per chunk (the reference the passes are
-    tested against). Built once per layout (seq_order)."""
+    rank order is natural order. runs(p) says it as runs of consecutive tokens, which A2AAttention's passes copy by.
+    Built once per layout (seq_order)."""
 
-    def __init__(self, fmt: str, size: int, local_len: int, device: torch.device, balanced: bool,
+    def __init__(self, fmt: str, size: int, local_len: int, balanced: bool,
                  thd_lengths: tuple[int, ...] | None = None):
         self.fmt, self.size, self.local_len, self.sd = fmt, size, local_len, SEQ_DIM[fmt]
         self.identity = fmt != "thd" and not balanced
         self.chunk = local_len // 2
-        # natural chunk c is half h of rank p's shard: placement[c] = (p, h)
-        self.placement = sorted(((c, (p, h)) for p in range(size) for h, c in enumerate(chunks_of_rank(size, p))))
         if fmt == "thd":
             slot = thd_natural_index(list(thd_lengths), size)  # natural token n is token slot[n] of the rank order
             rank_order = torch.empty_like(slot)
             rank_order[slot] = torch.arange(slot.numel())
-            self.natural_from, self.rank_from = slot.to(device), rank_order.to(device)
-            self._rank_from_host = rank_order
+            self.rank_from = rank_order  # whole token of each rank-order token
         self._runs: list[Runs] | None = None
 
     def runs(self, part: int) -> Runs:
@@ -111,7 +107,7 @@ class SeqOrder:
         if self._runs is None:
             if self.fmt == "thd":
                 local = self.local_len
-                self._runs = [Runs.from_index(self._rank_from_host[p * local:(p + 1) * local])
+                self._runs = [Runs.from_index(self.rank_from[p * local:(p + 1) * local])
                               for p in range(self.size)]
             elif self.identity:
                 self._runs = [Runs([(0, p * self.local_len, self.local_len)], self.local_len)
@@ -122,66 +118,12 @@ class SeqOrder:
                               for p in range(self.size)]
         return self._runs[part]
 
-    def to_whole(self, parts) -> torch.Tensor:
-        """[P, *local shape] (a tensor of any strides, or a list of P tensors; slice p from rank p) -> the whole
-        sequence in natural order, contiguous."""
-        listed = not isinstance(parts, torch.Tensor)
-        if self.fmt == "thd":
-            flat = torch.cat(list(parts), 0) if listed else parts.flatten(0, 1)
-            return flat.index_select(0, self.natural_from)
-        if self.identity:
-            if listed:
-                return self._joined([(p, 0, p) for p in range(self.size)], parts, self.local_len)
-            return parts.movedim(0, self.sd).flatten(self.sd, self.sd + 1).contiguous()
-        if listed:
-            return self._joined([(c, h, p) for c, (p, h) in self.placement], parts, self.chunk)
-        return torch.cat([parts[p].narrow(self.sd, h * self.chunk, self.chunk) for _, (p, h) in self.placement],
-                         self.sd)
-
-    def _joined(self, pieces, parts, length: int) -> torch.Tensor:
-        """The whole sequence from parts[p]'s piece h (`length` tokens each) at piece c, for (c, h, p) in pieces. One
-        copy per piece rather than torch.cat: cat takes a slow path for every input once one has gaps (a rank's own
-        heads read in place), while a copy reads strided sources at full speed."""
-        first = parts[0]
-        shape = list(first.shape)
-        shape[self.sd] = length * len(pieces)
-        whole = torch.empty(shape, dtype=first.dtype, device=first.device)
-        for c, h, p in pieces:
-            whole.narrow(self.sd, c * length, length).copy_(parts[p].narrow(self.sd, h * length, length))
-        return whole
-
-    def write_rows(self, whole: torch.Tensor, targets: dict[int, torch.Tensor]) -> None:
-        """targets[p] (rank p's local shape, any strides) <- rank p's tokens of the whole sequence, for each p given."""
-        if self.fmt == "thd":
-            for p, t in targets.items():
-                t.copy_(whole.index_select(0, self.rank_from[p * self.local_len:(p + 1) * self.local_len]))
-        elif self.identity:
-            for p, t in targets.items():
-                t.copy_(whole.narrow(self.sd, p * self.local_len, self.local_len))
-        else:
-            for c, (p, h) in self.placement:
-                if p in targets:
-                    targets[p].narrow(self.sd, h * self.chunk, self.chunk).copy_(
-                        whole.narrow(self.sd, c * self.chunk, self.chunk))
-
-    def to_parts(self, whole: torch.Tensor) -> torch.Tensor:
-        """The inverse of to_whole: the whole sequence -> contiguous [P, *local shape], slice p for rank p."""
-        if self.fmt == "thd":
-            return whole.index_select(0, self.rank_from).unflatten(0, (self.size, self.local_len))
-        if self.identity:
-            return whole.unflatten(self.sd, (self.size, self.local_len)).movedim(self.sd, 0).contiguous()
-        local = list(whole.shape)
-        local[self.sd] = self.local_len
-        parts = torch.empty(self.size, *local, dtype=whole.dtype, device=whole.device)
-        self.write_rows(whole, dict(enumerate(parts)))
-        return parts
-
 
 @functools.lru_cache(maxsize=32)
-def seq_order(fmt: str, size: int, local_len: int, device: torch.device, balanced: bool,
+def seq_order(fmt: str, size: int, local_len: int, balanced: bool,
               thd_lengths: tuple[int, ...] | None = None) -> SeqOrder:
-    """The SeqOrder of a layout, built once (its index tensors live on the device)."""
-    return SeqOrder(fmt, size, local_len, device, balanced, thd_lengths)
+    """The SeqOrder of a layout, built once."""
+    return SeqOrder(fmt, size, local_len, balanced, thd_lengths)
 
 
 class A2AAttention:
