@@ -386,7 +386,7 @@ def fit_dense_cases() -> list[Case]:
 # from 20261901 whose draw covers every head dim, both kinds of window, GQA, and d64 and d256 causal windows of at
 # most 320 keys.
 FIT_WINDOWS_SEED = 20261904
-# eval-windows: the same family, held out (drawn and committed before it was measured, after fit-windows became
+# eval-windows: the same family, held out (drawn and committed before it was measured, after the fit grid became
 # source data): the next seed with that coverage whose draw shares no call with another grid.
 EVAL_WINDOWS_SEED = 20261907
 
@@ -464,13 +464,13 @@ PACKED_5_SEED = 20262572
 # budgets 16k and 28k, up to 64 sequences from 16 tokens, windows 192-2304. The seed is the first from 20261701 whose
 # draw covers what _packed_6_coverage asks.
 PACKED_6_SEED = 20263339
-# eval-blind-packed-7: drawn after grid 6 became fit data (with more unmasked d128 packs for the relative rule), to
-# check it. Other ranges again: longest lengths 704-14848, token budgets 20k and 32k, up to 64 sequences from 20
-# tokens, windows 144-2816. The seed is the first from 20261801 whose draw covers what _packed_7_coverage asks.
+# eval-blind-packed-7: drawn after every earlier packed grid became fit data, to check the profile they make. Other
+# ranges again: longest lengths 704-14848, token budgets 20k and 32k, up to 64 sequences from 20 tokens, windows
+# 144-2816. The seed is the first from 20261801 whose draw covers what _packed_7_coverage asks.
 PACKED_7_SEED = 20270036
-# eval-blind-packed-8: drawn after grid 7 and the dense windows of fit-windows became fit data, to check them. Other
-# ranges again: longest lengths 768-13824, token budgets 18k and 30k, up to 64 sequences from 18 tokens, windows
-# 112-2560. The seed is the first from 20271001 whose draw covers what _packed_7_coverage asks.
+# eval-blind-packed-8: drawn after the earlier packed grids and the dense windowed grid below became data, to check
+# them. Other ranges again: longest lengths 768-13824, token budgets 18k and 30k, up to 64 sequences from 18 tokens,
+# windows 112-2560. The seed is the first from 20271001 whose draw covers what _packed_7_coverage asks.
 PACKED_8_SEED = 20271541
 
 
@@ -644,10 +644,11 @@ def _packed_6_coverage(shapes: list[Case]) -> bool:
 
 
 def _packed_7_coverage(shapes: list[Case]) -> bool:
-    """The third grid's coverage, and the kinds of the sixth's misses: a d256 causal-window pack under a window of at
-    most 320 (its dense twin's span is shorter than most measured windows), a d128 pack of near or uniform lengths
-    without a mask or window whose longest is 3072 or more, and a pack of 32 sequences or more whose mean length is
-    under 128 tokens. (The fourth to sixth grids' coverage compounded: no seed of 36k drawn met it with these.)"""
+    """_packed_3_coverage, and the kinds of call the packed profile last missed: a d256 causal-window pack under a
+    window of at most 320 (its dense twin's span is shorter than most measured windows), a d128 pack of near or
+    uniform lengths without a mask or window whose longest is 3072 or more, and a pack of 32 sequences or more whose
+    mean length is under 128 tokens. (_packed_4_coverage to _packed_6_coverage compounded: no seed of 36k drawn met
+    them here.)"""
     return (_packed_3_coverage(shapes)
             and any(c.d == 256 and c.window and c.window[1] == 0 and c.window[0] <= 320 for c in shapes)
             and any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 3072
