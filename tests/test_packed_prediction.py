@@ -169,6 +169,18 @@ def test_eighth_packed_grid_and_the_held_out_windows_are_new():
     assert _packed_7_coverage(_draw_packed(PACKED_8_SEED, 12, EIGHTH_PACKED))
 
 
+def test_ninth_packed_grid_is_new_and_covers_a_long_unmasked_d128_pack():
+    from attn_dispatch.benchmarking.cases import NINTH_PACKED, PACKED_9_SEED, _packed_9_coverage
+
+    grid = CASE_GRIDS["eval-blind-packed-9"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != "eval-blind-packed-9" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert _packed_9_coverage(_draw_packed(PACKED_9_SEED, 12, NINTH_PACKED))
+    assert not any(_packed_9_coverage(_draw_packed(s, 12, NINTH_PACKED)) for s in range(20271601, PACKED_9_SEED))
+    assert any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 6144 for c in grid)
+
+
 def test_a_case_refuses_lengths_that_do_not_fit_it():
     for bad in (dict(b=2, s=100, seqlens=(100, 50, 20)), dict(b=2, s=100, seqlens=(90, 50)),
                 dict(b=2, s=100, seqlens=(100, 0))):

@@ -472,6 +472,10 @@ PACKED_7_SEED = 20270036
 # them. Other ranges again: longest lengths 768-13824, token budgets 18k and 30k, up to 64 sequences from 18 tokens,
 # windows 112-2560. The seed is the first from 20271001 whose draw covers what _packed_7_coverage asks.
 PACKED_8_SEED = 20271541
+# eval-blind-packed-9: drawn after grid 8 became fit data and FlexAttention lost its rate, to check them. Other ranges
+# again: longest lengths 736-16384, token budgets 22k and 34k, up to 64 sequences from 22 tokens, windows 128-3072.
+# The seed is the first from 20271601 whose draw covers what _packed_9_coverage asks.
+PACKED_9_SEED = 20273629
 
 
 @dataclass(frozen=True)
@@ -538,6 +542,12 @@ EIGHTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 24
                              patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                              kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                              windows=(112, 240, 480, 1216, 2560), prefix="pw")
+NINTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20, 32, 36, 48),
+                            longest=(736, 1920, 2944, 4096, 5888, 8192, 12800, 16384), budgets=(22528, 34816),
+                            max_sequences=64, shortest=22,
+                            patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                            kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                            windows=(128, 352, 896, 1536, 3072), prefix="px")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -656,6 +666,14 @@ def _packed_7_coverage(shapes: list[Case]) -> bool:
             and any(c.b >= 32 and sum(c.seqlens) < 128 * c.b for c in shapes))
 
 
+def _packed_9_coverage(shapes: list[Case]) -> bool:
+    """_packed_7_coverage, with its long d128 unmasked pack of near or uniform lengths at least 6144 long: where the
+    profile now picks FlexAttention on flash-attn-4 over flash-attn-4 by a slope read off shorter packs."""
+    return _packed_7_coverage(shapes) and any(
+        c.d == 128 and c.mask == "padding" and not c.window and c.s >= 6144
+        and c.name.split("-", 1)[1] in ("uniform", "near") for c in shapes)
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -696,6 +714,11 @@ def eval_packed_8_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_8_SEED, 12, EIGHTH_PACKED))
 
 
+def eval_packed_9_cases() -> list[Case]:
+    """12 packed shapes of NINTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_9_SEED, 12, NINTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -711,5 +734,5 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases,
               "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases,
               "eval-blind-packed-7": eval_packed_7_cases, "fit-windows": fit_windows_cases,
-              "eval-blind-packed-8": eval_packed_8_cases,
+              "eval-blind-packed-8": eval_packed_8_cases, "eval-blind-packed-9": eval_packed_9_cases,
               "eval-windows": lambda: fit_windows_cases(EVAL_WINDOWS_SEED, "ew")}
