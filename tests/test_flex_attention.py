@@ -333,3 +333,20 @@ def test_cpu_training_fails_with_the_error_the_table_cites(engine):
     with pytest.raises(NotImplementedError) as info:
         _run(engine, q, k, v, AttnAux(), _cfg("causal"))
     assert str(info.value) == CPU_BACKWARD_ERROR
+
+
+def test_a_compiled_copy_serves_one_grad_mode_head_configuration_and_dtype():
+    """torch.compile's recompile limit is per code object: each fact that costs a recompile (grad mode, head counts,
+    head dims, dtype) gets its own copy of the call, and sequence lengths (dynamic after one recompile) do not."""
+    kind = (True, "padding_causal", (-1, 0), "no_bias", False, False, False, True)
+
+    def key(t=100, h=8, hk=2, d=64, dv=64, dtype=torch.bfloat16, grad=True):
+        q4, k4, v4 = torch.empty(1, h, t, d, dtype=dtype), torch.empty(1, hk, t, d, dtype=dtype), \
+            torch.empty(1, hk, t, dv, dtype=dtype)
+        with torch.set_grad_enabled(grad):
+            return FlexAttentionEngine.compiled_key(kind, q4, k4, v4)
+
+    assert key(t=100) == key(t=4000)
+    others = [key(grad=False), key(h=16), key(hk=8), key(d=128), key(dv=128), key(dtype=torch.float16)]
+    assert len({key(), *others}) == 1 + len(others)
+    assert all(k[:len(kind)] == kind for k in others)

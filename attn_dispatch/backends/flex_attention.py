@@ -78,18 +78,25 @@ class FlexAttentionEngine(Engine):
         self._lse_request = request(lse=True) if request is not None else None
         self._compiled: dict[tuple, object] = {}
 
-    def _kernel(self, device: torch.device, kind: tuple):
-        """Eager flex on the CPU; on CUDA, flex compiled once per process for each kind of call (mask and score
-        modifiers' structure). torch.compile keeps its graphs, and its recompile limit (8), per code object: one
-        code object for every kind would fall back to eager flex (every score materialised) after a few kinds and
-        shapes, so each kind gets its own copy of the call's code."""
+    @staticmethod
+    def compiled_key(kind: tuple, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple:
+        """What one compiled copy of the call serves: the kind of call (mask and score modifiers' structure), the
+        grad mode, head counts, head dims and dtype. torch.compile keeps its graphs, and its recompile limit (8), per
+        code object, and past the limit runs the frame eagerly: eager flex materialises every score (26-44x slower
+        and out of memory on 8k packs, seen on the H200). Each of these facts, changed, costs a recompile; sequence
+        lengths turn dynamic after one (a copy holds at most 3 graphs however its lengths vary)."""
+        return kind + (torch.is_grad_enabled(), q4.shape[1], k4.shape[1], q4.shape[-1], v4.shape[-1], q4.dtype)
+
+    def _kernel(self, device: torch.device, key: tuple):
+        """Eager flex on the CPU; on CUDA, flex compiled once per process for each compiled_key, each its own copy
+        of the call's code."""
         if device.type != "cuda":
             return _call_flex
-        compiled = self._compiled.get(kind)
+        compiled = self._compiled.get(key)
         if compiled is None:
             index = len(self._compiled)
             code = _call_flex.__code__.replace(co_name=f"flex_attention_kind_{index}")
-            compiled = self._compiled[kind] = torch.compile(types.FunctionType(code, _call_flex.__globals__))
+            compiled = self._compiled[key] = torch.compile(types.FunctionType(code, _call_flex.__globals__))
         return compiled
 
     def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig,
@@ -101,7 +108,7 @@ class FlexAttentionEngine(Engine):
         call = plan(self.flex, aux, cfg, b, h, sq, skv, q.device)
         kind = (cfg.qkv_format == "thd", cfg.attn_mask_type, tuple(cfg.window_size), cfg.bias_type,
                 bool(cfg.softcap), MASK_MOD in aux.extra, SCORE_MOD in aux.extra, want_lse)
-        kernel = self._kernel(q.device, kind)
+        kernel = self._kernel(q.device, self.compiled_key(kind, q4, k4, v4))
         aux_request = self._lse_request
         if q.device.type == "cuda":
             out4, lse = self._launch(kernel, q4, k4, v4, call, cfg, aux_request, kind)

@@ -179,6 +179,36 @@ def test_flex_packed_documents_with_gaps():
         assert rel_err(g, w) < TOL
 
 
+def test_flex_never_runs_eagerly_across_many_head_configurations_and_both_grad_modes():
+    """More head configurations and grad modes than torch.compile's recompile limit (8) in one kind of call: each
+    compiled copy keeps its own graphs, so no call falls back to eager flex (which warns, and materialises the
+    scores)."""
+    import warnings
+
+    engine = get_engine("flex_attention:torch")
+    configs = [(h, hk, d) for h, hk in ((4, 4), (8, 2), (8, 8), (12, 4), (16, 1), (6, 3)) for d in (64, 128)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flex_attention called without torch.compile")
+        for n, (h, hk, d) in enumerate(configs):
+            lens = [97 + 31 * n, 256, 40 + n]
+            t = sum(lens)
+            cu = torch.tensor([0] + lens, device=DEV).cumsum(0).int()
+            aux = AttnAux(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            cfg = AttnConfig(qkv_format="thd", attn_mask_type="padding_causal", window_size=(-1, 0),
+                             softmax_scale=1 / math.sqrt(d))
+            doc = torch.repeat_interleave(torch.arange(len(lens), device=DEV), torch.tensor(lens, device=DEV))
+            i, j = torch.arange(t, device=DEV).view(t, 1), torch.arange(t, device=DEV).view(1, t)
+            keep = ((doc.view(t, 1) == doc.view(1, t)) & (j <= i)).view(1, 1, t, t)
+            q, k, v = (x[0] for x in _leaves(1, t, h, hk, d, f"configs {n}"))
+            for training in (True, False):
+                with torch.set_grad_enabled(training):
+                    out, _, _ = engine(q, k, v, aux, cfg)
+                ref_out, _ = _reference(*(x.detach().float().unsqueeze(0).transpose(1, 2) for x in (q, k, v)),
+                                        keep, lambda x: x, cfg.softmax_scale)
+                assert rel_err(out, ref_out.transpose(1, 2)[0]) < TOL, (h, hk, d, training)
+                assert out.requires_grad == training
+
+
 def test_flex_user_mask_mod_and_score_mod():
     b, s, h, d = 1, 1024, 8, 128
     q, k, v = _leaves(b, s, h, h, d, "user")
