@@ -1023,8 +1023,9 @@ def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
 
 
 # A time over this many times the fastest provider's on the same call is no compiled kernel's: flex_attention:torch
-# once ran a grid's last packs eagerly, materialising the scores (175-504x the fastest), where every compiled kernel
-# of the packed grids ran within 8.1x of it.
+# ran a grid's last packs eagerly, materialising the scores (175-504x the fastest), once its compiled code passed
+# torch.compile's recompile limit (the engine now keeps a copy per head configuration and grad mode); every compiled
+# kernel of the packed grids ran within 8.1x of the fastest.
 EAGER_FALLBACK = 20.0
 
 
