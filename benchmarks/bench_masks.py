@@ -198,7 +198,7 @@ def row_params(row: dict, train: bool) -> dict:
 
 
 def profile_rows(result: dict) -> list[dict]:
-    """A run's calls as the performance profile's masked entries take them (policy.profile.build's `masked`): each
+    """A run's calls as the performance profile's masked entries take them (policy.profile_build.build's `masked`): each
     call's params and the step time of every engine forced through the module (columns module:<provider>; the
     default pick, the SDPA functions and the structured call are not providers)."""
     train = result["environment"]["train"]

@@ -6,7 +6,7 @@
 
 Any number of result files, of any grid, machine and stack: rows of one call on one machine make one entry, its
 provider times the median over the runs after scaling each run onto the one with the most providers by the
-providers both timed (policy.profile.combine_runs; a stock-torch run times torch's providers only). Each entry
+providers both timed (policy.profile_build.combine_runs; a stock-torch run times torch's providers only). Each entry
 records its machine (the run's device name). The stack named is the full-stack runs' (flash-attn-4 installed).
 A run of a refresh grid (cases.REFRESH_GRIDS: fit-thd) replaces the earlier runs of its calls on its machine.
 Runs with a host/GPU split (bench_user_step.py --split-only: split_fit_*) add each provider's host and GPU time.
@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.benchmarking.cases import REFRESH_GRIDS  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
-from attn_dispatch.policy.profile import PROFILE_DIR, build  # noqa: E402
+from attn_dispatch.policy.profile import PROFILE_DIR  # noqa: E402
+from attn_dispatch.policy.profile_build import build  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_masks  # noqa: E402

@@ -31,8 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attn_dispatch.params import AttentionParams, packed_fills  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
-from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, build,  # noqa: E402
-                                          pooled_calls)
+from attn_dispatch.policy.cost_model import COST_MODEL, CostModel  # noqa: E402
+from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
+from attn_dispatch.policy.profile_build import build, pooled_calls  # noqa: E402
 from build_profile import load_runs  # noqa: E402
 
 # torch's own providers: what a stock `pip install torch` has

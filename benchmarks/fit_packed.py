@@ -1,5 +1,5 @@
 """How well the profile predicts packed (thd) calls, per engine: the numbers the packed cost terms of
-policy/profile.py's CostModel were chosen by (no GPU needed).
+policy/cost_model.py's CostModel were chosen by (no GPU needed).
 
     python3 benchmarks/fit_packed.py                       # the shipped CostModel
     python3 benchmarks/fit_packed.py --model twin_k=3      # a CostModel setting (repeatable, evaluate_profile's form)
@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
-from attn_dispatch.policy.profile import (PROFILE_DIR, CostModel, Profile, packed_entries, pooled_calls,  # noqa: E402
-                                          pooled_splits)
+from attn_dispatch.policy.cost_model import CostModel  # noqa: E402
+from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
+from attn_dispatch.policy.profile_build import packed_entries, pooled_calls, pooled_splits  # noqa: E402
 import results_manifest  # noqa: E402
 from build_profile import load_runs, shipped_sources  # noqa: E402
 from evaluate_profile import call_of, evaluate, model_with  # noqa: E402

@@ -14,8 +14,9 @@ import pytest
 from attn_dispatch import AttentionParams, Platform, explain, selection
 from attn_dispatch.env import EnvFlags
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
-from attn_dispatch.policy.profile import (COST_MODEL, build, features, provider_work, tiled_pairs,
-                                          unwindowed_work, work as profile_work)
+from attn_dispatch.policy.cost_model import COST_MODEL, features, provider_work, tiled_pairs, unwindowed_work
+from attn_dispatch.policy.cost_model import work as profile_work
+from attn_dispatch.policy.profile_build import build
 
 H100 = Platform.parse("h100-cudnn9")
 A100 = Platform.parse("a100-cudnn9")

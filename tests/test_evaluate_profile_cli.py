@@ -8,7 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import evaluate_profile  # noqa: E402
-from attn_dispatch.policy.profile import COST_MODEL, PROFILE_DIR, Profile  # noqa: E402
+from attn_dispatch.policy.cost_model import COST_MODEL  # noqa: E402
+from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
 
 HELD_OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "held_out"
 

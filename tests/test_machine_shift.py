@@ -6,7 +6,9 @@ import dataclasses
 import math
 
 from attn_dispatch import AttentionParams
-from attn_dispatch.policy.profile import COST_MODEL, Profile, build, machine_shifts, work
+from attn_dispatch.policy.cost_model import COST_MODEL, work
+from attn_dispatch.policy.profile import Profile, machine_shifts
+from attn_dispatch.policy.profile_build import build
 
 SLOW, FAST = "GPU slow", "GPU fast"
 

@@ -1,5 +1,5 @@
 """A packed (thd) call's predicted cost: its dense twin's GPU time x its share of the work x the engine's varlen
-factor, and the packed calls' host time (policy/profile.py, CostModel.packed_twin); checked on synthetic profiles
+factor, and the packed calls' host time (policy/profile.py; policy/cost_model.py, CostModel.packed_twin); checked on synthetic profiles
 whose engines have known rates, and on the packed held-out run the terms were fitted with."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 
 from attn_dispatch import AttentionParams
 from attn_dispatch.params import packed_fills
-from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, Profile, build, dense_twin, packed_gpu_factor,
-                                          unwindowed_work, work)
+from attn_dispatch.policy.cost_model import COST_MODEL, dense_twin, packed_gpu_factor, unwindowed_work, work
+from attn_dispatch.policy.profile import PROFILE_DIR, Profile
+from attn_dispatch.policy.profile_build import build
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 RATE = {"x:fast": 4e11, "x:slow": 2e11}  # flops per ms of GPU time (400 and 200 TFLOP/s), at every size

@@ -210,7 +210,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from attn_dispatch.call_args import CallArgs  # noqa: E402
 from attn_dispatch.params import AttentionParams, packed_fill_bucket, packed_fills, score_tiles  # noqa: E402
-from attn_dispatch.policy.profile import CostModel, measured_pack_fills, packed_share, work  # noqa: E402
+from attn_dispatch.policy.cost_model import CostModel, measured_pack_fills, packed_share, work  # noqa: E402
 from attn_dispatch.sequences import sequence_info  # noqa: E402
 
 

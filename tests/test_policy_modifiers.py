@@ -14,7 +14,8 @@ import torch
 from attn_dispatch import AttentionParams, DotProductAttention, Platform, explain, selection
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
 from attn_dispatch.policy.auto import PREDICTED
-from attn_dispatch.policy.profile import build, features, modifiers
+from attn_dispatch.policy.cost_model import features, modifiers
+from attn_dispatch.policy.profile_build import build
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

@@ -15,8 +15,8 @@ import pytest
 from attn_dispatch import AttentionParams
 from attn_dispatch.params import packed_fills
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
-from attn_dispatch.policy.profile import (COST_MODEL, PROFILE_DIR, CostModel, Profile, features, measured_pack_fills,
-                                          tiled_pairs)
+from attn_dispatch.policy.cost_model import COST_MODEL, CostModel, features, measured_pack_fills, tiled_pairs
+from attn_dispatch.policy.profile import PROFILE_DIR, Profile
 from attn_dispatch.policy.timing import attended_pairs, attention_flops, mode_of
 
 FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")

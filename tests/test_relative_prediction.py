@@ -16,7 +16,9 @@ import pytest
 from attn_dispatch import AttentionParams, Platform
 from attn_dispatch.params import packed_fills
 from attn_dispatch.policy import AutoPolicy
-from attn_dispatch.policy.profile import COST_MODEL, EAGER_FALLBACK, Profile, build, features, packed_entries
+from attn_dispatch.policy.cost_model import COST_MODEL, features
+from attn_dispatch.policy.profile import Profile
+from attn_dispatch.policy.profile_build import EAGER_FALLBACK, build, packed_entries
 
 MACHINE = "test GPU"
 KNOWN = ("x:fast", "x:slow")  # providers with rates: dense rows at 400 and 200 TFLOP/s of every kind used here

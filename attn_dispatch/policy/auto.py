@@ -3,7 +3,7 @@ architecture, with no timing at run time. A bucket the measured policy has tuned
 profile (local timings beat a prediction); without a profile for the architecture, Transformer Engine's order
 decides, and the reason says so. KV-cache decode steps are predicted by the memory-bound model of
 policy/decode.py instead (the profile has no decode rows). A call with a modifier (softcap, a bias, an arbitrary mask,
-a mask_mod / score_mod, ...: profile.modifiers) is never predicted from the rows, which have none: the nearest masked
+a mask_mod / score_mod, ...: cost_model.modifiers) is never predicted from the rows, which have none: the nearest masked
 call measured with the same modifiers ranks its providers (policy/modified.py), else the order decides, and the
 reason says which. A provider without a rate (FlexAttention's: CostModel.relative_only) is predicted relative to the
 eligible ones that have one, off the nearest measured calls that timed both (Profile.relative)."""
@@ -14,7 +14,8 @@ from ..platform import Platform
 from . import decode, modified
 from .base import Choice
 from .order import without_last_resort
-from .profile import PROFILE_DIR, Prediction, Profile, arch_of, modifiers, profile_for
+from .cost_model import modifiers
+from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
 PREDICTED = "ms per step, predicted"  # the unit of a Choice made from the profile's prediction
 

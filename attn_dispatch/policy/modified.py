@@ -1,4 +1,4 @@
-"""Calls with a modifier (profile.modifiers: softcap, a bias or ALiBi, an arbitrary mask, a user's mask_mod or
+"""Calls with a modifier (cost_model.modifiers: softcap, a bias or ALiBi, an arbitrary mask, a user's mask_mod or
 score_mod, dropout, ...): the profile's rate model has no row of any, so it predicts none of them. What ranks their
 providers instead is a measurement: the nearest call with the same modifiers that bench_masks.py timed (the profile's
 `masked` entries, built from the manifest's profile-source bench_masks.py runs), its eligible providers fastest
@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..params import AttentionParams
-from .profile import MaskedCall, Profile, features, modifiers
+from .cost_model import features, modifiers
+from .profile import MaskedCall, Profile
 
 
 @dataclass(frozen=True)

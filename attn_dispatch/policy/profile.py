@@ -32,7 +32,7 @@ is the packed calls' host time (Profile.parts; CostModel.packed_twin says why).
 A provider no profile-source run timed on a plain call (FlexAttention's) has no rate; on a packed call it is
 predicted relative to the providers the decision compares, from the profile's `packed` entries (the packed fit grids,
 every provider forced): its time over theirs on the nearest measured packed calls of the same kind and head dims, x
-their predicted times (Profile.relative). A dense call gets no prediction for it.
+their predicted times (Profile.relative); on a dense call likewise, from the dense entries that timed it.
 benchmarks/results/README.md has the leave-one-out and leave-one-grid-out numbers that chose the model;
 predict(leave_out=True) leaves every measured entry of the call's own shape (on any machine) out of the neighbours
 and the host floors, for that check.
@@ -52,295 +52,12 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from ..params import (PACKED_TILE, TOP_LEFT_MASKS, AttentionParams, is_bottom_right, is_causal, packed_fills,
-                      score_tiles)
+from ..params import AttentionParams
 from ..platform import Platform
-from .timing import BACKWARD_FLOP_FACTOR, attended_pairs, attention_flops, band_sum, mode_of
+from .cost_model import (COST_MODEL, FEATURES, CostModel, dense_twin, features, packed_gpu_factor,
+                         packed_mean_length, provider_work, two_sided_training, unwindowed_work, without_window, work)
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
-_FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The model's settings, chosen by leave-one-out and leave-one-grid-out over every measured run
-    (benchmarks/evaluate_profile.py --protocols; benchmarks/results/README.md has the numbers)."""
-
-    # Distance per log2 unit (a doubling) of each size (_FEATURES order); and for a different memory format.
-    weights: tuple[float, ...] = (4.0, 2.0, 0.5, 0.25, 1.0, 1.0, 2.0)
-    format_mismatch: float = 1.5
-    k: int = 1              # neighbours per provider (K > 1 averages log rates, weighted by 1 / (distance + 0.25))
-    combine: float = 8.0    # t = (H^p + G^p)^(1/p): close to max(H, G), smooth where they meet
-    min_own: int = 20       # a machine's own entries of a kind needed to predict from them alone
-    # A neighbour that cost less than host_bound x its host floor hides its GPU time (the smooth max attributes
-    # most of a near-floor time to the GPU): it gives no rate to a call of more work than its own.
-    host_bound: float = 3.0
-    tile: int = 128         # work counted in tile x tile blocks of the score matrix (0: attended pairs)
-    split_windows: bool = True  # causal windows (right bound 0) and two-sided ones as different kinds of call
-    # The host floor: the (r + 1)-th least time of a provider on calls of that kind, r = min(floor_rank, calls // 10):
-    # one timer outlier (a measured training step faster than the same call's forward) otherwise sets the floor of
-    # every call.
-    floor_rank: int = 3
-    # Where entries hold a provider's step measured apart as host and GPU time (bench_user_step.py --split), those
-    # predict it instead: G from the nearest split entry's GPU rate, H the median host time of the host_k nearest,
-    # times host_scale (the hosts that time a user's step differ from the one the split was measured on), and
-    # t = (H^p + G^p)^(1/p) with p = split_combine.
-    use_split: bool = True
-    host_k: int = 25
-    # The split lease's host was slower than the hosts that ran the block-timer blind grids: their host-bound steps
-    # cost 0.6-1.5x the split's host time by lease (median 0.88). 0.8 was the best of 0.5-1.0 over three held-out
-    # grids' 720 rows (benchmarks/results/README.md).
-    host_scale: float = 0.8
-    split_combine: float = 4.0
-    # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
-    # of more work than its own.
-    min_rate_gpu_ms: float = 0.1
-    # Providers whose backward computes every key tile under a two-sided window (right bound > 0): their training
-    # work is the forward's windowed tiles plus the backward's unwindowed ones. cuDNN 9.19's GPU rate over the windowed
-    # work fell with the window's cover, over this work it held (25 two-sided training calls of the split fit).
-    unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; under a window at most
-    # packed_token_fill of the longest's band), in proportion: a power of the fill over-predicted the first packed
-    # grid's steps by 5-21%. Without known lengths, the measured packs' expected fill.
-    packed_lengths: bool = True
-    # A packed call's GPU time is its dense twin's (dense_twin: the dense rates cover every head dim and window) x its
-    # share of the provider's work x the provider's varlen_factor; its host time is the packed calls' (Profile.parts).
-    # Leave-one-out over 102 split packed calls, this cut the GPU time's rms log error from 0.15-0.20 to 0.11-0.13.
-    packed_twin: bool = True
-    # Each engine's varlen kernel over its dense one: measured packed GPU time over the twin's prediction x the work's
-    # share (medians over the H100's packed splits; benchmarks/fit_packed.py). Others: 1.
-    varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend", 1.13), ("flash_attn_2:torch", 1.05),
-                                                    ("flash_attn_4:cute", 1.08))
-    # Per machine ("provider@device name"), a factor on varlen_factor: the H200's first packed grids sat off the
-    # H100-fitted factors (medians over rows well above the host time), and picks within ~10% moved with them.
-    # Refitted on later grids they moved no measured pick, so these stay.
-    machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
-                                                            ("flash_attn_2:torch@NVIDIA H200", 1.06),
-                                                            ("flash_attn_4:cute@NVIDIA H200", 0.97))
-    # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
-    # between the two (machine_shifts: the median log ratio over dense calls both timed, of one pass and head dim, each
-    # at least machine_pair_ms; at least machine_pairs of them; under machine_shift_min taken as none, run-to-run
-    # clock noise). Engines do not gain alike from the H100 to the H200 (flash-attn-4's d256 training 0.86x, cuDNN's
-    # 0.98x), and the H200 has too few entries of most kinds to predict from its own.
-    machine_shift: bool = True
-    machine_pairs: int = 2
-    machine_pair_ms: float = 1.0
-    machine_shift_min: float = 0.05
-    # A provider without a rate (relative_only) is predicted relative to the providers the decision compares, off the
-    # relative_k nearest measured calls of the call's kind and head dims that timed it and some of them (a packed call:
-    # the packed fit grids' entries; a dense call: the dense entries), else not at all. Flex's time over FA2's ranged
-    # 0.84-6.6x over the packed grids, with head dims, pass, mask and sequence lengths; near calls agreed. One or two
-    # calls sent packs to flex at 1.25-2.8x; three kept or improved every pick, each packed grid left out in turn.
-    relative_k: int = 3
-    # On a packed call, each neighbour's ratio is moved to the call's mean sequence length (packed_mean_length) along
-    # the slope the packed entries show (Profile.relative_slope): flex runs a pack as one sequence under a document
-    # mask, so short documents cut many blocks in part (its time over FA2's fell 0.06-0.09 in log per doubling). Never
-    # past the longest mean length measured of that kind and head dims: no pack says flex keeps gaining beyond it.
-    relative_length_slope: bool = True
-    # Providers never given a rate: FlexAttention's block-mask kernels cost, over a tiled engine, what the window and
-    # block structure make them, more than any work count follows. Rated off one dense window grid, flex was picked on
-    # a held-out grid's full-stack windowed calls at up to 1.66x the fastest.
-    relative_only: tuple[str, ...] = ("flex_attention:torch", "flex_attention:flash_attn_4")
-
-
-COST_MODEL = CostModel()
-
-
-def modifiers(p: AttentionParams) -> tuple[str, ...]:
-    """What the call does to the scores (or to the kernels that compute them) beyond its mask type and window: none
-    of the rate model's rows (bench_user_step.py grids: plain masks and windows, bf16) did any of it, and each
-    changes an engine's kernel and cost (a tanh per score for softcap, a bias read per score, a block mask built
-    from an arbitrary mask or a mask_mod, a function per score, an RNG per score for dropout, an ordered
-    accumulation in a deterministic backward, other kernels for fp8 or float32). float16 is taken as bfloat16 (the
-    same kernels at the same tensor-core rate); return_max_logit adds only the row max every kernel keeps, and a
-    sink softmax (off-by-one, learnable) one logit per row, not per score: the plain rows predict both."""
-    found = []
-    if p.attn_mask_type == "arbitrary":
-        found.append("an arbitrary mask")
-    if p.mask_mod:
-        found.append("a mask_mod")
-    if p.bias_type != "no_bias":
-        found.append({"alibi": "ALiBi", "pre_scale_bias": "a pre-scale bias"}.get(p.bias_type, "a post-scale bias"))
-    if p.softcap:
-        found.append("softcap")
-    if p.score_mod:
-        found.append("a score_mod")
-    if p.dropout:
-        found.append("dropout")
-    if p.deterministic and p.is_training:
-        found.append("a deterministic backward")
-    if p.fp8 or p.dtype not in ("bfloat16", "float16"):
-        found.append("fp8" if p.fp8 else p.dtype)
-    return tuple(found)
-
-
-def features(p: AttentionParams, model: CostModel = COST_MODEL) -> tuple[tuple, dict[str, float], str]:
-    """(kind, log2 sizes, memory format) of a call, as the profile compares calls. A call with modifiers() has them
-    last in its kind (joined by ' and '): only calls with the same ones are of its kind."""
-    left, right = p.window_size
-    span = p.max_seqlen_kv
-    if p.has_sliding_window and left >= 0:
-        span = min(span, left + (right if right >= 0 else 0) + 1)
-    mask = "window" if p.has_sliding_window else ("causal" if p.is_causal else "none")
-    if mask == "window" and model.split_windows and right != 0:
-        mask = "window two-sided"
-    kind = (p.is_training, mask, p.has_padding)
-    if p.inference_kv_cache:  # a decode/prefill step over a cache: compared only with measured cache steps
-        kind += ("kv-cache paged" if p.kv_cache_paged else "kv-cache",)
-    modified = modifiers(p)
-    if modified:
-        kind += (" and ".join(modified),)
-    log2 = {"d_qk": math.log2(p.head_dim_qk), "d_v": math.log2(p.head_dim_v), "sq": math.log2(p.max_seqlen_q),
-            "skv": math.log2(p.max_seqlen_kv), "span": math.log2(max(1, span)),
-            "bh": math.log2(p.batch_size * p.num_heads), "gqa": math.log2(p.gqa_ratio)}
-    fmt = "sbhd" if p.qkv_format == "sbhd" else "bshd"
-    return kind, log2, fmt
-
-
-def work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
-    """The call's matmul flops: the unit rates are kept in. With model.tile, the score matrix is counted in
-    tile x tile blocks that hold an attended pair (what a tiled kernel computes: a 257-key band costs 3 key tiles
-    of 128 per query tile). A packed call counts its own sequences' share of the full-length work (packed_share)."""
-    nominal = _nominal_work(p, model)
-    if p.qkv_format != "thd" or not model.packed_lengths:
-        return nominal
-    return nominal * packed_share(p, model)
-
-
-def _nominal_work(p: AttentionParams, model: CostModel) -> float:
-    """work() at full length: every sequence max_seqlen long."""
-    pairs = attended_pairs(p)
-    flops = attention_flops(p, mode_of(p), pairs)
-    if not model.tile:
-        return flops
-    return flops * tiled_pairs(p, model.tile) / max(1, pairs)
-
-
-def packed_share(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
-    """The share of a packed call's full-length work its own sequences make: packed_fill, and under a window at
-    most packed_token_fill of the windowed work (a band costs per token what the longest's does, or less). Without
-    known lengths, the expected fills of the packs the profile measured (measured_pack_fills)."""
-    fill, tokens = p.packed_fill, p.packed_token_fill
-    if fill is None or tokens is None:
-        fill, tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
-                                           model.tile or PACKED_TILE)
-    if not p.has_sliding_window:
-        return min(fill, tokens)
-    windowed = _nominal_work(p, model)
-    full = _nominal_work(p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1)), model)
-    return min(full * fill, windowed * tokens) / windowed
-
-
-@lru_cache(maxsize=4096)
-def measured_pack_fills(batch: int, max_q: int, max_kv: int, mask_type: str, tile: int) -> tuple[float, float]:
-    """(packed_fill, packed_token_fill) expected of the packs the profile's runs measured (bench_user_step.py: the
-    first sequence max_q long, each other uniform in [max_q // 2, max_q], keys as many as queries): not bucketed."""
-    causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
-    low = max(1, max_q // 2)
-
-    def tiles(n_q: int) -> int:
-        return score_tiles(n_q, max(1, round(n_q * max_kv / max_q)), causal, bottom_right, tile)
-
-    # the mean tiles of a length uniform in [low, max_q]: lengths in one tile count share it
-    total, count = 0, 0
-    for n in range(-(-low // tile), -(-max_q // tile) + 1):
-        first, last = max(low, (n - 1) * tile + 1), min(max_q, n * tile)
-        total += (last - first + 1) * tiles(last)
-        count += last - first + 1
-    longest = tiles(max_q)
-    fill = (longest + (batch - 1) * total / count) / (batch * longest)
-    tokens = (max_q + (batch - 1) * (low + max_q) / 2) / (batch * max_q)
-    return fill, tokens
-
-
-def packed_mean_length(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
-    """A packed call's mean query tokens per sequence: its token fill (packed_token_fill) x the longest; without
-    known lengths, the measured packs' expected token fill (measured_pack_fills)."""
-    tokens = p.packed_token_fill
-    if tokens is None:
-        tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
-                                     model.tile or PACKED_TILE)[1]
-    return tokens * p.max_seqlen_q
-
-
-_DENSE_MASK = {"padding": "no_mask", "padding_causal": "causal", "padding_causal_bottom_right": "causal_bottom_right"}
-
-
-def dense_twin(p: AttentionParams) -> AttentionParams:
-    """A packed call as a dense one: batch_size sequences of the longest length, the same mask (without padding),
-    window, heads and dims."""
-    return p.replace(qkv_format="bshd", attn_mask_type=_DENSE_MASK.get(p.attn_mask_type, p.attn_mask_type),
-                     packed_fill=None, packed_token_fill=None, pad_between_seqs=False, seqlens_differ=False)
-
-
-def without_window(p: AttentionParams) -> AttentionParams:
-    return p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1))
-
-
-def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST_MODEL,
-                      machine: str | None = None) -> float:
-    """A packed call's GPU time over its dense twin's, for the provider: the pack's share of the provider's work
-    (provider_work: a backward that skips no window tile counts the unwindowed share) x its varlen factor (x the
-    machine's, where it has one)."""
-    twin = dense_twin(p)
-    packed = provider_work(provider, work(p, model), unwindowed_work(p, model) if two_sided_training(p) else
-                           work(p, model), model)
-    dense = provider_work(provider, work(twin, model), unwindowed_work(twin, model) if two_sided_training(twin) else
-                          work(twin, model), model)
-    return packed / dense * varlen_factor(provider, machine, model)
-
-
-def varlen_factor(provider: str, machine: str | None, model: CostModel = COST_MODEL) -> float:
-    """The provider's varlen kernel over its dense one (model.varlen_factor), on the machine (machine_varlen_factor)."""
-    found = dict(model.varlen_factor).get(provider, 1.0)
-    if machine:
-        found *= dict(model.machine_varlen_factor).get(f"{provider}@{machine}", 1.0)
-    return found
-
-
-def two_sided_training(p: AttentionParams) -> bool:
-    """A training call under a window with a right bound (the keys after the query are limited too)."""
-    return p.is_training and p.has_sliding_window and p.window_size[1] != 0
-
-
-def unwindowed_work(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
-    """work() of the call without its window (its mask kept)."""
-    return work(p.replace(window_size=(-1, 0) if p.is_causal else (-1, -1)), model)
-
-
-def provider_work(provider: str, windowed: float, unwindowed: float, model: CostModel = COST_MODEL) -> float:
-    """The work a provider does on a call of work() `windowed` and unwindowed_work() `unwindowed` (equal unless the
-    call trains under a two-sided window): model.unwindowed_backward's providers skip no tile in the backward."""
-    if provider not in model.unwindowed_backward or unwindowed == windowed:
-        return windowed
-    return (windowed + BACKWARD_FLOP_FACTOR * unwindowed) / (1.0 + BACKWARD_FLOP_FACTOR)
-
-
-def tiled_pairs(p: AttentionParams, tile: int) -> int:
-    """(query, key) pairs of the tile x tile blocks that hold at least one attended pair, in closed form."""
-    sq, skv = p.max_seqlen_q, p.max_seqlen_kv
-    left, right = p.window_size
-    nq, nk = -(-sq // tile), -(-skv // tile)
-    if left < 0 and right < 0:
-        return nq * nk * tile * tile
-    offset = 0 if p.attn_mask_type in TOP_LEFT_MASKS else skv - sq
-    far = 1 << 40
-    c_hi = offset + right if right >= 0 else far  # query row i sees keys up to i + c_hi, from i + c_lo
-    c_lo = offset - left if left >= 0 else -far
-
-    def key_tiles(i: int) -> int:  # query tile i, rows [i * tile, min(sq, (i + 1) * tile) - 1]
-        hi = min(skv - 1, min(sq - 1, (i + 1) * tile - 1) + c_hi)
-        lo = max(0, i * tile + c_lo)
-        return max(0, hi // tile - lo // tile + 1) if hi >= lo else 0
-
-    # Full query tiles whose rows see any key (the last row's window reaches key 0, the first row's is not past
-    # the last key) see key tiles max(0, i + b) .. min(nk - 1, i + a): sum that band in closed form.
-    a = (tile - 1 + c_hi) // tile if c_hi < far else far
-    b = c_lo // tile if c_lo > -far else -far
-    first = max(0, -((tile - 1 + c_hi) // tile)) if c_hi < far else 0  # (i + 1) * tile - 1 + c_hi >= 0
-    last = min(nq - 2, (skv - 1 - c_lo) // tile if c_lo > -far else nq - 2)  # i * tile + c_lo <= skv - 1
-    total = band_sum(first, last + 1, nk, a, b) if last >= first else 0
-    return (total + key_tiles(nq - 1)) * tile * tile
 
 
 def machine_shifts(entries: list[Entry], model: CostModel = COST_MODEL) -> dict[tuple, dict[str, float]]:
@@ -414,12 +131,12 @@ class MaskedCall:
     @property
     def one_query(self) -> bool:
         """A one-query call (a decode step): log2 of its query length is 0."""
-        return self.sizes[_FEATURES.index("sq")] <= 0.0
+        return self.sizes[FEATURES.index("sq")] <= 0.0
 
     def distance(self, p: AttentionParams, model: CostModel = COST_MODEL) -> float:
         """The rate model's distance from a call: weighted log2 sizes, and the format penalty."""
         _, log2, fmt = features(p, model)
-        return (sum(w * abs(log2[f] - v) for w, f, v in zip(model.weights, _FEATURES, self.sizes))
+        return (sum(w * abs(log2[f] - v) for w, f, v in zip(model.weights, FEATURES, self.sizes))
                 + (model.format_mismatch if fmt != self.fmt else 0.0))
 
 
@@ -438,7 +155,7 @@ class _Neighbours:
 
     @classmethod
     def of(cls, entries: list[Entry]) -> _Neighbours:
-        values = tuple(tuple(sorted({e.sizes[f] for e in entries})) for f in range(len(_FEATURES)))
+        values = tuple(tuple(sorted({e.sizes[f] for e in entries})) for f in range(len(FEATURES)))
         formats = tuple(sorted({e.fmt for e in entries}))
         index = [{v: i for i, v in enumerate(vs)} for vs in values]
         fmt_index = {f: i for i, f in enumerate(formats)}
@@ -526,7 +243,7 @@ class Profile:
         self._relative_slopes: dict[tuple[str, str], float] = {}  # relative_slope's answers, computed once each
         self.masked: list[MaskedCall] = [
             MaskedCall(e["label"], self.machines[e["machine"]], tuple(e["kind"]), tuple(e["modifiers"]),
-                       tuple(e["log2"][f] for f in _FEATURES), e["fmt"], e["times_ms"], e.get("runs", 1))
+                       tuple(e["log2"][f] for f in FEATURES), e["fmt"], e["times_ms"], e.get("runs", 1))
             for e in data.get("masked", ())]
         # Host floors per (machine or None for all, provider, training, packed or None for either): the few least
         # times with their calls' shapes (leave-one-out leaves a shape out of the floor too), and how many calls.
@@ -569,7 +286,7 @@ class Profile:
 
     def _entry(self, e: dict[str, Any]) -> Entry:
         kind = tuple(e["kind"])
-        sizes = tuple(e["log2"][f] for f in _FEATURES)
+        sizes = tuple(e["log2"][f] for f in FEATURES)
         machine = e.get("machine", self.machines[0] if len(self.machines) == 1 else "")
         if isinstance(machine, int):
             machine = self.machines[machine]
@@ -619,7 +336,7 @@ class Profile:
         if not references or not missing or m.relative_k < 1:
             return {}
         kind, log2, fmt = features(params, m)
-        here = tuple(log2[f] for f in _FEATURES)
+        here = tuple(log2[f] for f in FEATURES)
         packed = params.qkv_format == "thd"
         length = math.log2(packed_mean_length(params, m)) if packed else 0.0  # dense entries keep no mean length
         dims = tuple(round(v, 4) for v in here[:2])  # head dims qk and v, as entries keep their sizes
@@ -701,7 +418,7 @@ class Profile:
         """Each provider's host time and GPU time for the call from the nearest measured calls of its kind."""
         m = self.model
         kind, log2, fmt = features(params, m)
-        here = tuple(log2[f] for f in _FEATURES)
+        here = tuple(log2[f] for f in FEATURES)
         skip = _shape(kind, here, fmt) if leave_out else None
         own = self.own_machine(kind, machine)
         if own and leave_out:  # the count must not include the call left out
@@ -838,254 +555,3 @@ def profile_for(platform: Platform, directory: Path = PROFILE_DIR) -> Profile | 
         return None
     path = directory / f"{arch}.json"
     return _load(str(path)) if path.is_file() else None
-
-
-# --- building a profile from measured runs ---------------------------------------------------------------
-
-def _provider_times(row: dict) -> dict[str, float]:
-    return {n: t for n, t in row.get("times_ms", {}).items() if ":" in n}  # SDPA, policy columns left out
-
-
-def combine_runs(runs: list[dict[str, float]]) -> dict[str, float]:
-    """One call's provider times from several runs (other stacks' too: a stock-torch run times torch's providers
-    only): each run is scaled onto the one with the most providers by the median ratio over the providers both
-    timed (two runs' clocks differ by a few percent), then each provider's time is the median over the runs."""
-    reference = max(runs, key=len)
-    scaled = [reference]
-    for run in runs:
-        if run is reference:
-            continue
-        shared = [p for p in run if p in reference]
-        if not shared:
-            continue
-        scale = statistics.median(reference[p] / run[p] for p in shared)
-        scaled.append({p: t * scale for p, t in run.items()})
-    providers = sorted({p for run in scaled for p in run})
-    return {p: statistics.median(run[p] for run in scaled if p in run) for p in providers}
-
-
-def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]]:
-    """Rows of bench_user_step.py runs ({"machine": device name, "rows": its rows}) by (machine, call parameters):
-    (the first row's label, the parameters, each run's provider times). The calls a run with "replaces" set
-    measured on its machine take their times from such runs alone (a re-measure after an engine's path changed).
-    A call no run timed interleaved on its machine takes the steps a split run measured (--split-only: each
-    provider's step in a steady block of its own calls, the block timer's measure)."""
-    grouped: dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]] = {}
-    replaced = {(run["machine"], _call_key(row["params"])) for run in runs if run.get("replaces")
-                for row in run["rows"] if _provider_times(row)}
-    split_only = []  # (key, row, its steps) of split rows: used where no run timed the call
-    for run in runs:
-        for row in run["rows"]:
-            times = _provider_times(row)
-            key = (run["machine"], _call_key(row["params"]))
-            if times and (run.get("replaces") or key not in replaced):
-                grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
-            elif not times and row.get("split"):
-                split_only.append((key, row, {n: s["step_ms"] for n, s in row["split"].items() if ":" in n}))
-    timed = set(grouped)
-    for key, row, steps in split_only:
-        if steps and key not in timed:
-            grouped.setdefault(key, (row["label"], row["params"], []))[2].append(steps)
-    return grouped
-
-
-def _call_key(params: dict) -> str:
-    return json.dumps(AttentionParams(**params).to_dict(), sort_keys=True)  # older runs lack newer fields' defaults
-
-
-def _without_impossible(training: dict[str, float], inference: tuple | None) -> dict[str, float]:
-    """A training step's times without a provider's that is under its forward alone on the same call (a timer
-    artefact: one measured flash-attn-4 step read 0.195 ms against 0.292 for its forward)."""
-    if inference is None:
-        return training
-    forward = inference[2]
-    return {p: t for p, t in training.items() if p not in forward or t >= forward[p]}
-
-
-def pooled_calls(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, dict[str, float], int]]:
-    """(machine, call) -> (label, parameters, provider times combined over the runs, how many runs): what a
-    profile entry holds, and what the protocols score against."""
-    grouped = {key: (label, params, combine_runs(times), len(times))
-               for key, (label, params, times) in group_runs(runs).items()}
-    for (machine, _), (label, params, times, count) in list(grouped.items()):
-        if params.get("is_training"):
-            forward = grouped.get((machine, _call_key({**params, "is_training": False})))
-            grouped[(machine, _)] = (label, params, _without_impossible(times, forward), count)
-    return grouped
-
-
-REFRESH_REFERENCE = "sdpa"  # torch's own call, split in every run: its host path is the same in each of them
-MIN_REFERENCE_CALLS = 5  # calls a refresh shares with the other runs, per pass, to read its lease's host speed
-
-
-def refresh_host_scales(runs: list[dict]) -> dict[tuple[int, bool], float]:
-    """(index of a refresh run, training) -> the factor putting its host times on the other runs' scale. A lease's
-    host speed differs by up to ~1.7x from another's (H200/H100 leases 0.62-0.68x; the FA2 refresh's
-    lease ran F.sdpa at 0.60x the split fit's): so the refresh's own F.sdpa split, against the other runs' of the
-    same calls on its machine, gives the median ratio by which the refresh's host times are scaled."""
-    def host(row: dict) -> float | None:
-        split = row.get("split", {}).get(REFRESH_REFERENCE, {})
-        return split["host_ms"] if split.get("covered") == 1 else None
-
-    others: dict[tuple[str, str], list[float]] = {}
-    for run in runs:
-        if not run.get("refreshes"):
-            for row in run["rows"]:
-                if (h := host(row)) is not None:
-                    others.setdefault((run["machine"], _call_key(row["params"])), []).append(h)
-    scales = {}
-    for index, run in enumerate(runs):
-        if not run.get("refreshes"):
-            continue
-        ratios: dict[bool, list[float]] = {}  # per pass the run has rows of
-        for row in run["rows"]:
-            found = ratios.setdefault(AttentionParams(**row["params"]).is_training, [])
-            theirs = others.get((run["machine"], _call_key(row["params"])))
-            if theirs and (mine := host(row)) is not None:
-                found.append(statistics.median(theirs) / mine)
-        for training, found in ratios.items():
-            if len(found) < MIN_REFERENCE_CALLS:
-                raise ValueError(f"refresh run {run.get('path', index)!r}: {len(found)} "
-                                 f"{'training' if training else 'inference'} calls with a {REFRESH_REFERENCE!r} "
-                                 f"split shared with the other runs on {run['machine']!r}, need "
-                                 f"{MIN_REFERENCE_CALLS} to scale its host times onto theirs")
-            scales[(index, training)] = statistics.median(found)
-    return scales
-
-
-def pooled_splits(runs: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
-    """(machine, call) -> {provider: (host ms, GPU ms)}, medians over the runs' rows with a split
-    (bench_user_step.py --split): of the samples where the spin kernel outlasted the enqueueing alone (covered 1; a
-    provider that synchronises inside its call has none, and keeps the step-time model). A run whose "refreshes"
-    names a provider (its host path changed since the other runs: --refreshes) is the only source of that
-    provider's split for the calls it split on its machine (of several such runs, the newest by "date"); its host
-    times are scaled onto the other runs' lease by refresh_host_scales. (Its step times stay combined with the
-    other runs': where a provider has a split, the model reads host and GPU time alone.)"""
-    def usable(split: dict) -> bool:
-        return split.get("covered") == 1
-
-    scales = refresh_host_scales(runs)
-    newest: dict[tuple[str, str, str], str] = {}  # (machine, call, provider) -> the newest refresh's date
-    for run in runs:
-        for provider in run.get("refreshes", ()):
-            for row in run["rows"]:
-                if usable(row.get("split", {}).get(provider, {})):
-                    key = (run["machine"], _call_key(row["params"]), provider)
-                    newest[key] = max(newest.get(key, ""), run.get("date", ""))
-    found: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
-    for index, run in enumerate(runs):
-        refreshing = set(run.get("refreshes", ()))
-        for row in run["rows"]:
-            key = (run["machine"], _call_key(row["params"]))
-            scale = scales.get((index, AttentionParams(**row["params"]).is_training), 1.0) if refreshing else 1.0
-            for provider, split in row.get("split", {}).items():
-                if ":" not in provider or not usable(split):
-                    continue
-                if (*key, provider) in newest and (provider not in refreshing
-                                                   or run.get("date", "") < newest[(*key, provider)]):
-                    continue  # measured before the provider's path last changed: the newest refresh replaces it
-                host = split["host_ms"] * scale
-                found.setdefault(key, {}).setdefault(provider, []).append((host, split["gpu_ms"]))
-    return {key: {p: (statistics.median(h for h, _ in v), statistics.median(g for _, g in v)) for p, v in by.items()}
-            for key, by in found.items()}
-
-
-def build(runs: list[dict], *, arch: str, stack: dict[str, str], date: str,
-          model: CostModel = COST_MODEL, masked: list[dict] = (), packed: list[dict] = ()) -> dict[str, Any]:
-    """A profile from bench_user_step.py runs, each {"machine": device name, "rows": its rows}. Rows of one call
-    (the same parameters) on one machine, from any number of runs, make one entry (combine_runs), with the host and
-    GPU times of the providers some run split (pooled_splits). `masked`: runs of the same form whose calls have
-    modifiers() (bench_masks.py's, as rows), kept apart as the profile's `masked` entries (MaskedCall). `packed`:
-    bench_user_step.py runs of packed grids, kept apart as its `packed` entries (packed_entries)."""
-    machines = sorted({run["machine"] for run in [*runs, *masked, *packed]})
-    entries = []
-    splits = pooled_splits(runs)
-    for key, (label, params_dict, times, count) in pooled_calls(runs).items():
-        machine = key[0]
-        params = AttentionParams(**params_dict)
-        kind, log2, fmt = features(params, model)
-        entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
-                        "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
-                        "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()}})
-        unwindowed = unwindowed_work(params, model) if two_sided_training(params) else entries[-1]["work"]
-        if unwindowed != entries[-1]["work"]:
-            entries[-1]["work_unwindowed"] = unwindowed
-        split = {p: hg for p, hg in splits.get(key, {}).items() if p in times}
-        if split:
-            entries[-1]["host_ms"] = {p: float(f"{h:.4g}") for p, (h, _) in split.items()}
-            entries[-1]["gpu_ms"] = {p: float(f"{g:.4g}") for p, (_, g) in split.items()}
-    profile = {"arch": arch, "machines": machines, "stack": stack, "date": date, "entries": entries}
-    if masked:
-        profile["masked"] = masked_entries(masked, machines, model)
-    if packed:
-        profile["packed"] = packed_entries(packed, machines, model)
-    return profile
-
-
-# A time over this many times the fastest provider's on the same call is no compiled kernel's: flex_attention:torch
-# ran a grid's last packs eagerly, materialising the scores (175-504x the fastest), once its compiled code passed
-# torch.compile's recompile limit (the engine now keeps a copy per head configuration and grad mode); every compiled
-# kernel of the packed grids ran within 8.1x of the fastest.
-EAGER_FALLBACK = 20.0
-
-
-def packed_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
-    """The profile's `packed` entries: each packed (thd) call of the runs on one machine, pooled over the runs as
-    build() pools its entries (a stock run's times scaled onto the full stack's by the providers both timed), with
-    every provider's time within EAGER_FALLBACK x the call's fastest, and the log2 of its mean sequence length
-    (packed_mean_length) beside its sizes. Profile.relative reads a provider without a rate off them."""
-    entries = []
-    for (machine, _), (label, params_dict, times, count) in pooled_calls([_with_fills(run) for run in runs]).items():
-        params = AttentionParams(**params_dict)
-        if params.qkv_format != "thd":
-            raise ValueError(f"{label!r} ({params.describe()}) is not a packed call: packed entries hold thd calls")
-        fastest = min(times.values())
-        kind, log2, fmt = features(params, model)
-        log2["mean_length"] = math.log2(packed_mean_length(params, model))
-        entries.append({"label": label, "machine": machines.index(machine), "runs": count, "kind": list(kind),
-                        "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
-                        "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()
-                                     if v <= EAGER_FALLBACK * fastest}})
-    return entries
-
-
-def _with_fills(run: dict) -> dict:
-    """The run with each packed row's fills in its parameters, read from its case's lengths where the row has none
-    (the first packed grid's rows were recorded before calls carried them)."""
-    rows = []
-    for row in run["rows"]:
-        params, lengths = row["params"], tuple((row.get("case") or {}).get("seqlens") or ())
-        if params.get("qkv_format") == "thd" and params.get("packed_token_fill") is None and lengths:
-            fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
-                                        params["attn_mask_type"])
-            row = {**row, "params": {**params, "packed_fill": fill, "packed_token_fill": tokens}}
-        rows.append(row)
-    return {**run, "rows": rows}
-
-
-def masked_entries(runs: list[dict], machines: list[str], model: CostModel = COST_MODEL) -> list[dict[str, Any]]:
-    """The profile's `masked` entries: rows of one call (the same parameters: the policy tells two masks of the same
-    size apart no more than this) on one machine make one, its label naming every case measured, its times combined
-    over the rows as combine_runs combines runs."""
-    grouped: dict[tuple[str, str], tuple[list[str], dict, list[dict[str, float]]]] = {}
-    for run in runs:
-        for row in run["rows"]:
-            times = _provider_times(row)
-            if times:
-                names, _, found = grouped.setdefault((run["machine"], _call_key(row["params"])),
-                                                     ([], row["params"], []))
-                names.append(row["label"])
-                found.append(times)
-    entries = []
-    for (machine, _), (names, params_dict, found) in grouped.items():
-        params = AttentionParams(**params_dict)
-        mods = modifiers(params)
-        if not mods:
-            raise ValueError(f"masked call {names[0]!r} ({params.describe()}) has no modifier: a plain call's times "
-                             "belong in a bench_user_step.py run")
-        kind, log2, fmt = features(params, model)
-        entries.append({"label": f"{' + '.join(dict.fromkeys(names))}: {params.describe()}",
-                        "machine": machines.index(machine), "runs": len(found), "kind": list(kind),
-                        "modifiers": list(mods), "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt,
-                        "times_ms": {k: float(f"{v:.5g}") for k, v in combine_runs(found).items()}})
-    return entries
