@@ -1,6 +1,6 @@
 """A packed (thd) call's predicted cost: its dense twin's GPU time x its share of the work x the engine's varlen
-factor, and the packed calls' host time (policy/profile.py; policy/cost_model.py, CostModel.packed_twin); checked on synthetic profiles
-whose engines have known rates, and on the packed held-out run the terms were fitted with."""
+factor, and the packed calls' host time (policy/profile.py; policy/cost_model.py, CostModel.packed_twin); checked on
+synthetic profiles whose engines have known rates, and on the packed held-out run the terms were fitted with."""
 from __future__ import annotations
 
 import dataclasses

@@ -83,3 +83,20 @@ def test_modifiers_no_engine_runs_are_refused_with_reasons():
 def test_a_modifier_that_is_not_a_function_is_refused(name):
     with pytest.raises(ValueError, match=f"{name}=3 must be a function"):
         DotProductAttention(H, D, **{name: 3})
+
+
+def test_a_users_mask_mods_share_a_compiled_block_mask_builder_only_with_the_same_code():
+    """torch.compile's recompile limit is per code object: each user mask_mod's code (and batch/head sizes) gets its
+    own compiled copy of the builder; closures of one code over other values share one."""
+    from attn_dispatch.backends._flex_masks import compiled_builder
+
+    def window_of(n):
+        return lambda b, h, q, kv: (q - kv).abs() < n
+
+    def prefix(b, h, q, kv):
+        return kv < 64
+
+    assert compiled_builder(window_of(8), 1, 1) is compiled_builder(window_of(300), 1, 1)
+    assert compiled_builder(window_of(8), 1, 1) is not compiled_builder(prefix, 1, 1)
+    assert compiled_builder(prefix, 1, 1) is not compiled_builder(prefix, 2, 1)
+    assert compiled_builder(prefix, 2, 1) is not compiled_builder(prefix, 2, 8)

@@ -319,7 +319,7 @@ def block_info(flex, frame: Frame, cfg: AttnConfig, mask: torch.Tensor | None, m
     def build() -> BlockInfo:
         if mask4 is None and user is None:  # sequences and a band only: straight from their bounds
             return _from_bounds(flex, frame, window, sq, skv, device)
-        return _from_mask_mod(flex, mask_mod, shape, device, compile_=user is not None and device.type == "cuda")
+        return _from_mask_mod(flex, mask_mod, shape, device, user)
     if user is not None:
         return _user_cached(user, key, frame.sources + ((mask,) if mask is not None else ()), build)
     if frame.sources or mask is not None:
@@ -357,8 +357,34 @@ def _user_cached(fn: Callable, key: tuple, tensors: tuple, build: Callable[[], B
     return info
 
 
-def _from_mask_mod(flex, mask_mod: Callable, shape: tuple, device: torch.device, compile_: bool) -> BlockInfo:
-    bm = flex.create_block_mask(mask_mod, *shape, device=device, BLOCK_SIZE=BLOCK, _compile=compile_)
+def _create_block_mask(create, mask_mod: Callable, b: int, h: int, sq: int, skv: int, device: torch.device):
+    """What a compiled block-mask builder runs (a copy of this code per builder)."""
+    return create(mask_mod, b, h, sq, skv, device=device, BLOCK_SIZE=BLOCK)
+
+
+_BUILDERS: dict[tuple, Callable] = {}
+
+
+def compiled_builder(user: Callable, b: int, h: int) -> Callable:
+    """create_block_mask compiled for a user's mask_mod: eager, it materialises the [B, H, Q, KV] mask. One copy per
+    mask_mod's code and batch/head sizes: torch.compile keeps its graphs and its recompile limit per code object, and
+    past the limit runs eagerly (every user mask_mod through torch's own create_block_mask would share one). The
+    closure's values and the lengths do not make a copy (lengths turn dynamic after one recompile)."""
+    key = (getattr(user, "__code__", type(user)), b, h)
+    builder = _BUILDERS.get(key)
+    if builder is None:
+        code = _create_block_mask.__code__.replace(co_name=f"create_block_mask_{len(_BUILDERS)}")
+        builder = _BUILDERS[key] = torch.compile(type(_create_block_mask)(code, _create_block_mask.__globals__))
+    return builder
+
+
+def _from_mask_mod(flex, mask_mod: Callable, shape: tuple, device: torch.device, user: Callable | None) -> BlockInfo:
+    """A BlockMask from a mask_mod; with a user's, compiled on CUDA (compiled_builder), else evaluated eagerly (the
+    mask tensor's and a structured frame's mask_mods are cheap to evaluate)."""
+    if user is not None and device.type == "cuda":
+        bm = compiled_builder(user, shape[0], shape[1])(flex.create_block_mask, mask_mod, *shape, device)
+    else:
+        bm = flex.create_block_mask(mask_mod, *shape, device=device, BLOCK_SIZE=BLOCK)
     bm.mask_mod = flex.noop_mask  # cached: hold none of this call's tensors (each call sets its own mask_mod)
     full = bm.full_kv_num_blocks
     counts = torch.stack([bm.kv_num_blocks.sum(), full.sum() if full is not None else bm.kv_num_blocks.new_zeros(())])
