@@ -1,6 +1,6 @@
 """The FlexAttention engine (flex_attention:torch): torch.nn.attention.flex_attention with a BlockMask and a score_mod
-built from the call (see _flex_masks), torch.compile'd once per process on CUDA, eager on the CPU (inference only:
-torch has no CPU backward for it).
+built from the call (see _flex_masks), torch.compile'd on CUDA (a copy per compiled_key), eager on the CPU (inference
+only: torch has no CPU backward for it).
 
 Gradients flow through FlexAttention's own autograd (to q, k, v and a bias tensor the score_mod reads), so this
 engine is called as a differentiable function (__call__); it has no functional backward, which is why context

@@ -167,9 +167,9 @@ def _new_structure_cost(p: AttentionParams, plat: Platform) -> str | None:
         return ("on the CPU FlexAttention runs eagerly: it materialises the [b, h, sq, skv] scores (no block "
                 "skipping); the unfused engine is preferred there")
     return (f"a new mask structure costs a BlockMask build ({BLOCK_SIZE}x{BLOCK_SIZE} tiles: reductions over the mask, "
-            "once per mask tensor and version, or per cu_seqlens tensor) and, for a new shape or mask kind, a "
-            "torch.compile of FlexAttention (seconds, once per process); a mask that changes every step pays the "
-            "build every step")
+            "once per mask tensor and version, or per cu_seqlens tensor) and, for a new mask kind, grad mode, head "
+            "configuration or dtype, a torch.compile of FlexAttention (seconds, once per process; new lengths "
+            "recompile once, then run dynamic); a mask that changes every step pays the build every step")
 
 
 # --------------------------------------------------------------------------------------------
