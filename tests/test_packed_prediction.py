@@ -181,6 +181,16 @@ def test_ninth_packed_grid_is_new_and_covers_a_long_unmasked_d128_pack():
     assert any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 6144 for c in grid)
 
 
+def test_tenth_packed_grid_is_new():
+    from attn_dispatch.benchmarking.cases import PACKED_10_SEED, TENTH_PACKED, _packed_9_coverage
+
+    grid = CASE_GRIDS["eval-blind-packed-10"]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != "eval-blind-packed-10" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    assert _packed_9_coverage(_draw_packed(PACKED_10_SEED, 12, TENTH_PACKED))
+
+
 def test_a_case_refuses_lengths_that_do_not_fit_it():
     for bad in (dict(b=2, s=100, seqlens=(100, 50, 20)), dict(b=2, s=100, seqlens=(90, 50)),
                 dict(b=2, s=100, seqlens=(100, 0))):

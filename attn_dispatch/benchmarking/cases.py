@@ -476,6 +476,10 @@ PACKED_8_SEED = 20271541
 # again: longest lengths 736-16384, token budgets 22k and 34k, up to 64 sequences from 22 tokens, windows 128-3072.
 # The seed is the first from 20271601 whose draw covers what _packed_9_coverage asks.
 PACKED_9_SEED = 20273629
+# eval-blind-packed-10: drawn after grid 9 and the older grids' unmasked packs became fit data, to check them. Other
+# ranges again: longest lengths 800-15872, token budgets 19k and 31k, up to 64 sequences from 19 tokens, windows
+# 160-2944. The seed is the first from 20271701 whose draw covers what _packed_9_coverage asks.
+PACKED_10_SEED = 20283997
 
 
 @dataclass(frozen=True)
@@ -548,6 +552,12 @@ NINTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20,
                             patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                             kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                             windows=(128, 352, 896, 1536, 3072), prefix="px")
+TENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 16, 24, 40, 56),
+                            longest=(800, 1600, 2720, 3456, 5120, 7936, 11008, 15872), budgets=(19456, 31744),
+                            max_sequences=64, shortest=19,
+                            patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                            kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                            windows=(160, 416, 800, 1408, 2944), prefix="py")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -719,6 +729,11 @@ def eval_packed_9_cases() -> list[Case]:
     return _both(_draw_packed(PACKED_9_SEED, 12, NINTH_PACKED))
 
 
+def eval_packed_10_cases() -> list[Case]:
+    """12 packed shapes of TENTH_PACKED, each in training and inference (24 rows)."""
+    return _both(_draw_packed(PACKED_10_SEED, 12, TENTH_PACKED))
+
+
 def smoke_cases() -> list[Case]:
     return [Case(b=2, s=256, h=4, d=64), Case(b=2, s=256, h=4, d=64, train=False),
             Case(b=2, s=256, h=4, d=64, fmt="sbhd"), Case(b=2, s=256, h=4, d=64, mask="padding_causal", fmt="thd")]
@@ -735,4 +750,5 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases,
               "eval-blind-packed-7": eval_packed_7_cases, "fit-windows": fit_windows_cases,
               "eval-blind-packed-8": eval_packed_8_cases, "eval-blind-packed-9": eval_packed_9_cases,
+              "eval-blind-packed-10": eval_packed_10_cases,
               "eval-windows": lambda: fit_windows_cases(EVAL_WINDOWS_SEED, "ew")}
