@@ -158,37 +158,33 @@ def test_fit_windows_grid_is_dense_windowed_and_new():
     assert not others & {_shape(c) for c in grid}
 
 
+def _assert_new_grid(name: str) -> list[Case]:
+    """24 rows, half training, each a call no other grid holds."""
+    grid = CASE_GRIDS[name]()
+    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
+    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != name for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+    return grid
+
+
 def test_eighth_packed_grid_and_the_held_out_windows_are_new():
     from attn_dispatch.benchmarking.cases import EIGHTH_PACKED, PACKED_8_SEED
 
     for name in ("eval-blind-packed-8", "eval-windows"):
-        grid = CASE_GRIDS[name]()
-        assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
-        others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != name for c in cases()}
-        assert not others & {_shape(c) for c in grid}
+        _assert_new_grid(name)
     assert _packed_7_coverage(_draw_packed(PACKED_8_SEED, 12, EIGHTH_PACKED))
 
 
-def test_ninth_packed_grid_is_new_and_covers_a_long_unmasked_d128_pack():
-    from attn_dispatch.benchmarking.cases import NINTH_PACKED, PACKED_9_SEED, _packed_9_coverage
+def test_ninth_and_tenth_packed_grids_are_new_and_cover_a_long_unmasked_d128_pack():
+    from attn_dispatch.benchmarking.cases import (NINTH_PACKED, PACKED_9_SEED, PACKED_10_SEED, TENTH_PACKED,
+                                                  _packed_9_coverage)
 
-    grid = CASE_GRIDS["eval-blind-packed-9"]()
-    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
-    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != "eval-blind-packed-9" for c in cases()}
-    assert not others & {_shape(c) for c in grid}
-    assert _packed_9_coverage(_draw_packed(PACKED_9_SEED, 12, NINTH_PACKED))
+    for name, seed, family in (("eval-blind-packed-9", PACKED_9_SEED, NINTH_PACKED),
+                               ("eval-blind-packed-10", PACKED_10_SEED, TENTH_PACKED)):
+        grid = _assert_new_grid(name)
+        assert _packed_9_coverage(_draw_packed(seed, 12, family))
+        assert any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 6144 for c in grid)
     assert not any(_packed_9_coverage(_draw_packed(s, 12, NINTH_PACKED)) for s in range(20271601, PACKED_9_SEED))
-    assert any(c.d == 128 and c.mask == "padding" and not c.window and c.s >= 6144 for c in grid)
-
-
-def test_tenth_packed_grid_is_new():
-    from attn_dispatch.benchmarking.cases import PACKED_10_SEED, TENTH_PACKED, _packed_9_coverage
-
-    grid = CASE_GRIDS["eval-blind-packed-10"]()
-    assert len(grid) == 24 and sum(c.train for c in grid) == 12 and len({_shape(c) for c in grid}) == 24
-    others = {_shape(c) for other, cases in CASE_GRIDS.items() if other != "eval-blind-packed-10" for c in cases()}
-    assert not others & {_shape(c) for c in grid}
-    assert _packed_9_coverage(_draw_packed(PACKED_10_SEED, 12, TENTH_PACKED))
 
 
 def test_a_case_refuses_lengths_that_do_not_fit_it():
