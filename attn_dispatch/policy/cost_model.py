@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..params import (PACKED_TILE, TOP_LEFT_MASKS, AttentionParams, is_bottom_right, is_causal, score_tiles)
+from ..params import PACKED_TILE, TOP_LEFT_MASKS, AttentionParams, is_bottom_right, is_causal, score_tiles
 from .timing import BACKWARD_FLOP_FACTOR, attended_pairs, attention_flops, band_sum, mode_of
 
 FEATURES = ("d_qk", "d_v", "sq", "skv", "span", "bh", "gqa")
