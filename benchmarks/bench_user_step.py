@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from attn_dispatch import DotProductAttention, Platform, selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
+from attn_dispatch.decision import NoBackendAvailableError
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
 from host_probe import measured_launch_us  # benchmarks/: a diagnostic of the run's host
 
@@ -295,7 +296,7 @@ def run_case(case: Case, policies: bool, seed: int, only: set[str] | None, devic
         "times_ms": {n: t.median_ms for n, t in timings.items()},
         "cut_short": sorted(n for n, t in timings.items() if t.cut_short),
         "tflops": {n: flops / (t.median_ms * 1e9) for n, t in timings.items()},
-        "errors": {n: f"{type(e).__name__}: {e}"[:400] for n, e in errors.items()},
+        "errors": {n: error_text(e) for n, e in errors.items()},
         "default_pick": decision.chosen, "policy": decision.policy,
         "first_decision_ms": first_decision_ms,
         "sdpa_kernel": sdpa_choice(case, q, k, v) if sdpa is not None else None,
@@ -382,6 +383,16 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             info[name] = "absent"
     return info
+
+
+def error_text(exc: BaseException) -> str:
+    """A failure as a row records it: a forced provider's refusal as its own reasons (the message's head repeats the
+    call and platform, which the row has), anything else as its type and message, cut to 400 characters."""
+    if isinstance(exc, NoBackendAvailableError) and exc.decision.forced:
+        forced = [v for v in exc.decision.verdicts if v.id == exc.decision.forced]
+        reasons = "; ".join(f"[{r.code}] {r.message}" for v in forced for r in v.reasons)
+        return f"{type(exc).__name__}: {exc.decision.forced} refused: {reasons or 'no reason recorded'}"[:1000]
+    return f"{type(exc).__name__}: {exc}"[:400]
 
 
 def main() -> int:

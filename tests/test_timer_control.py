@@ -7,6 +7,7 @@ target (see tests/test_policy.py)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,9 @@ def test_the_tuned_step_takes_the_modules_bound_call_where_the_module_does(monke
 # --- the benchmark's A/A twin and measured columns -----------------------------------------------------------
 
 def _bench_user_step():
+    """The script as it runs: its own folder on sys.path (it imports its sibling host_probe)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_user_step", ROOT / "benchmarks" / "bench_user_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -295,3 +299,20 @@ def test_round_order_balances_who_goes_first_and_who_follows_whom(n):
     assert set(Counter(order[0] for order in rounds).values()) == {cycle // n}
     follows = Counter(pair for order in rounds for pair in zip(order, order[1:]))
     assert len(follows) == n * (n - 1) and set(follows.values()) == {cycle // n}
+
+
+def test_a_rows_error_for_a_forced_refusal_keeps_the_forced_providers_reasons():
+    """A forced provider's refusal is recorded as its own reasons (the message's head, which repeats the call and
+    platform, cut a 400-character record before them)."""
+    from attn_dispatch import DotProductAttention
+    from attn_dispatch.decision import NoBackendAvailableError
+
+    bench = _bench_user_step()
+    module = DotProductAttention(4, 64, attn_mask_type="causal", qkv_format="bshd", backend="flash_attn_2:torch")
+    q = torch.randn(1, 128, 4, 64)
+    with pytest.raises(NoBackendAvailableError) as info:
+        module(q, q, q)
+    text = bench.error_text(info.value)
+    assert text.startswith("NoBackendAvailableError: flash_attn_2:torch refused: [flash_attn_2.")
+    assert "call:" not in text and "float32" in text
+    assert bench.error_text(ValueError("x" * 500)) == "ValueError: " + "x" * 388
