@@ -35,7 +35,8 @@ def _torch_version(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure
 def _dtypes(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     allowed = ("float16", "bfloat16", "float32") if plat.sm >= 80 else ("float16", "float32")
     if p.dtype not in allowed:
-        return fail(f"dtype {p.dtype} is not supported by mem_efficient:torch on sm{plat.sm}; it takes "
+        where = f"sm{plat.sm}" if plat.sm else "a device without a CUDA compute capability"
+        return fail(f"dtype {p.dtype} is not supported by mem_efficient:torch on {where}; it takes "
                     f"{', '.join(allowed)}", "cast q, k, v to " + " or ".join(allowed[:2]))
     return None
 
