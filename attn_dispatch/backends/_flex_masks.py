@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -362,19 +363,24 @@ def _create_block_mask(create, mask_mod: Callable, b: int, h: int, sq: int, skv:
     return create(mask_mod, b, h, sq, skv, device=device, BLOCK_SIZE=BLOCK)
 
 
+def compiled_copy(fn: Callable, name: str) -> Callable:
+    """fn compiled as a code object of its own, named `name`: torch.compile keeps its graphs, and its recompile limit
+    (8), per code object, and past the limit runs the frame eagerly (flex then materialises every score)."""
+    return torch.compile(types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__))
+
+
 _BUILDERS: dict[tuple, Callable] = {}
 
 
 def compiled_builder(user: Callable, b: int, h: int) -> Callable:
     """create_block_mask compiled for a user's mask_mod: eager, it materialises the [B, H, Q, KV] mask. One copy per
-    mask_mod's code and batch/head sizes: torch.compile keeps its graphs and its recompile limit per code object, and
-    past the limit runs eagerly (every user mask_mod through torch's own create_block_mask would share one). The
+    mask_mod's code and batch/head sizes (compiled_copy: every user mask_mod through torch's own create_block_mask
+    would share one code object). The
     closure's values and the lengths do not make a copy (lengths turn dynamic after one recompile)."""
     key = (getattr(user, "__code__", type(user)), b, h)
     builder = _BUILDERS.get(key)
     if builder is None:
-        code = _create_block_mask.__code__.replace(co_name=f"create_block_mask_{len(_BUILDERS)}")
-        builder = _BUILDERS[key] = torch.compile(type(_create_block_mask)(code, _create_block_mask.__globals__))
+        builder = _BUILDERS[key] = compiled_copy(_create_block_mask, f"create_block_mask_{len(_BUILDERS)}")
     return builder
 
 

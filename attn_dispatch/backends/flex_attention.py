@@ -13,7 +13,6 @@ are those of the [B, H, S, S] call flex sees: for thd, B = 1 and q_idx/kv_idx ar
 from __future__ import annotations
 
 import copy
-import types
 import warnings
 
 import torch
@@ -81,10 +80,10 @@ class FlexAttentionEngine(Engine):
     @staticmethod
     def compiled_key(kind: tuple, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple:
         """What one compiled copy of the call serves: the kind of call (mask and score modifiers' structure), the
-        grad mode, head counts, head dims and dtype. torch.compile keeps its graphs, and its recompile limit (8), per
-        code object, and past the limit runs the frame eagerly: eager flex materialises every score (26-44x slower
-        and out of memory on 8k packs, seen on the H200). Each of these facts, changed, costs a recompile; sequence
-        lengths turn dynamic after one (a copy holds at most 3 graphs however its lengths vary)."""
+        grad mode, head counts, head dims and dtype: each of these, changed, costs a recompile, and a copy past
+        torch.compile's recompile limit runs eagerly (masks.compiled_copy; 26-44x slower and out of memory on 8k
+        packs, seen on the H200). Sequence lengths turn dynamic after one recompile (a copy holds at most 3 graphs
+        however its lengths vary)."""
         return kind + (torch.is_grad_enabled(), q4.shape[1], k4.shape[1], q4.shape[-1], v4.shape[-1], q4.dtype)
 
     def _kernel(self, device: torch.device, key: tuple):
@@ -94,9 +93,8 @@ class FlexAttentionEngine(Engine):
             return _call_flex
         compiled = self._compiled.get(key)
         if compiled is None:
-            index = len(self._compiled)
-            code = _call_flex.__code__.replace(co_name=f"flex_attention_kind_{index}")
-            compiled = self._compiled[key] = torch.compile(types.FunctionType(code, _call_flex.__globals__))
+            name = f"flex_attention_kind_{len(self._compiled)}"
+            compiled = self._compiled[key] = masks.compiled_copy(_call_flex, name)
         return compiled
 
     def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig,

@@ -689,49 +689,12 @@ def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     return _both(_draw_packed(seed, 12))
 
 
-def eval_packed_2_cases() -> list[Case]:
-    """12 packed shapes of SECOND_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_2_SEED, 12, SECOND_PACKED))
-
-
-def eval_packed_3_cases() -> list[Case]:
-    """12 packed shapes of THIRD_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_3_SEED, 12, THIRD_PACKED))
-
-
-def eval_packed_4_cases() -> list[Case]:
-    """12 packed shapes of FOURTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_4_SEED, 12, FOURTH_PACKED))
-
-
-def eval_packed_5_cases() -> list[Case]:
-    """12 packed shapes of FIFTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_5_SEED, 12, FIFTH_PACKED))
-
-
-def eval_packed_6_cases() -> list[Case]:
-    """12 packed shapes of SIXTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_6_SEED, 12, SIXTH_PACKED))
-
-
-def eval_packed_7_cases() -> list[Case]:
-    """12 packed shapes of SEVENTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_7_SEED, 12, SEVENTH_PACKED))
-
-
-def eval_packed_8_cases() -> list[Case]:
-    """12 packed shapes of EIGHTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_8_SEED, 12, EIGHTH_PACKED))
-
-
-def eval_packed_9_cases() -> list[Case]:
-    """12 packed shapes of NINTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_9_SEED, 12, NINTH_PACKED))
-
-
-def eval_packed_10_cases() -> list[Case]:
-    """12 packed shapes of TENTH_PACKED, each in training and inference (24 rows)."""
-    return _both(_draw_packed(PACKED_10_SEED, 12, TENTH_PACKED))
+# The packed grids after the first: (seed, family) each; each grid is 12 packed shapes of its family, each in training
+# and inference (24 rows).
+PACKED_GRIDS = {f"eval-blind-packed-{n}": (seed, family) for n, seed, family in (
+    (2, PACKED_2_SEED, SECOND_PACKED), (3, PACKED_3_SEED, THIRD_PACKED), (4, PACKED_4_SEED, FOURTH_PACKED),
+    (5, PACKED_5_SEED, FIFTH_PACKED), (6, PACKED_6_SEED, SIXTH_PACKED), (7, PACKED_7_SEED, SEVENTH_PACKED),
+    (8, PACKED_8_SEED, EIGHTH_PACKED), (9, PACKED_9_SEED, NINTH_PACKED), (10, PACKED_10_SEED, TENTH_PACKED))}
 
 
 def smoke_cases() -> list[Case]:
@@ -745,10 +708,7 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               **{f"eval-blind{i + 1}": (lambda s=seed: eval_blind_cases(s)) for i, seed in enumerate(BLIND_SEEDS) if i},
               "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
-              "eval-blind-packed": eval_packed_cases, "eval-blind-packed-2": eval_packed_2_cases,
-              "eval-blind-packed-3": eval_packed_3_cases, "eval-blind-packed-4": eval_packed_4_cases,
-              "eval-blind-packed-5": eval_packed_5_cases, "eval-blind-packed-6": eval_packed_6_cases,
-              "eval-blind-packed-7": eval_packed_7_cases, "fit-windows": fit_windows_cases,
-              "eval-blind-packed-8": eval_packed_8_cases, "eval-blind-packed-9": eval_packed_9_cases,
-              "eval-blind-packed-10": eval_packed_10_cases,
+              "eval-blind-packed": eval_packed_cases, "fit-windows": fit_windows_cases,
+              **{name: (lambda s=seed, f=family: _both(_draw_packed(s, 12, f)))
+                 for name, (seed, family) in PACKED_GRIDS.items()},
               "eval-windows": lambda: fit_windows_cases(EVAL_WINDOWS_SEED, "ew")}

@@ -13,8 +13,8 @@ from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
 from . import decode, modified
 from .base import Choice
-from .order import without_last_resort
 from .cost_model import modifiers
+from .order import without_last_resort
 from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
 PREDICTED = "ms per step, predicted"  # the unit of a Choice made from the profile's prediction
