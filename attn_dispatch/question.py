@@ -130,8 +130,9 @@ def read_mask(module: torch.nn.Module, q, k, v, args: CallArgs,
 def _rewritable(module: torch.nn.Module, fp8: tuple | None) -> bool:
     """Whether a mask's reading may rewrite the module's call: nothing the rewritten call would change (user
     modifiers, the max-logit output, FP8's scaling over the call), and no forced backend (it may not take the
-    rewritten call: forced means forced)."""
-    return fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
+    rewritten call: forced means forced, by backend= or ATTN_DISPATCH_BACKEND)."""
+    return (fp8 is None and not module._user_mods and not module.return_max_logit and module.backend is None
+            and EnvFlags.from_environ().forced_backend is None)
 
 
 # FlexAttention on a prefix-LM mask (the call as given) reached at best 0.83x the causal call's TFLOP/s (H200, flex

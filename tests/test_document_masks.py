@@ -86,3 +86,16 @@ def test_a_forced_backend_runs_the_mask_as_given():
     decision = forced.explain(q, k, v, attention_mask=mask)
     assert decision.params["qkv_format"] == "bshd" and decision.params["attn_mask_type"] == "arbitrary"
     torch.testing.assert_close(forced(q, k, v, attention_mask=mask), _reference(q, k, v, mask, "bshd"))
+
+
+def test_a_backend_forced_by_the_environment_runs_the_mask_as_given(monkeypatch):
+    s, h, d = 32, 2, 8
+    q, k, v = (torch.randn(1, s, h, d, dtype=torch.float64) for _ in range(3))
+    mask = _documents_mask(1, s, [[12]])
+    module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="arbitrary")
+    assert module.explain(q, k, v, attention_mask=mask).params["qkv_format"] == "thd"
+    monkeypatch.setenv("ATTN_DISPATCH_BACKEND", "unfused")
+    decision = module.explain(q, k, v, attention_mask=mask)
+    assert decision.params["qkv_format"] == "bshd" and decision.params["attn_mask_type"] == "arbitrary"
+    assert decision.chosen == "unfused:pytorch"
+    torch.testing.assert_close(module(q, k, v, attention_mask=mask), _reference(q, k, v, mask, "bshd"))

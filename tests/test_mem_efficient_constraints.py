@@ -50,7 +50,9 @@ REFUSALS = [
     (MEM, BASE.replace(head_dim_qk=100), H100, ENV, "mem_efficient.head_dim", ["head_dim_qk=100", "8"]),
     (MEM, BASE.replace(dtype="fp32", head_dim_qk=102), H100, ENV, "mem_efficient.head_dim", ["head_dim_qk=102", "4"]),
     (MEM, BASE.replace(attn_mask_type="padding_causal", qkv_format="thd", bias_type="alibi"), H100, ENV,
-     "mem_efficient.thd", ["alibi", "thd"]),
+     "mem_efficient.thd", ["thd", "KV-cache"]),
+    (MEM, BASE.replace(attn_mask_type="padding_causal", qkv_format="thd", bias_type="alibi",
+                       inference_kv_cache=True, is_training=False), H100, ENV, "mem_efficient.thd", ["alibi", "thd"]),
     (MEM, BASE.replace(attn_mask_type="causal", window_size=(128, 0)), H100, ENV, "mem_efficient.window",
      ["(128, 0)"]),
     (MEM, BASE.replace(softcap=30.0), H100, ENV, "mem_efficient.softcap", ["softcap=30"]),
@@ -157,3 +159,11 @@ def test_forcing_flex_with_dropout_raises_its_reason():
 def test_the_new_structure_cost_is_explained():
     verdict = FLEX.evaluate(BASE, H100, ENV)
     assert any("BlockMask build" in n and "torch.compile" in n for n in verdict.notes)
+
+
+def test_a_packed_batch_is_refused_outside_a_kv_cache_step_as_the_engine_takes_bshd_or_sbhd():
+    packed = BASE.replace(attn_mask_type="padding_causal", qkv_format="thd", is_training=False)
+    assert not MEM.evaluate(packed, H100, ENV).eligible
+    assert not explain(packed, H100, ENV).verdict("mem_efficient", "torch").eligible
+    step = packed.replace(inference_kv_cache=True)
+    assert "mem_efficient.thd" not in _reasons(MEM, step)

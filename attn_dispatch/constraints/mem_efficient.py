@@ -63,6 +63,11 @@ def _head_dims(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | N
 def _thd(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     if p.qkv_format != "thd":
         return None
+    if not p.inference_kv_cache:
+        return fail("qkv_format='thd' outside a KV-cache step: the engine runs SDPA's memory-efficient op on "
+                    "[b, h, s, d] tensors and does not pad a packed batch for it",
+                    "use flash_attn_2, cudnn_fused or flex_attention for packed sequences, or bshd with a padding "
+                    "mask")
     if p.pad_between_seqs:
         return fail("qkv_format='thd' with padding between sequences: the kernel's cu_seqlens are the offsets of "
                     "sequences packed back to back", "pack the sequences without gaps, or use flex_attention")
@@ -106,8 +111,9 @@ T.add(
     common.formats(T, ("bshd", "sbhd", "thd"),
                    source=ATTENTION_CU + ": [b, s, h, d] with any strides but the last; packed sequences through "
                           "cu_seqlens_q/k"),
-    check(T, "thd", "thd: sequences back to back, no bias or ALiBi", "format",
-          ATTENTION_CU + " (cu_seqlens are the packed offsets; the bias is [b, h, sq, skv])", _thd),
+    check(T, "thd", "thd: KV-cache steps only (packed back to back, no bias or ALiBi)", "format",
+          "the engine's forward takes bshd/sbhd (backends/mem_efficient.py); a KV-cache step runs on the padded "
+          "cache; " + ATTENTION_CU + " (the bias is [b, h, sq, skv])", _thd),
     common.masks(T, ("no_mask", "padding", "causal", "causal_bottom_right", "padding_causal",
                      "padding_causal_bottom_right", "arbitrary"),
                  source=ATTENTION_CU + " custom_mask_type (0 none, 1 causal top-left, 2 causal bottom-right); "
