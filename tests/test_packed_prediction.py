@@ -341,3 +341,12 @@ def test_the_module_s_decision_carries_the_pack_s_fills():
     assert want[0] < 0.5  # a ragged pack: far from the batch x max it used to be counted as
     explained = module.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=700, max_seqlen_kv=700)
     assert explained.params == module.last_decision.params
+
+
+def test_eleventh_packed_grid_is_new_and_covers_grid_10s_misses():
+    from attn_dispatch.benchmarking.cases import ELEVENTH_PACKED, PACKED_11_SEED, _packed_11_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-11")
+    assert _packed_11_coverage(_draw_packed(PACKED_11_SEED, 12, ELEVENTH_PACKED))
+    assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.hkv == 1 for c in grid)
+    assert not any(_packed_11_coverage(_draw_packed(s, 12, ELEVENTH_PACKED)) for s in range(20288700, PACKED_11_SEED))
