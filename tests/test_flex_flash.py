@@ -3,13 +3,15 @@ machines, and a compile the lowering refuses becoming a recorded fact that moves
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
 
 import pytest
 import torch
 
 from attn_dispatch import runtime_facts, selection
-from attn_dispatch.backends.base import AttnConfig, EngineRefused
-from attn_dispatch.backends.flex_attention import FlexAttentionEngine, FlexFlashEngine
+from attn_dispatch.backends.base import AttnAux, AttnConfig, EngineRefused
+from attn_dispatch.backends.flex_attention import FlexAttentionEngine, FlexFlashEngine, flash_lse_scaled_by_ln2
 from attn_dispatch.constraints.flex_attention import flash_kind_of
 from attn_dispatch.params import AttentionParams
 from attn_dispatch.platform import PROFILES
@@ -71,6 +73,7 @@ def test_deterministic_training_is_accepted_on_blackwell():
 def flash_engine():
     engine = object.__new__(FlexFlashEngine)  # flash_attn.cute is not installed on the CPU runner
     FlexAttentionEngine.__init__(engine)
+    engine._lse_scaled_by_ln2 = flash_lse_scaled_by_ln2(engine.flex)
     return engine
 
 
@@ -165,6 +168,24 @@ def test_a_training_call_asks_flash_for_no_lse(flash_engine, monkeypatch):
     with torch.no_grad():
         flash_engine(q, q, q, None, AttnConfig(qkv_format="bshd", attn_mask_type="arbitrary"))
     assert asked[-1] is True
+
+
+def test_the_flash_lse_is_put_back_in_natural_log_where_torch_scaled_it_by_ln2(flash_engine, monkeypatch):
+    """torch before the fix of pytorch#181645 returned FLASH's LSE times ln(2) (0.693x float32's on the H200)."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert flash_lse_scaled_by_ln2(types.ModuleType("no_source"))
+    assert not flash_lse_scaled_by_ln2(flash_engine.flex)  # this torch's source holds the fix (stats_are_log2)
+    monkeypatch.undo()
+    assert not flash_lse_scaled_by_ln2(types.ModuleType("no_source"))  # torch >= 2.13: fixed, whatever the source
+    q, k, v = (torch.randn(10, 1, 2, 16) for _ in range(3))  # eager flex on the CPU: a natural-log LSE
+    aux = AttnAux()
+    cfg = AttnConfig(qkv_format="sbhd", attn_mask_type="causal", window_size=(-1, 0), softmax_scale=0.25)
+    with torch.no_grad():
+        out, lse = FlexAttentionEngine()._run(q, k, v, aux, cfg)
+        flash_engine._lse_scaled_by_ln2 = False
+        assert torch.equal(flash_engine._run(q, k, v, aux, cfg)[1], lse)
+        flash_engine._lse_scaled_by_ln2 = True
+        torch.testing.assert_close(flash_engine._run(q, k, v, aux, cfg)[1] * math.log(2.0), lse)
 
 
 @pytest.mark.gpu

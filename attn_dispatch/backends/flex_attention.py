@@ -13,6 +13,8 @@ are those of the [B, H, S, S] call flex sees: for thd, B = 1 and q_idx/kv_idx ar
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 import warnings
 
 import torch
@@ -157,6 +159,12 @@ class FlexFlashEngine(FlexAttentionEngine):
     def __init__(self) -> None:
         super().__init__()
         import flash_attn.cute  # noqa: F401, PLC0415 - lazy: the package is optional; a failure is a load failure
+        self._lse_scaled_by_ln2 = flash_lse_scaled_by_ln2(self.flex)
+
+    def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig,
+             want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, lse = super()._run(q, k, v, aux, cfg, want_lse)
+        return out, (lse / _LN2 if lse is not None and self._lse_scaled_by_ln2 else lse)
 
     def _launch(self, kernel, q4, k4, v4, call, cfg: AttnConfig, aux_request, kind: tuple):
         try:
@@ -182,6 +190,22 @@ class FlexFlashEngine(FlexAttentionEngine):
         self._check_call(cfg)
         out, _ = self._run(q, k, v, aux, cfg, want_lse=False)
         return (out.flatten(-2) if flatten_heads else out), None, None
+
+
+_LN2 = math.log(2.0)
+
+
+def flash_lse_scaled_by_ln2(flex) -> bool:
+    """Whether this torch's flex_attention returns the FLASH lowering's LSE times ln(2): its finalizer took every
+    backend's statistics as base 2, and flash-attn-4's are natural logs (pytorch/pytorch#181645, fixed by #181824;
+    measured on torch 2.11 on the H200: 0.693x float32's LSE). The fix made that conversion conditional
+    (`stats_are_log2`, in torch 2.13's flex_attention.py)."""
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        return False
+    try:
+        return "stats_are_log2" not in inspect.getsource(flex)
+    except (OSError, TypeError):  # no source shipped: the version alone
+        return True
 
 
 class _Call:
