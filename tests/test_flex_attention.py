@@ -350,3 +350,25 @@ def test_a_compiled_copy_serves_one_grad_mode_head_configuration_and_dtype():
     others = [key(grad=False), key(h=16), key(hk=8), key(d=128), key(dv=128), key(dtype=torch.float16)]
     assert len({key(), *others}) == 1 + len(others)
     assert all(k[:len(kind)] == kind for k in others)
+
+
+def _twice_plus_one(x):
+    return x * 2 + 1
+
+
+def test_compiled_copies_of_one_name_do_not_share_dynamic_shapes(monkeypatch):
+    """dynamo keys its automatic-dynamic state by file, line and code name: copies that shared a name shared it, and
+    one copy's varying sizes made the other's symbolic from its first call."""
+    from torch._dynamo.utils import counters
+
+    from attn_dispatch.backends import _flex_masks
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn: compile_(fn, backend="eager"))  # no C++ toolchain needed
+    first, second = (_flex_masks.compiled_copy(_twice_plus_one, "copy") for _ in range(2))
+    first(torch.randn(4))
+    first(torch.randn(6))  # the first copy's length turns dynamic after one recompile
+    before = counters["stats"]["unique_graphs"]
+    second(torch.randn(8))
+    second(torch.randn(10))
+    assert counters["stats"]["unique_graphs"] - before == 2  # the second starts static, as a copy of its own

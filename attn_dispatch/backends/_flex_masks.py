@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import types
 import weakref
 from collections import OrderedDict
@@ -363,10 +364,18 @@ def _create_block_mask(create, mask_mod: Callable, b: int, h: int, sq: int, skv:
     return create(mask_mod, b, h, sq, skv, device=device, BLOCK_SIZE=BLOCK)
 
 
+_COPIES = itertools.count()
+
+
 def compiled_copy(fn: Callable, name: str) -> Callable:
-    """fn compiled as a code object of its own, named `name`: torch.compile keeps its graphs, and its recompile limit
-    (8), per code object, and past the limit runs the frame eagerly (flex then materialises every score)."""
-    return torch.compile(types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__))
+    """fn compiled as a code object of its own, named `name` and a serial unique in the process: torch.compile keeps
+    its graphs, and its recompile limit (8), per code object, and past the limit runs the frame eagerly (flex then
+    materialises every score). The serial keeps copies apart in dynamo's automatic-dynamic state too, which is keyed
+    by file, line and name: two copies of one name share it, so one copy's varying sizes and closure ints turned the
+    other's symbolic (seen on the H200: flex's Triton lowering failing with 'ShapeAsConstantBuffer' on the full stack,
+    where flex_attention:torch and flex_attention:flash_attn_4 numbered their copies alike)."""
+    unique = f"{name}_{next(_COPIES)}"
+    return torch.compile(types.FunctionType(fn.__code__.replace(co_name=unique), fn.__globals__))
 
 
 _BUILDERS: dict[tuple, Callable] = {}
@@ -380,7 +389,7 @@ def compiled_builder(user: Callable, b: int, h: int) -> Callable:
     key = (getattr(user, "__code__", type(user)), b, h)
     builder = _BUILDERS.get(key)
     if builder is None:
-        builder = _BUILDERS[key] = compiled_copy(_create_block_mask, f"create_block_mask_{len(_BUILDERS)}")
+        builder = _BUILDERS[key] = compiled_copy(_create_block_mask, "create_block_mask")
     return builder
 
 

@@ -95,8 +95,7 @@ class FlexAttentionEngine(Engine):
             return _call_flex
         compiled = self._compiled.get(key)
         if compiled is None:
-            name = f"flex_attention_kind_{len(self._compiled)}"
-            compiled = self._compiled[key] = masks.compiled_copy(_call_flex, name)
+            compiled = self._compiled[key] = masks.compiled_copy(_call_flex, f"flex_attention_{self.provider}")
         return compiled
 
     def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig,
