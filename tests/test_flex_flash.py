@@ -3,6 +3,7 @@ machines, and a compile the lowering refuses becoming a recorded fact that moves
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 
@@ -170,11 +171,16 @@ def test_a_training_call_asks_flash_for_no_lse(flash_engine, monkeypatch):
     assert asked[-1] is True
 
 
-def test_the_flash_lse_is_put_back_in_natural_log_where_torch_scaled_it_by_ln2(flash_engine, monkeypatch):
+def test_the_flash_lse_is_put_back_in_natural_log_where_torch_scaled_it_by_ln2(flash_engine, monkeypatch, tmp_path):
     """torch before the fix of pytorch#181645 returned FLASH's LSE times ln(2) (0.693x float32's on the H200)."""
+    fixed = tmp_path / "fixed_flex.py"
+    fixed.write_text("def _finalize_outputs(out, lse, stats_are_log2):\n    return out, lse\n")
+    spec = importlib.util.spec_from_file_location("fixed_flex", fixed)
+    fixed_flex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixed_flex)
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     assert flash_lse_scaled_by_ln2(types.ModuleType("no_source"))
-    assert not flash_lse_scaled_by_ln2(flash_engine.flex)  # this torch's source holds the fix (stats_are_log2)
+    assert not flash_lse_scaled_by_ln2(fixed_flex)  # a source that holds the fix (stats_are_log2)
     monkeypatch.undo()
     assert not flash_lse_scaled_by_ln2(types.ModuleType("no_source"))  # torch >= 2.13: fixed, whatever the source
     q, k, v = (torch.randn(10, 1, 2, 16) for _ in range(3))  # eager flex on the CPU: a natural-log LSE
