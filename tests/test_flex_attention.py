@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from unittest.mock import patch
 
 import pytest
 import torch
 
 from attn_dispatch.backends import _flex_masks
 from attn_dispatch.backends.base import AttnAux, AttnConfig
-from attn_dispatch.backends.flex_attention import FlexAttentionEngine, describe_mask
+from attn_dispatch.backends.flex_attention import FlexAttentionEngine, FlexFlashEngine, describe_mask
 from attn_dispatch.constraints.flex_attention import CPU_BACKWARD_ERROR
 from attn_dispatch.params import normalize_window
 from tests.reference import reference_attention
@@ -356,19 +357,31 @@ def _twice_plus_one(x):
     return x * 2 + 1
 
 
-def test_compiled_copies_of_one_name_do_not_share_dynamic_shapes(monkeypatch):
+def test_compiled_copies_of_two_keys_do_not_share_dynamic_shapes(monkeypatch):
     """dynamo keys its automatic-dynamic state by file, line and code name: copies that shared a name shared it, and
     one copy's varying sizes made the other's symbolic from its first call."""
     from torch._dynamo.utils import counters
 
-    from attn_dispatch.backends import _flex_masks
-
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn: compile_(fn, backend="eager"))  # no C++ toolchain needed
-    first, second = (_flex_masks.compiled_copy(_twice_plus_one, "copy") for _ in range(2))
+    first, second = (_flex_masks.compiled_copy(_twice_plus_one, "copy", (kind,)) for kind in ("first", "second"))
     first(torch.randn(4))
     first(torch.randn(6))  # the first copy's length turns dynamic after one recompile
     before = counters["stats"]["unique_graphs"]
     second(torch.randn(8))
     second(torch.randn(10))
     assert counters["stats"]["unique_graphs"] - before == 2  # the second starts static, as a copy of its own
+
+
+def test_a_compiled_copy_is_named_by_its_engine_and_key_alike_in_every_engine_instance():
+    def name(engine):
+        q4 = torch.empty(1, 8, 100, 64, dtype=torch.bfloat16, device="meta")
+        kind = (True, "padding_causal", (-1, 0), "no_bias", False, False, False, True)
+        with patch.object(torch, "compile", lambda fn: fn):
+            compiled = engine._kernel(torch.device("cuda"), engine.compiled_key(kind, q4, q4, q4))
+        return compiled.__code__.co_name
+
+    flash = object.__new__(FlexFlashEngine)  # flash_attn.cute is not installed on the CPU runner
+    FlexAttentionEngine.__init__(flash)
+    assert name(FlexAttentionEngine()) == name(FlexAttentionEngine()) != name(flash)
+    assert name(flash).startswith("flex_attention_flash_attn_4_")

@@ -12,8 +12,8 @@ tensor and version (tensor_cache.cached_on); structures that depend on sizes onl
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
-import itertools
 import types
 import weakref
 from collections import OrderedDict
@@ -364,18 +364,16 @@ def _create_block_mask(create, mask_mod: Callable, b: int, h: int, sq: int, skv:
     return create(mask_mod, b, h, sq, skv, device=device, BLOCK_SIZE=BLOCK)
 
 
-_COPIES = itertools.count()
-
-
-def compiled_copy(fn: Callable, name: str) -> Callable:
-    """fn compiled as a code object of its own, named `name` and a serial unique in the process: torch.compile keeps
-    its graphs, and its recompile limit (8), per code object, and past the limit runs the frame eagerly (flex then
-    materialises every score). The serial keeps copies apart in dynamo's automatic-dynamic state too, which is keyed
-    by file, line and name: two copies of one name share it, so one copy's varying sizes and closure ints turned the
-    other's symbolic (seen on the H200: flex's Triton lowering failing with 'ShapeAsConstantBuffer' on the full stack,
-    where flex_attention:torch and flex_attention:flash_attn_4 numbered their copies alike)."""
-    unique = f"{name}_{next(_COPIES)}"
-    return torch.compile(types.FunctionType(fn.__code__.replace(co_name=unique), fn.__globals__))
+def compiled_copy(fn: Callable, name: str, key: tuple) -> Callable:
+    """fn compiled as a code object of its own for one key: torch.compile keeps its graphs, and its recompile limit
+    (8), per code object, and past the limit runs the frame eagerly (flex then materialises every score). Its name
+    carries a digest of the key because dynamo also keys its automatic-dynamic state by file, line and name: copies
+    of one name share it, so one copy's varying sizes and closure ints turned the other's symbolic (seen on the H200:
+    flex's Triton lowering failing with 'ShapeAsConstantBuffer', and flex_attention:torch's steps slower, on the full
+    stack, where flex_attention:torch's and flex_attention:flash_attn_4's copies were named by a count alike). The
+    same key gets the same name in every process, as dynamo's saved state expects."""
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+    return torch.compile(types.FunctionType(fn.__code__.replace(co_name=f"{name}_{digest}"), fn.__globals__))
 
 
 _BUILDERS: dict[tuple, Callable] = {}
@@ -384,12 +382,15 @@ _BUILDERS: dict[tuple, Callable] = {}
 def compiled_builder(user: Callable, b: int, h: int) -> Callable:
     """create_block_mask compiled for a user's mask_mod: eager, it materialises the [B, H, Q, KV] mask. One copy per
     mask_mod's code and batch/head sizes (compiled_copy: every user mask_mod through torch's own create_block_mask
-    would share one code object). The
-    closure's values and the lengths do not make a copy (lengths turn dynamic after one recompile)."""
+    would share one code object). The closure's values and the lengths do not make a copy (lengths turn dynamic
+    after one recompile)."""
     key = (getattr(user, "__code__", type(user)), b, h)
     builder = _BUILDERS.get(key)
     if builder is None:
-        builder = _BUILDERS[key] = compiled_copy(_create_block_mask, "create_block_mask")
+        code = key[0]
+        where = (code.co_filename, code.co_firstlineno, code.co_name) if isinstance(code, types.CodeType) else \
+            (code.__module__, code.__qualname__)
+        builder = _BUILDERS[key] = compiled_copy(_create_block_mask, "create_block_mask", (*where, b, h))
     return builder
 
 

@@ -95,7 +95,7 @@ class FlexAttentionEngine(Engine):
             return _call_flex
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = masks.compiled_copy(_call_flex, f"flex_attention_{self.provider}")
+            compiled = self._compiled[key] = masks.compiled_copy(_call_flex, f"flex_attention_{self.provider}", key)
         return compiled
 
     def _run(self, q, k, v, aux: AttnAux, cfg: AttnConfig,
