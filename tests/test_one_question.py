@@ -157,6 +157,7 @@ call = st.one_of(
     st.tuples(st.just("packed"), st.integers(1, 40), st.integers(1, 12)),
     st.tuples(st.just("fp8"), st.sampled_from(["bshd", "sbhd"]), st.integers(1, 3), st.integers(1, 9)),
     st.tuples(st.just("kv"), st.integers(1, 3)),
+    st.tuples(st.just("documents"), st.integers(1, 2), st.integers(4, 12)),
 )
 env_change = st.one_of(st.none(), st.tuples(st.sampled_from(ENV_NAMES), st.sampled_from([None, "0", "1"])),
                        st.tuples(st.just("ATTN_DISPATCH_BACKEND"), st.sampled_from(["unfused", "flash_attn_2"])),
@@ -176,6 +177,16 @@ def _one_call(kind, shape, dense, packed, cached, ip, cache_len):
             mask = (torch.arange(s)[None, :] >= lengths[:, None])[:, None, None, :]
             assert_explain_agrees(dense, *_dense("bshd", b, s), attention_mask=mask, attn_mask_type="padding_causal")
         return padded
+    if kind == "documents":  # a bool mask of causal documents: read as the thd call it is, unless a backend is forced
+        b, s = shape
+
+        def documents():
+            split = int(torch.randint(1, s, ()))
+            same = (torch.arange(s) < split)[:, None] == (torch.arange(s) < split)[None, :]
+            keep = same & torch.ones(s, s, dtype=torch.bool).tril()
+            assert_explain_agrees(dense, *_dense("bshd", b, s), attention_mask=~keep.expand(b, 1, s, s),
+                                  attn_mask_type="arbitrary")
+        return documents
     if kind == "packed":  # tensors of one shape: only the sequence count and lengths change
         def packed_call():
             q, k, v, cu = _packed(shape, rows=40 * 12)
