@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from ..constraints.flex_attention import flash_kind
+from ..platform import parse_version
 from ..runtime_facts import record_rejection
 from . import _flex_masks as masks
 from .base import AttnAux, AttnConfig, BwdResult, Engine, EngineRefused, FwdResult
@@ -199,7 +200,8 @@ def flash_lse_scaled_by_ln2(flex) -> bool:
     backend's statistics as base 2, and flash-attn-4's are natural logs (pytorch/pytorch#181645, fixed by #181824;
     measured on torch 2.11 on the H200: 0.693x float32's LSE). The fix made that conversion conditional
     (`stats_are_log2`, in torch 2.13's flex_attention.py)."""
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+    version = parse_version(torch.__version__)
+    if version is not None and version.release[:2] >= (2, 13):
         return False
     try:
         return "stats_are_log2" not in inspect.getsource(flex)
