@@ -350,3 +350,12 @@ def test_eleventh_packed_grid_is_new_and_covers_grid_10s_misses():
     assert _packed_11_coverage(_draw_packed(PACKED_11_SEED, 12, ELEVENTH_PACKED))
     assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.hkv == 1 for c in grid)
     assert not any(_packed_11_coverage(_draw_packed(s, 12, ELEVENTH_PACKED)) for s in range(20288700, PACKED_11_SEED))
+
+
+def test_twelfth_packed_grid_is_new_and_covers_grid_11s_misses():
+    from attn_dispatch.benchmarking.cases import PACKED_12_SEED, TWELFTH_PACKED, _packed_12_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-12")
+    assert _packed_12_coverage(_draw_packed(PACKED_12_SEED, 12, TWELFTH_PACKED))
+    assert any(c.d == 128 and c.window == (208, 0) for c in grid)
+    assert not any(_packed_12_coverage(_draw_packed(s, 12, TWELFTH_PACKED)) for s in range(20291201, PACKED_12_SEED))
