@@ -58,6 +58,22 @@ def test_refusals_name_their_check(change, platform, code):
     assert decision.chosen != FLASH
 
 
+@pytest.mark.parametrize("mask, window", [("padding_causal", (-1, 0)), ("padding_causal", (255, 0)),
+                                          ("padding", (128, 128))])
+def test_packed_bands_are_refused_with_their_reason(mask, window):
+    thd = dict(qkv_format="thd", attn_mask_type=mask, window_size=window, max_seqlen_q=2048, max_seqlen_kv=2048,
+               batch_size=8, is_training=False)
+    decision, codes = _verdict(AttentionParams(**thd))
+    assert codes == ["flex_attention.packed_band"]
+    verdict = next(v for v in decision.verdicts if v.provider == "flash_attn_4" and v.backend == "flex_attention")
+    assert mask in verdict.reasons[0].message and verdict.reasons[0].fix
+    if window != (-1, 0):
+        assert str(window) in verdict.reasons[0].message
+    # an unmasked pack (a document mask alone) still runs on it
+    _, unmasked = _verdict(AttentionParams(**{**thd, "attn_mask_type": "padding", "window_size": (-1, -1)}))
+    assert unmasked == []
+
+
 def test_score_mods_run_in_inference():
     for change in (dict(softcap=30.0), dict(bias_type="alibi", alibi_slopes_shape="h"), dict(score_mod=True)):
         _, codes = _verdict(AttentionParams(attn_mask_type="arbitrary", is_training=False, **change))

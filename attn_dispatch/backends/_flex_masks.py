@@ -90,14 +90,7 @@ def _padded_frame(sources: tuple, top_left: bool) -> Frame:
     cq, ckv = (c.long() for c in sources)
     lens_q, lens_kv = cq[1:] - cq[:-1], ckv[1:] - ckv[:-1]
     off = torch.zeros_like(lens_q) if top_left else lens_kv - lens_q
-    return Frame("padded", lens_q=_index(lens_q), lens_kv=_index(lens_kv), off_b=_index(off), sources=sources)
-
-
-def _index(t: torch.Tensor) -> torch.Tensor:
-    """A frame tensor as int32, the dtype of flex's own q/kv indices: flash-attn-4's CuTe lowering of a mask_mod
-    cannot store int64 arithmetic into its int32 index registers ('Type mismatch, store Int64 to Tensor with element
-    type Int32', seen on the H200 with torch 2.11 on causal and windowed packs)."""
-    return t.to(torch.int32)
+    return Frame("padded", lens_q=lens_q, lens_kv=lens_kv, off_b=off, sources=sources)
 
 
 def _starts_and_lens(cu: torch.Tensor, cu_padded: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,9 +116,9 @@ def _packed_frame(aux: AttnAux, tq: int, tkv: int, top_left: bool, sources: tupl
     off = torch.zeros(n + 2, dtype=torch.long, device=start_q.device)
     if not top_left:
         off[:n] = lens_kv - lens_q
-    return Frame("packed", off_b=_index(off), seq_q=_index(seq_q), seq_kv=_index(seq_kv), pos_q=_index(pos_q),
-                 pos_kv=_index(pos_kv), seq_in=_index(seq_q.clamp(max=n - 1)), lens_q=_index(lens_q),
-                 lens_kv=_index(lens_kv), start_q=_index(start_q), start_kv=_index(start_kv), sources=sources)
+    return Frame("packed", off_b=off, seq_q=seq_q, seq_kv=seq_kv, pos_q=pos_q, pos_kv=pos_kv,
+                 seq_in=seq_q.clamp(max=n - 1), lens_q=lens_q, lens_kv=lens_kv, start_q=start_q, start_kv=start_kv,
+                 sources=sources)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,11 +413,11 @@ def _sequence_bounds(frame: Frame, sq: int, skv: int, device: torch.device) -> t
     BlockMask's R batch rows (packed: one row of n; padded: B rows of one; dense: one sequence)."""
     if frame.kind == "packed":
         n = frame.lens_q.shape[0]
-        return tuple(t.long().unsqueeze(0) for t in (frame.start_q, frame.lens_q, frame.start_kv, frame.lens_kv,
-                                                     frame.off_b[:n]))
+        return tuple(t.unsqueeze(0) for t in (frame.start_q, frame.lens_q, frame.start_kv, frame.lens_kv,
+                                              frame.off_b[:n]))
     if frame.kind == "padded":
         zeros = torch.zeros_like(frame.lens_q)
-        return tuple(t.long().unsqueeze(1) for t in (zeros, frame.lens_q, zeros, frame.lens_kv, frame.off_b))
+        return tuple(t.unsqueeze(1) for t in (zeros, frame.lens_q, zeros, frame.lens_kv, frame.off_b))
     return tuple(torch.full((1, 1), v, dtype=torch.long, device=device) for v in (0, sq, 0, skv, frame.off))
 
 

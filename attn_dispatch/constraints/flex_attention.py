@@ -255,6 +255,16 @@ def _flash_determinism(p: AttentionParams, plat: Platform, env: EnvFlags) -> Fai
     return None
 
 
+def _flash_packed_band(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
+    if p.qkv_format == "thd" and (p.is_causal or p.has_sliding_window):
+        return fail(f"a packed (thd) call with attn_mask_type={p.attn_mask_type!r}"
+                    + (f" and window_size={tuple(p.window_size)}" if p.has_sliding_window else "")
+                    + ": FlexAttention's FLASH lowering does not compile the per-sequence band from int64 positions, "
+                    "and with int32 ones it crashed the process (an illegal memory access) once other packs had run",
+                    "flash_attn_4:cute and cudnn_fused run packed bands natively; flex_attention:torch runs it too")
+    return None
+
+
 def _flash_refused(p: AttentionParams, plat: Platform, env: EnvFlags) -> Failure | None:
     message = plat.facts.rejections.get(flash_kind_of(p)) if plat.facts.rejections else None
     if message:
@@ -310,6 +320,13 @@ F.add(
           lambda p, plat, env: None if p.cp_size <= 1 and not p.cp_block else fail(
               "context parallelism is not supported by flex_attention:flash_attn_4: its backward runs through "
               "autograd and cannot take a merged out/lse", "run the masked call without context parallelism")),
+    check(F, "packed_band", "a packed (thd) call: no causal mask, no window", "mask",
+          "run on the H200 (torch 2.11.0+cu130, flash-attn-4 4.0.0b36): with the pack's int64 positions the CuTe DSL "
+          "refused the band ('Type mismatch, store Int64 to Tensor with element type Int32', "
+          "benchmarks/results/held_out/eval_blind_packed_11_h200_full_flex_rerun.json.gz); with int32 positions it "
+          "compiled and matched float32 alone, then a bench process died with 'an illegal memory access' on the "
+          "tenth pack (benchmarks/results/held_out/eval_blind_packed_12_h200_full.json.gz), twice, and not without "
+          "this engine", _flash_packed_band),
     check(F, "compile_refused", "torch.compile accepted this kind of call with BACKEND='FLASH'", "platform",
           "observed at run time (the engine records a refused compile)", _flash_refused),
 )
