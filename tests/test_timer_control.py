@@ -316,3 +316,33 @@ def test_a_rows_error_for_a_forced_refusal_keeps_the_forced_providers_reasons():
     assert text.startswith("NoBackendAvailableError: flash_attn_2:torch refused: [flash_attn_2.")
     assert "call:" not in text and "float32" in text
     assert bench.error_text(ValueError("x" * 500)) == "ValueError: " + "x" * 388
+
+
+def test_a_packed_row_settles_flex_on_a_pack_of_another_length_first(monkeypatch):
+    """FlexAttention's compiled copy turns dynamic at a second length; the bench steps each flex provider once on the
+    pack one token shorter before timing, so every row times the graph a training loop's varying packs run."""
+    bench = _bench_user_step()
+    seen = []
+
+    def fake_module(case, provider, device):
+        def call(q, k, v, **kwargs):
+            seen.append((provider, q.shape[0], kwargs["cu_seqlens_q"].tolist(), torch.is_grad_enabled()))
+            return q.sum(-1, keepdim=True).flatten(1)
+        return call
+    monkeypatch.setattr(bench, "module_for", fake_module)
+    lens = (5, 9, 4)
+    case = Case(b=3, s=9, h=2, d=4, mask="padding", fmt="thd", seqlens=lens, train=True, name="cpu")
+    q, k, v, dout, kwargs = bench.make_tensors(case, torch.device("cpu"), 0)
+    dout = dout[:, :case.h]  # the fake module returns [t, h]
+    eligible = ["flash_attn_2:torch", "flex_attention:torch", "flex_attention:flash_attn_4"]
+    assert bench.settle_flex_on_packs(case, eligible, q, k, v, dout, kwargs) == eligible[1:]
+    assert [s[0] for s in seen] == eligible[1:]
+    assert all(s[1:] == (17, [0, 5, 14, 17], True) for s in seen)  # 18 tokens, the last sequence one shorter
+    assert q.grad is None and kwargs["cu_seqlens_q"].tolist() == [0, 5, 14, 18]  # the timed inputs untouched
+    # a one-token last sequence is dropped; a dense call is not settled
+    q1, _, _, _, kw1 = bench.one_token_shorter(q[:15], k[:15], v[:15], dout[:15],
+                                               {**kwargs, "cu_seqlens_q": torch.tensor([0, 5, 14, 15]),
+                                                "cu_seqlens_kv": torch.tensor([0, 5, 14, 15])})
+    assert q1.shape[0] == 14 and kw1["cu_seqlens_kv"].tolist() == [0, 5, 14]
+    dense = Case(b=2, s=8, h=2, d=4, mask="causal", train=False, name="cpu")
+    assert bench.settle_flex_on_packs(dense, eligible, q, k, v, dout, kwargs) == []
