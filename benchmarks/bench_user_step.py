@@ -217,7 +217,7 @@ def settle_flex_on_packs(case: Case, eligible: list[str], q, k, v, dout, kwargs)
     """A packed call through FlexAttention: one step on a pack of another total length first. Its compiled copy
     turns dynamic at a second length (and a later process on the same machine can start dynamic, from torch's saved
     automatic-dynamic state); a training loop's packs differ in length every step, so the dynamic graph is what a user
-    times. Measured on the H200, the static one ran 0.88-1.33x the dynamic one (results/masks/
+    times. Measured on the H200, the dynamic one ran 0.88-1.33x the static one (results/masks/
     flex_packed_dynamic_h200.json): timed from whichever the process's history gave, flex's rows scattered. The
     flex providers that were settled."""
     if case.fmt != "thd":
