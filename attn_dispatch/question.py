@@ -110,7 +110,9 @@ def read_mask(module: torch.nn.Module, q, k, v, args: CallArgs,
     where they are predicted to pay, else as given with the note saying why, decided once per mask tensor and
     version, module and call signature, as selection's answers stand."""
     fmt, mask_type, window = validation.resolve_call(module, args)
-    call = document_masks.self_attention_mask_call(fmt, mask_type, window, q, k, v, args, _rewritable(module, fp8))
+    # only an 'arbitrary' mask is ever rewritten: a padding mask's call reads no environment here
+    plain = mask_type == "arbitrary" and _rewritable(module, fp8)
+    call = document_masks.self_attention_mask_call(fmt, mask_type, window, q, k, v, args, plain)
     if call is None:
         return None, None
     packed = document_masks.as_documents(q, k, v, args, call)
