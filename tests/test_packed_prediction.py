@@ -359,3 +359,13 @@ def test_twelfth_packed_grid_is_new_and_covers_grid_11s_misses():
     assert _packed_12_coverage(_draw_packed(PACKED_12_SEED, 12, TWELFTH_PACKED))
     assert any(c.d == 128 and c.window == (208, 0) for c in grid)
     assert not any(_packed_12_coverage(_draw_packed(s, 12, TWELFTH_PACKED)) for s in range(20291201, PACKED_12_SEED))
+
+
+def test_thirteenth_packed_grid_is_new_and_covers_grid_12s_misses():
+    from attn_dispatch.benchmarking.cases import PACKED_13_SEED, THIRTEENTH_PACKED, _packed_13_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-13")
+    assert _packed_13_coverage(_draw_packed(PACKED_13_SEED, 12, THIRTEENTH_PACKED))
+    assert any(c.d == 128 and c.window == (192, 0) for c in grid)
+    assert any(c.d == 64 and c.mask == "padding" and not c.window for c in grid)
+    assert not any(_packed_13_coverage(_draw_packed(s, 12, THIRTEENTH_PACKED)) for s in range(20291501, PACKED_13_SEED))

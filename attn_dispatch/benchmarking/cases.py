@@ -488,6 +488,10 @@ PACKED_11_SEED = 20288723
 # 640-15360, token budgets 20k and 32k, up to 64 sequences from 23 tokens, windows 208-3456. The seed is the first
 # from 20291201 whose draw covers what _packed_12_coverage asks.
 PACKED_12_SEED = 20291462
+# eval-blind-packed-13: drawn after grid 12 became fit data and the bench began timing flex's dynamic compile on packs,
+# to check them. Other ranges again: longest lengths 704-14848, token budgets 19.5k and 31.5k, up to 64 sequences from
+# 17 tokens, windows 192-3328. The seed is the first from 20291501 whose draw covers what _packed_13_coverage asks.
+PACKED_13_SEED = 20291626
 
 
 @dataclass(frozen=True)
@@ -578,6 +582,12 @@ TWELFTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 2
                               patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                               kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                               windows=(208, 384, 960, 1792, 3456), prefix="pa")
+THIRTEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20, 28, 36, 56),
+                                 longest=(704, 1344, 2432, 3584, 5248, 7424, 10496, 14848), budgets=(19968, 32256),
+                                 max_sequences=64, shortest=17,
+                                 patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                                 kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                                 windows=(192, 352, 832, 1600, 3328), prefix="pb")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -724,6 +734,15 @@ def _packed_12_coverage(shapes: list[Case]) -> bool:
             and any(c.b >= 32 and sum(c.seqlens) < 128 * c.b for c in shapes))
 
 
+def _packed_13_coverage(shapes: list[Case]) -> bool:
+    """_packed_3_coverage, and the kinds grid 12's misses were: a d128 causal-window pack under a window of at most
+    256 (full stack: flash-attn-4 picked, cuDNN's forward faster), and a d64 pack without a mask or window (stock: FA2
+    picked, flex 1.06-1.20x faster)."""
+    return (_packed_3_coverage(shapes)
+            and any(c.d == 128 and c.window and c.window[1] == 0 and c.window[0] <= 256 for c in shapes)
+            and any(c.d == 64 and c.mask == "padding" and not c.window for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -735,7 +754,8 @@ PACKED_GRIDS = {f"eval-blind-packed-{n}": (seed, family) for n, seed, family in 
     (2, PACKED_2_SEED, SECOND_PACKED), (3, PACKED_3_SEED, THIRD_PACKED), (4, PACKED_4_SEED, FOURTH_PACKED),
     (5, PACKED_5_SEED, FIFTH_PACKED), (6, PACKED_6_SEED, SIXTH_PACKED), (7, PACKED_7_SEED, SEVENTH_PACKED),
     (8, PACKED_8_SEED, EIGHTH_PACKED), (9, PACKED_9_SEED, NINTH_PACKED), (10, PACKED_10_SEED, TENTH_PACKED),
-    (11, PACKED_11_SEED, ELEVENTH_PACKED), (12, PACKED_12_SEED, TWELFTH_PACKED))}
+    (11, PACKED_11_SEED, ELEVENTH_PACKED), (12, PACKED_12_SEED, TWELFTH_PACKED),
+    (13, PACKED_13_SEED, THIRTEENTH_PACKED))}
 
 
 def smoke_cases() -> list[Case]:
