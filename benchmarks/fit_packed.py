@@ -38,7 +38,8 @@ from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.policy.cost_model import CostModel  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
-from attn_dispatch.policy.profile_build import packed_entries, pooled_calls, pooled_splits  # noqa: E402
+from attn_dispatch.policy.profile_build import (packed_entries, pooled_calls, pooled_splits,  # noqa: E402
+                                                with_settled_flex)
 import results_manifest  # noqa: E402
 from build_profile import load_runs, shipped_sources  # noqa: E402
 from evaluate_profile import call_of, evaluate, model_with  # noqa: E402
@@ -167,7 +168,8 @@ def measured_packed_grids(manifest: Path = results_manifest.MANIFEST) -> list[st
 
 def grid_check(profile_data: dict, model: CostModel, paths: list[str]) -> dict[str, tuple[list[dict], list[dict]]]:
     """Per run of the packed grids `paths`: (its rows' picks with the profile's packed entries made of the other
-    grids' runs, made of every run)."""
+    grids' runs, made of every run), scored against its rows' times with flex's replaced where a run timed the call
+    again with flex settled on its dynamic compile (with_settled_flex)."""
     runs, _ = load_runs(paths)
     machines = sorted({*profile_data["machines"], *(r["machine"] for r in runs)})
     data = {**profile_data, "machines": machines}
@@ -178,10 +180,16 @@ def grid_check(profile_data: dict, model: CostModel, paths: list[str]) -> dict[s
     every = profile_of(runs)
     found = {}
     for run in runs:
-        others = profile_of([r for r in runs if r["grid"] != run["grid"]])
-        found[Path(run["path"]).name] = (evaluate(run["rows"], others, run["machine"], stock=False),
-                                         evaluate(run["rows"], every, run["machine"], stock=False))
+        others = profile_of([r for r in runs if not _grids(r) & _grids(run)])
+        rows = with_settled_flex(run, runs)
+        found[Path(run["path"]).name] = (evaluate(rows, others, run["machine"], stock=False),
+                                         evaluate(rows, every, run["machine"], stock=False))
     return found
+
+
+def _grids(run: dict) -> set[str]:
+    """The grids a run measured rows of (a re-measure may hold several grids' rows: a comma list)."""
+    return set(run["grid"].split(","))
 
 
 def report(model: CostModel, profile_data: dict, runs: list[dict], fit: list[str], blind: list[str],
@@ -247,7 +255,7 @@ def main() -> int:
 
 def _packed_fields() -> set[str]:
     return {"packed_lengths", "packed_twin", "varlen_factor", "machine_varlen_factor", "host_scale", "machine_shift",
-            "relative_k", "relative_length_slope"}
+            "relative_k", "relative_length_slope", "relative_packed_margin"}
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ import pytest
 from attn_dispatch import AttentionParams, Platform, explain, selection
 from attn_dispatch.env import EnvFlags
 from attn_dispatch.policy import AutoPolicy, Profile, profile_for
+from attn_dispatch.policy.profile import PROFILE_DIR
 from attn_dispatch.policy.cost_model import COST_MODEL, features, provider_work, tiled_pairs, unwindowed_work
 from attn_dispatch.policy.cost_model import work as profile_work
-from attn_dispatch.policy.profile_build import build
+from attn_dispatch.policy.profile_build import build, with_settled_flex
 
 H100 = Platform.parse("h100-cudnn9")
 A100 = Platform.parse("a100-cudnn9")
@@ -402,6 +403,44 @@ def test_a_refresh_run_replaces_the_earlier_runs_of_its_calls_on_its_machine_onl
     assert entries[(a, "packed again")]["runs"] == 1
     assert entries[(b, "packed")]["times_ms"] == {"x:a": 0.8, "x:b": 0.6}  # another machine's run stays
     assert entries[(a, "dense")]["times_ms"] == {"x:a": 2.0}  # a call the refresh did not measure stays
+
+
+def test_a_flex_time_settled_on_its_dynamic_compile_replaces_unsettled_ones_of_the_same_call():
+    packed = AttentionParams(qkv_format="thd", attn_mask_type="padding", max_seqlen_q=2048).to_dict()
+    other = AttentionParams(qkv_format="thd", attn_mask_type="padding", max_seqlen_q=4096).to_dict()
+    row = lambda label, params, times, **kw: {"label": label, "params": params, "times_ms": times, **kw}  # noqa: E731
+    grid = {"machine": "m", "rows": [row("p", packed, {"x:fa": 1.0, "flex:t": 0.8, "x:f4": 0.9}),
+                                     row("q", other, {"x:fa": 2.0, "flex:t": 1.6})]}
+    # timed again on a clock 10% slower, flex settled on its dynamic compile: 1.6x FA's, not 0.8x
+    again = {"machine": "m", "rows": [row("p", packed, {"x:fa": 1.1, "flex:t": 1.76},
+                                          flex_settled_dynamic=["flex:t"])]}
+    elsewhere = {"machine": "n", "rows": [row("p", packed, {"x:fa": 1.0, "flex:t": 0.8})]}
+    data = build([grid, again, elsewhere], arch="sm90", stack={}, date="")
+    entries = {(data["machines"][e["machine"]], e["label"]): e["times_ms"] for e in data["entries"]}
+    assert entries[("m", "p")]["flex:t"] == pytest.approx(1.6)  # the settled time alone, on the grid's clock
+    assert entries[("m", "p")]["x:fa"] == pytest.approx(1.0) and entries[("m", "p")]["x:f4"] == 0.9
+    assert entries[("m", "q")]["flex:t"] == 1.6  # a call not timed again keeps its time
+    assert entries[("n", "p")]["flex:t"] == 0.8  # another machine's run is not replaced
+    # scoring a run against what a user's loop runs: its flex time replaced by the settled one, on its own clock
+    scored = {r["label"]: r["times_ms"] for r in with_settled_flex(grid, [grid, again, elsewhere])}
+    assert scored["p"]["flex:t"] == pytest.approx(1.6) and scored["p"]["x:f4"] == 0.9
+    assert scored["q"] == {"x:fa": 2.0, "flex:t": 1.6}
+    assert with_settled_flex(elsewhere, [grid, again, elsewhere]) == elsewhere["rows"]
+
+
+def test_a_packed_provider_read_relative_to_others_is_picked_only_where_it_reads_clearly_faster():
+    profile = Profile(json.loads((PROFILE_DIR / "sm90.json").read_text()))
+    plain = Profile(json.loads((PROFILE_DIR / "sm90.json").read_text()),
+                    model=dataclasses.replace(COST_MODEL, relative_packed_margin=1.0))
+    call = AttentionParams(qkv_format="thd", attn_mask_type="padding_causal", max_seqlen_q=4096, max_seqlen_kv=4096,
+                           batch_size=4, num_heads=16, num_gqa_groups=4, head_dim_qk=128, head_dim_v=128)
+    among = ["flash_attn_2:torch", "flex_attention:torch"]
+    margined = profile.predict(call, machine="NVIDIA H200", among=among).times_ms
+    unmargined = plain.predict(call, machine="NVIDIA H200", among=among).times_ms
+    assert margined["flash_attn_2:torch"] == unmargined["flash_attn_2:torch"]
+    assert margined["flex_attention:torch"] == pytest.approx(
+        unmargined["flex_attention:torch"] * COST_MODEL.relative_packed_margin)
+    assert COST_MODEL.relative_packed_margin > 1.0
 
 
 def _split_run(machine: str, rows: list[tuple[dict, dict]]) -> dict:

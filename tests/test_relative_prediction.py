@@ -86,7 +86,7 @@ def expected(profile: Profile, p: AttentionParams, rows: list[dict], among: list
              moved: bool = True) -> float:
     """The formula in float64 from the rows: the k nearest (the rate model's distance), each giving NEW's time over
     each reference's there, moved along the slope from its mean length to the call's (with `moved`), times that
-    reference's prediction here (geometric mean), weighted 1/(dist + 0.25)."""
+    reference's prediction here (geometric mean), weighted 1/(dist + 0.25); a packed call's x the model's margin."""
     predicted = profile.predict(p, machine=MACHINE).times_ms
     kind, log2, _ = features(p)
     here = [log2[f] for f in SIZES]
@@ -108,7 +108,8 @@ def expected(profile: Profile, p: AttentionParams, rows: list[dict], among: list
     found.sort()
     used = found[:k]
     weights = [1.0 / (dist + 0.25) for dist, _ in used]
-    return math.exp(sum(w * lr for w, (_, lr) in zip(weights, used)) / sum(weights))
+    margin = profile.model.relative_packed_margin if p.qkv_format == "thd" else 1.0
+    return margin * math.exp(sum(w * lr for w, (_, lr) in zip(weights, used)) / sum(weights))
 
 
 def test_a_provider_without_a_rate_is_its_time_over_the_others_on_the_three_nearest_packs_times_theirs_here():

@@ -97,6 +97,12 @@ class CostModel:
     # mask, so short documents cut many blocks in part (its time over FA2's fell 0.06-0.09 in log per doubling). Never
     # past the longest mean length measured of that kind and head dims: no pack says flex keeps gaining beyond it.
     relative_length_slope: bool = True
+    # On a packed call, a provider predicted relative to others is taken as this much slower than its reading: it is
+    # picked only where it reads clearly faster. Flex's packed times scatter with its compile history (static or
+    # dynamic) and its reading rests on three neighbours; a wrong flex pick cost up to 1.8x, a missed one 1.05-1.2x.
+    # Each packed grid left out in turn (660 rows, flex read from settled runs where timed again): 1.0135 -> 1.0100,
+    # worst 1.830 -> 1.361, 54 -> 46 rows over 1.05 (1.03: 1.0133; 1.08: 1.0103); the full fit 1.0063 -> 1.0070.
+    relative_packed_margin: float = 1.05
     # Providers never given a rate: FlexAttention's block-mask kernels cost, over a tiled engine, what the window and
     # block structure make them, more than any work count follows. Rated off one dense window grid, flex was picked on
     # a held-out grid's full-stack windowed calls at up to 1.66x the fastest.

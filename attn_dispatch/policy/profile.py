@@ -328,8 +328,8 @@ class Profile:
         `among`, its time over each of those there (the geometric mean), moved to the call's mean sequence length
         (relative_slope, with model.relative_length_slope; at most to the longest mean length of those entries), x
         that provider's predicted time here; averaged in log, weighted 1 / (distance + 0.25) as the rate model weights
-        its neighbours. Fewer than relative_k such entries: none. leave_out leaves the call's own shape out (of the
-        slope's fit too)."""
+        its neighbours; on a packed call x model.relative_packed_margin. Fewer than relative_k such entries: none.
+        leave_out leaves the call's own shape out (of the slope's fit too)."""
         m = self.model
         references = [p for p in among if p in predicted]
         missing = [p for p in among if p not in predicted]
@@ -364,6 +364,8 @@ class Profile:
                                 for r, shift in zip(shared, moved)) / len(shared))
                 weights.append(1.0 / (dist + 0.25))
             ms = math.exp(sum(w * lg for w, lg in zip(weights, logs)) / sum(weights))
+            if packed:
+                ms *= m.relative_packed_margin
             out[provider] = (ms, tuple(e.label + ("" if len(self.machines) < 2 else f" ({e.machine})")
                                        for _, e in used))
         return out

@@ -42,15 +42,18 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[
     (the first row's label, the parameters, each run's provider times). The calls a run with "replaces" set
     measured on its machine take their times from such runs alone (a re-measure after an engine's path changed).
     A call no run timed interleaved on its machine takes the steps a split run measured (--split-only: each
-    provider's step in a steady block of its own calls, the block timer's measure)."""
+    provider's step in a steady block of its own calls, the block timer's measure). A FlexAttention provider some run
+    timed settled on its dynamic compile takes that call's time from such runs alone (_settled_times)."""
     grouped: dict[tuple[str, str], tuple[str, dict, list[dict[str, float]]]] = {}
     replaced = {(run["machine"], _call_key(row["params"])) for run in runs if run.get("replaces")
                 for row in run["rows"] if _provider_times(row)}
+    settled = {(run["machine"], _call_key(row["params"]), provider) for run in runs for row in run["rows"]
+               for provider in row.get("flex_settled_dynamic", ())}
     split_only = []  # (key, row, its steps) of split rows: used where no run timed the call
     for run in runs:
         for row in run["rows"]:
-            times = _provider_times(row)
             key = (run["machine"], _call_key(row["params"]))
+            times = _settled_times(row, key, settled)
             if times and (run.get("replaces") or key not in replaced):
                 grouped.setdefault(key, (row["label"], row["params"], []))[2].append(times)
             elif not times and row.get("split"):
@@ -60,6 +63,43 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], tuple[str, dict, list[
         if steps and key not in timed:
             grouped.setdefault(key, (row["label"], row["params"], []))[2].append(steps)
     return grouped
+
+
+def _settled_times(row: dict, key: tuple[str, str], settled: set[tuple[str, str, str]]) -> dict[str, float]:
+    """The row's provider times, without a FlexAttention provider's where another run timed the same call after
+    settling that provider on its dynamic compile (bench_user_step.settle_flex_on_packs; the row's
+    flex_settled_dynamic) and this row did not: a row that did not settle timed whichever compile the process's
+    history left (static for its first pack length), and flex's packed training step ran up to 1.9x slower
+    dynamic (results/README.md)."""
+    own = set(row.get("flex_settled_dynamic", ()))
+    return {n: t for n, t in _provider_times(row).items() if (*key, n) not in settled or n in own}
+
+
+def with_settled_flex(run: dict, runs: list[dict]) -> list[dict]:
+    """The run's rows, each FlexAttention provider's time replaced where another of the runs timed the same call with
+    that provider settled on its dynamic compile and this row did not (what the profile reads, _settled_times): the
+    settled time scaled onto this row's clock by the median ratio of the providers both timed. What a run's picks are
+    scored against where its flex rows were timed again."""
+    settled: dict[tuple[str, str], dict] = {}
+    for other in runs:
+        if other is not run:
+            for row in other["rows"]:
+                if row.get("flex_settled_dynamic"):
+                    settled.setdefault((other["machine"], _call_key(row["params"])), row)
+    rows = []
+    for row in run["rows"]:
+        again = settled.get((run["machine"], _call_key(row["params"])))
+        own, times = set(row.get("flex_settled_dynamic", ())), _provider_times(row)
+        if again is None or not times:
+            rows.append(row)
+            continue
+        fresh = _provider_times(again)
+        shared = [p for p in times if p in fresh and p not in again["flex_settled_dynamic"]]
+        scale = statistics.median(times[p] / fresh[p] for p in shared) if shared else 1.0
+        replaced = {p: fresh[p] * scale for p in again["flex_settled_dynamic"] if p in times and p in fresh
+                    and p not in own}
+        rows.append({**row, "times_ms": {**row["times_ms"], **replaced}})
+    return rows
 
 
 def _call_key(params: dict) -> str:
