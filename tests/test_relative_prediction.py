@@ -222,3 +222,5 @@ def test_auto_picks_it_where_it_is_predicted_fastest_and_says_what_it_was_read_o
     choice = AutoPolicy(directory=tmp_path).choose(TARGET, Platform.parse("h200-cudnn9"), ["x:fast", NEW])
     assert choice.chosen == NEW and set(choice.estimates) == {"x:fast", NEW}
     assert f"{NEW} has no rate in the profile" in choice.reason and "(p3; p0; p1)" in choice.reason
+    margin = f"x {COST_MODEL.relative_packed_margin:g} (a pack picks it only where it reads clearly faster)"
+    assert margin in choice.reason

@@ -65,10 +65,12 @@ class AutoPolicy:
         reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
+        margin = profile.model.relative_packed_margin if params.qkv_format == "thd" else 1.0
         for provider, calls in prediction.relative.items():
             reason += (f"; {provider} has no rate in the profile: its time is the others' predicted here x its "
                        "time over theirs on the nearest measured calls of this kind and head dims "
-                       f"({'; '.join(calls)})")
+                       f"({'; '.join(calls)})" + (f", x {margin:g} (a pack picks it only where it reads clearly "
+                                                  "faster)" if margin != 1.0 else ""))
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)
