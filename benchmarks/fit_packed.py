@@ -255,7 +255,7 @@ def main() -> int:
 
 def _packed_fields() -> set[str]:
     return {"packed_lengths", "packed_twin", "varlen_factor", "machine_varlen_factor", "host_scale", "machine_shift",
-            "relative_k", "relative_length_slope", "relative_packed_margin"}
+            "relative_k", "relative_length_slope", "relative_packed_margin", "windowed_varlen_forward"}
 
 
 if __name__ == "__main__":

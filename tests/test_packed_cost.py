@@ -127,6 +127,23 @@ def test_a_two_sided_window_charges_an_unwindowed_backward_its_unwindowed_share(
     assert full == pytest.approx(want, rel=1e-12) and not math.isclose(full, skipping, rel_tol=0.05)
 
 
+def test_a_windowed_forward_takes_its_machines_windowed_varlen_factor_at_its_head_dim_only():
+    lengths = (4096, 300, 2000, 900)
+    fill, tokens = packed_fills(lengths, lengths, 4096, 4096, "padding_causal")
+    pack = packed(max_seqlen_q=4096, window_size=(192, 0), packed_fill=fill, packed_token_fill=tokens,
+                  is_training=False)
+    model = dataclasses.replace(COST_MODEL, windowed_varlen_forward=(("x:a@GPU B", 128, 1.25),))
+    plain = packed_gpu_factor("x:a", pack, model, "GPU A")
+    assert packed_gpu_factor("x:a", pack, model, "GPU B") == pytest.approx(1.25 * plain, rel=1e-12)
+    assert packed_gpu_factor("x:b", pack, model, "GPU B") == pytest.approx(plain, rel=1e-12)  # another engine
+    assert packed_gpu_factor("x:a", pack, model) == pytest.approx(plain, rel=1e-12)  # no machine named
+    for other in (pack.replace(is_training=True), pack.replace(window_size=(-1, 0)),
+                  pack.replace(head_dim_qk=96, head_dim_v=96)):  # training, no window, another head dim
+        assert packed_gpu_factor("x:a", other, model, "GPU B") == pytest.approx(
+            packed_gpu_factor("x:a", other, model, "GPU A"), rel=1e-12)
+    assert ("flash_attn_4:cute@NVIDIA H200", 128, 1.2) in COST_MODEL.windowed_varlen_forward
+
+
 def clear_rows() -> list[tuple[str, str, dict]]:
     """(label, the engine that was fastest by 1.2x or more over every other, its call) on the packed held-out run."""
     sys.path.insert(0, str(RESULTS.parent))

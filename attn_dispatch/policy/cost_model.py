@@ -77,6 +77,15 @@ class CostModel:
     machine_varlen_factor: tuple[tuple[str, float], ...] = (("cudnn_fused:frontend@NVIDIA H200", 1.04),
                                                             ("flash_attn_2:torch@NVIDIA H200", 1.06),
                                                             ("flash_attn_4:cute@NVIDIA H200", 0.97))
+    # ("provider@machine", head dim, factor): a further factor on a provider's varlen forward under a window at that
+    # head dim on that machine (the H100 has no windowed packed forward measured). On the H200, flash-attn-4's at d128
+    # lost more to a window than cuDNN's: over its dense twin, a pack's GPU time ran 0.84-0.95
+    # against cuDNN's 0.78-0.83 (0.72 and 0.71 unwindowed; results/profile/windowed_varlen_forward_d128_h200_full),
+    # and over the packed grids' windowed d128 forwards its time over cuDNN's was predicted e^-0.19 to e^-0.22 of
+    # the measured (d96: e^-0.02). Each packed grid left out in turn: x1.1 1.0100 -> 1.0099, x1.2 1.0096 (three picks
+    # moved to cuDNN, each to the fastest engine: pb10, pa11 and pt5 forward), x1.3 1.0097; on every windowed forward,
+    # x1.2 broke three d64/d96 picks (up to 1.20x).
+    windowed_varlen_forward: tuple[tuple[str, int, float], ...] = (("flash_attn_4:cute@NVIDIA H200", 128, 1.2),)
     # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
     # between the two (machine_shifts: the median log ratio over dense calls both timed, of one pass and head dim, each
     # at least machine_pair_ms; at least machine_pairs of them; under machine_shift_min taken as none, run-to-run
@@ -247,13 +256,17 @@ def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST
                       machine: str | None = None) -> float:
     """A packed call's GPU time over its dense twin's, for the provider: the pack's share of the provider's work
     (provider_work: a backward that skips no window tile counts the unwindowed share) x its varlen factor (x the
-    machine's, where it has one)."""
+    machine's, where it has one; a windowed forward x the machine's model.windowed_varlen_forward, where it has one)."""
     twin = dense_twin(p)
     packed = provider_work(provider, work(p, model), unwindowed_work(p, model) if two_sided_training(p) else
                            work(p, model), model)
     dense = provider_work(provider, work(twin, model), unwindowed_work(twin, model) if two_sided_training(twin) else
                           work(twin, model), model)
-    return packed / dense * varlen_factor(provider, machine, model)
+    windowed = 1.0
+    if p.has_sliding_window and not p.is_training and machine:
+        windowed = {(e, d): f for e, d, f in model.windowed_varlen_forward}.get((f"{provider}@{machine}",
+                                                                                p.head_dim_qk), 1.0)
+    return packed / dense * varlen_factor(provider, machine, model) * windowed
 
 
 def varlen_factor(provider: str, machine: str | None, model: CostModel = COST_MODEL) -> float:
