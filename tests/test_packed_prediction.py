@@ -369,3 +369,13 @@ def test_thirteenth_packed_grid_is_new_and_covers_grid_12s_misses():
     assert any(c.d == 128 and c.window == (192, 0) for c in grid)
     assert any(c.d == 64 and c.mask == "padding" and not c.window for c in grid)
     assert not any(_packed_13_coverage(_draw_packed(s, 12, THIRTEENTH_PACKED)) for s in range(20291501, PACKED_13_SEED))
+
+
+def test_fourteenth_packed_grid_is_new_and_covers_grid_13s_misses():
+    from attn_dispatch.benchmarking.cases import FOURTEENTH_PACKED, PACKED_14_SEED, _packed_14_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-14")
+    assert _packed_14_coverage(_draw_packed(PACKED_14_SEED, 12, FOURTEENTH_PACKED))
+    assert any(c.d == 128 and c.window == (224, 0) for c in grid)
+    assert any(c.d == 64 and c.window and c.window[1] > 0 for c in grid)
+    assert not any(_packed_14_coverage(_draw_packed(s, 12, FOURTEENTH_PACKED)) for s in range(20291701, PACKED_14_SEED))
