@@ -65,7 +65,7 @@ class AutoPolicy:
         reason = (f"predicted fastest: {estimates[chosen]:.3f} ms per step, vs {versus}; from {profile.describe()}, "
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
-        margin = profile.model.relative_packed_margin if params.qkv_format == "thd" else 1.0
+        margin = profile.relative_margin(params)
         for provider, calls in prediction.relative.items():
             reason += (f"; {provider} has no rate in the profile: its time is the others' predicted here x its "
                        "time over theirs on the nearest measured calls of this kind and head dims "

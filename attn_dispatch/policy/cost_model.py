@@ -82,9 +82,9 @@ class CostModel:
     # lost more to a window than cuDNN's: over its dense twin, a pack's GPU time ran 0.84-0.95
     # against cuDNN's 0.78-0.83 (0.72 and 0.71 unwindowed; results/profile/windowed_varlen_forward_d128_h200_full),
     # and over the packed grids' windowed d128 forwards its time over cuDNN's was predicted e^-0.19 to e^-0.22 of
-    # the measured (d96: e^-0.02). Each packed grid left out in turn: x1.1 1.0100 -> 1.0099, x1.2 1.0096 (three picks
-    # moved to cuDNN, each to the fastest engine: pb10, pa11 and pt5 forward), x1.3 1.0097; on every windowed forward,
-    # x1.2 broke three d64/d96 picks (up to 1.20x).
+    # the measured (d96: e^-0.02). Each packed grid left out in turn: x1.1 1.0100 -> 1.0099, x1.2 1.0096 (three d128
+    # forward picks moved to cuDNN, each to the fastest engine), x1.3 1.0097; on every windowed forward, x1.2 broke
+    # three d64/d96 picks (up to 1.20x).
     windowed_varlen_forward: tuple[tuple[str, int, float], ...] = (("flash_attn_4:cute@NVIDIA H200", 128, 1.2),)
     # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
     # between the two (machine_shifts: the median log ratio over dense calls both timed, of one pass and head dim, each
@@ -262,11 +262,18 @@ def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST
                            work(p, model), model)
     dense = provider_work(provider, work(twin, model), unwindowed_work(twin, model) if two_sided_training(twin) else
                           work(twin, model), model)
-    windowed = 1.0
-    if p.has_sliding_window and not p.is_training and machine:
-        windowed = {(e, d): f for e, d, f in model.windowed_varlen_forward}.get((f"{provider}@{machine}",
-                                                                                p.head_dim_qk), 1.0)
-    return packed / dense * varlen_factor(provider, machine, model) * windowed
+    return (packed / dense * varlen_factor(provider, machine, model)
+            * windowed_varlen_factor(provider, p, machine, model))
+
+
+def windowed_varlen_factor(provider: str, p: AttentionParams, machine: str | None,
+                           model: CostModel = COST_MODEL) -> float:
+    """The further factor on the provider's varlen forward under a window at the call's head dim, on the machine
+    (model.windowed_varlen_forward); 1 elsewhere."""
+    if not p.has_sliding_window or p.is_training or not machine:
+        return 1.0
+    key = (f"{provider}@{machine}", p.head_dim_qk)
+    return next((f for named, d, f in model.windowed_varlen_forward if (named, d) == key), 1.0)
 
 
 def varlen_factor(provider: str, machine: str | None, model: CostModel = COST_MODEL) -> float:

@@ -364,11 +364,15 @@ class Profile:
                                 for r, shift in zip(shared, moved)) / len(shared))
                 weights.append(1.0 / (dist + 0.25))
             ms = math.exp(sum(w * lg for w, lg in zip(weights, logs)) / sum(weights))
-            if packed:
-                ms *= m.relative_packed_margin
+            ms *= self.relative_margin(params)
             out[provider] = (ms, tuple(e.label + ("" if len(self.machines) < 2 else f" ({e.machine})")
                                        for _, e in used))
         return out
+
+    def relative_margin(self, params: AttentionParams) -> float:
+        """The factor on a provider's time read relative to others (relative): model.relative_packed_margin on a
+        packed call, 1 elsewhere."""
+        return self.model.relative_packed_margin if params.qkv_format == "thd" else 1.0
 
     def relative_slope(self, provider: str, reference: str, skip: tuple | None = None) -> float:
         """The slope of log(provider's time / reference's time) over log2 of the mean sequence length, on the
