@@ -379,3 +379,13 @@ def test_fourteenth_packed_grid_is_new_and_covers_grid_13s_misses():
     assert any(c.d == 128 and c.window == (224, 0) for c in grid)
     assert any(c.d == 64 and c.window and c.window[1] > 0 for c in grid)
     assert not any(_packed_14_coverage(_draw_packed(s, 12, FOURTEENTH_PACKED)) for s in range(20291701, PACKED_14_SEED))
+
+
+def test_fifteenth_packed_grid_is_new_and_covers_grid_14s_misses():
+    from attn_dispatch.benchmarking.cases import FIFTEENTH_PACKED, PACKED_15_SEED, _packed_15_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-15")
+    assert _packed_15_coverage(_draw_packed(PACKED_15_SEED, 12, FIFTEENTH_PACKED))
+    assert any(c.d == 192 and c.mask == "padding_causal" for c in grid)
+    assert any(c.d == 256 and c.window and c.window[1] == 0 for c in grid)
+    assert not any(_packed_15_coverage(_draw_packed(s, 12, FIFTEENTH_PACKED)) for s in range(20292101, PACKED_15_SEED))

@@ -497,6 +497,10 @@ PACKED_13_SEED = 20291626
 # ranges again: longest lengths 608-15104, token budgets 20.5k and 32.5k, up to 64 sequences from 19 tokens, windows
 # 224-3072. The seed is the first from 20291701 whose draw covers what _packed_14_coverage asks.
 PACKED_14_SEED = 20292019
+# eval-blind-packed-15: drawn after grid 14 became fit data, to check it. Other ranges again: longest lengths 672-14592,
+# token budgets 21.25k and 32.25k, up to 64 sequences from 20 tokens, windows 240-3200. The seed is the first from
+# 20292101 whose draw covers what _packed_15_coverage asks.
+PACKED_15_SEED = 20292337
 
 
 @dataclass(frozen=True)
@@ -599,6 +603,12 @@ FOURTEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12
                                  patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                                  kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                                  windows=(224, 416, 896, 1536, 3072), prefix="pc")
+FIFTEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 24, 28, 40, 56),
+                                longest=(672, 1280, 2304, 3712, 5760, 8192, 11008, 14592), budgets=(21760, 33024),
+                                max_sequences=64, shortest=20,
+                                patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                                kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                                windows=(240, 448, 928, 1664, 3200), prefix="pd")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -765,6 +775,17 @@ def _packed_14_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 128 and c.mask == "padding_causal" and not c.window for c in shapes))
 
 
+def _packed_15_coverage(shapes: list[Case]) -> bool:
+    """_packed_3_coverage, and the kinds grid 14's misses were: a d192 causal pack (full stack: cuDNN picked,
+    flash-attn-4's forward 1.13x faster), a d64 causal-window pack under a window of at most 1024 (stock: FA2 picked,
+    flex's forward 1.16x faster), and a d256 causal-window pack (full stack: cuDNN picked in training, FA2 1.10x
+    faster)."""
+    return (_packed_3_coverage(shapes)
+            and any(c.d == 192 and c.mask == "padding_causal" for c in shapes)
+            and any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 1024 for c in shapes)
+            and any(c.d == 256 and c.window and c.window[1] == 0 for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -777,7 +798,8 @@ PACKED_GRIDS = {f"eval-blind-packed-{n}": (seed, family) for n, seed, family in 
     (5, PACKED_5_SEED, FIFTH_PACKED), (6, PACKED_6_SEED, SIXTH_PACKED), (7, PACKED_7_SEED, SEVENTH_PACKED),
     (8, PACKED_8_SEED, EIGHTH_PACKED), (9, PACKED_9_SEED, NINTH_PACKED), (10, PACKED_10_SEED, TENTH_PACKED),
     (11, PACKED_11_SEED, ELEVENTH_PACKED), (12, PACKED_12_SEED, TWELFTH_PACKED),
-    (13, PACKED_13_SEED, THIRTEENTH_PACKED), (14, PACKED_14_SEED, FOURTEENTH_PACKED))}
+    (13, PACKED_13_SEED, THIRTEENTH_PACKED), (14, PACKED_14_SEED, FOURTEENTH_PACKED),
+    (15, PACKED_15_SEED, FIFTEENTH_PACKED))}
 
 
 def smoke_cases() -> list[Case]:
