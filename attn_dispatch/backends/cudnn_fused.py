@@ -43,7 +43,6 @@ from . import _torch_native
 from ._cudnn_graph import EXECUTE_PATHS, Compiled, CudnnGraphError, GraphBuilder, SdpaKey
 from .base import AttnAux, AttnConfig, BwdResult, Engine, FwdResult, KVCacheView, _thd_positions
 from ..params import AttentionParams
-from ..synthetic import make_call
 
 __all__ = ["CudnnFrontendEngine", "CudnnGraphError", "SdpaKey", "TorchCudnnEngine", "alibi_bias",
            "alibi_default_slopes", "bhsd"]
@@ -816,20 +815,6 @@ class CudnnFrontendEngine(Engine):
         buffers.update(stats=lse, page_table_k=tables, page_table_v=tables)
         self._run(compiled, buffers, dev)
         return out
-
-    def probe(self, params: Any, device: int | None = None) -> str | None:
-        """Build the forward (and, for training, backward) graph of an AttentionParams on this GPU without running
-        it: None when cuDNN accepts, else cuDNN's message (also recorded for the table's `cudnn_rejected`)."""
-        call = make_call(params, device="cuda" if device is None else f"cuda:{device}", requires_grad=False)
-        try:
-            with torch.no_grad():
-                result = self.forward(call.q, call.k, call.v, call.aux, call.cfg)
-                if params.is_training:
-                    self.backward(torch.ones_like(result.out), call.q, call.k, call.v, result.out, result.lse,
-                                  result.state, call.aux, call.cfg)
-        except CudnnGraphError as exc:
-            return exc.cudnn_message
-        return None
 
 
 def _kv_bucket(n: int, capacity: int | None = None) -> int:
