@@ -116,9 +116,6 @@ class EnvFlags:
     def fused_sub_backend_name(self) -> str | None:
         return FUSED_SUB_BACKENDS.get(self.fused_attn_backend) if self.fused_attn_backend else None
 
-    def as_environ(self) -> dict[str, str]:
-        return dict(self.raw)
-
 
 _PARSED: dict[tuple, EnvFlags] = {}
 

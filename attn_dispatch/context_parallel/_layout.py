@@ -13,10 +13,6 @@ LSE_SEQ_DIM = {"bshd": 2, "sbhd": 2, "thd": 1}
 NDIM = {"bshd": 4, "sbhd": 4, "thd": 3}
 
 
-def seq_len(x: torch.Tensor, fmt: str) -> int:
-    return x.shape[SEQ_DIM[fmt]]
-
-
 def lse_as_out(lse: torch.Tensor, fmt: str) -> torch.Tensor:
     """A view of lse that broadcasts against an output tensor of this format ([..., h, 1])."""
     if fmt == "bshd":

@@ -91,7 +91,6 @@ class Pair:
     def __init__(self, buffers: tuple[torch.Tensor, ...]):
         self.buffers = buffers
         self.parts = (buffers[0][0], buffers[0][1]) if len(buffers) == 1 else buffers
-        self.lead = 1 if len(buffers) == 1 else 0  # dims before a part's own
 
     @classmethod
     def of(cls, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = True) -> "Pair":

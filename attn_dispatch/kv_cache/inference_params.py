@@ -139,7 +139,6 @@ class InferenceParams:
         self.batch_size = 0
         self._free_pages = list(range(self.total_num_pages))
         self._pages: dict[Any, list[int]] = {}
-        self._page_table_host: list[list[int]] = []
         cap = self.max_batch_size
         # Transformer Engine's tensors: [max_batch_size + 1] running sums (the tail repeats the last value).
         self.cu_seqlens_q = torch.zeros(cap + 1, dtype=torch.int32, device=self.device)
