@@ -78,13 +78,10 @@ class CostModel:
                                                             ("flash_attn_2:torch@NVIDIA H200", 1.06),
                                                             ("flash_attn_4:cute@NVIDIA H200", 0.97))
     # ("provider@machine", head dim, factor): a further factor on a provider's varlen forward under a window at that
-    # head dim on that machine (the H100 has no windowed packed forward measured). On the H200, flash-attn-4's at d128
-    # lost more to a window than cuDNN's: over its dense twin, a pack's GPU time ran 0.84-0.95
-    # against cuDNN's 0.78-0.83 (0.72 and 0.71 unwindowed; results/profile/windowed_varlen_forward_d128_h200_full),
-    # and over the packed grids' windowed d128 forwards its time over cuDNN's was predicted e^-0.19 to e^-0.22 of
-    # the measured (d96: e^-0.02). Each packed grid left out in turn: x1.1 1.0100 -> 1.0099, x1.2 1.0096 (three d128
-    # forward picks moved to cuDNN, each to the fastest engine), x1.3 1.0097; on every windowed forward, x1.2 broke
-    # three d64/d96 picks (up to 1.20x).
+    # head dim on that machine. On the H200 flash-attn-4's d128 varlen forward loses more to a window than cuDNN's
+    # (over its dense twin 0.84-0.95 against 0.78-0.83; results/profile/windowed_varlen_forward_d128_h200_full). Chosen
+    # by leaving each packed grid out in turn; other head dims and the H100 have no such measurement
+    # (benchmarks/results/README.md gives the scores).
     windowed_varlen_forward: tuple[tuple[str, int, float], ...] = (("flash_attn_4:cute@NVIDIA H200", 128, 1.2),)
     # A rate read off another machine's entry is put on the asked machine's scale by the provider's speed ratio
     # between the two (machine_shifts: the median log ratio over dense calls both timed, of one pass and head dim, each
@@ -107,10 +104,9 @@ class CostModel:
     # past the longest mean length measured of that kind and head dims: no pack says flex keeps gaining beyond it.
     relative_length_slope: bool = True
     # On a packed call, a provider predicted relative to others is taken as this much slower than its reading: it is
-    # picked only where it reads clearly faster. Flex's packed times scatter with its compile history (static or
-    # dynamic) and its reading rests on three neighbours; a wrong flex pick cost up to 1.8x, a missed one 1.05-1.2x.
-    # Each packed grid left out in turn (660 rows, flex read from settled runs where timed again): 1.0135 -> 1.0100,
-    # worst 1.830 -> 1.361, 54 -> 46 rows over 1.05 (1.03: 1.0133; 1.08: 1.0103); the full fit 1.0063 -> 1.0070.
+    # picked only where it reads clearly faster. Flex's packed times scatter with its compile history and its reading
+    # rests on three neighbours; a wrong flex pick cost up to 1.8x, a missed one 1.05-1.2x. Chosen by leaving each
+    # packed grid out in turn (benchmarks/results/README.md gives the scores of 1.03-1.08).
     relative_packed_margin: float = 1.05
     # Providers never given a rate: FlexAttention's block-mask kernels cost, over a tiled engine, what the window and
     # block structure make them, more than any work count follows. Rated off one dense window grid, flex was picked on
@@ -257,12 +253,12 @@ def packed_gpu_factor(provider: str, p: AttentionParams, model: CostModel = COST
     """A packed call's GPU time over its dense twin's, for the provider: the pack's share of the provider's work
     (provider_work: a backward that skips no window tile counts the unwindowed share) x its varlen factor (x the
     machine's, where it has one; a windowed forward x the machine's model.windowed_varlen_forward, where it has one)."""
-    twin = dense_twin(p)
-    packed = provider_work(provider, work(p, model), unwindowed_work(p, model) if two_sided_training(p) else
-                           work(p, model), model)
-    dense = provider_work(provider, work(twin, model), unwindowed_work(twin, model) if two_sided_training(twin) else
-                          work(twin, model), model)
-    return (packed / dense * varlen_factor(provider, machine, model)
+    def provider_work_of(call: AttentionParams) -> float:
+        windowed = work(call, model)
+        unwindowed = unwindowed_work(call, model) if two_sided_training(call) else windowed
+        return provider_work(provider, windowed, unwindowed, model)
+
+    return (provider_work_of(p) / provider_work_of(dense_twin(p)) * varlen_factor(provider, machine, model)
             * windowed_varlen_factor(provider, p, machine, model))
 
 
