@@ -389,3 +389,13 @@ def test_fifteenth_packed_grid_is_new_and_covers_grid_14s_misses():
     assert any(c.d == 192 and c.mask == "padding_causal" for c in grid)
     assert any(c.d == 256 and c.window and c.window[1] == 0 for c in grid)
     assert not any(_packed_15_coverage(_draw_packed(s, 12, FIFTEENTH_PACKED)) for s in range(20292101, PACKED_15_SEED))
+
+
+def test_sixteenth_packed_grid_is_new_and_covers_grid_15s_miss():
+    from attn_dispatch.benchmarking.cases import PACKED_16_SEED, SIXTEENTH_PACKED, _packed_16_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-16")
+    assert _packed_16_coverage(_draw_packed(PACKED_16_SEED, 12, SIXTEENTH_PACKED))
+    assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.b >= 32 for c in grid)
+    assert any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 1024 for c in grid)
+    assert not any(_packed_16_coverage(_draw_packed(s, 12, SIXTEENTH_PACKED)) for s in range(20292901, PACKED_16_SEED))
