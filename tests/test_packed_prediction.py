@@ -399,3 +399,14 @@ def test_sixteenth_packed_grid_is_new_and_covers_grid_15s_miss():
     assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.b >= 32 for c in grid)
     assert any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 1024 for c in grid)
     assert not any(_packed_16_coverage(_draw_packed(s, 12, SIXTEENTH_PACKED)) for s in range(20292901, PACKED_16_SEED))
+
+
+def test_seventeenth_packed_grid_is_new_and_covers_grid_16s_misses():
+    from attn_dispatch.benchmarking.cases import PACKED_17_SEED, SEVENTEENTH_PACKED, _packed_17_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-17")
+    assert _packed_17_coverage(_draw_packed(PACKED_17_SEED, 12, SEVENTEENTH_PACKED))
+    assert any(c.d == 256 and c.mask == "padding_causal" and not c.window and c.b >= 48 for c in grid)
+    assert any(c.d == 256 and c.window and c.window[1] > 0 for c in grid)
+    assert not any(_packed_17_coverage(_draw_packed(s, 12, SEVENTEENTH_PACKED))
+                   for s in range(20293501, PACKED_17_SEED))
