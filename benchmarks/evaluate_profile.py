@@ -197,6 +197,13 @@ def model_with(settings: list[str]) -> CostModel:
         default = getattr(COST_MODEL, key)
         if isinstance(default, bool):
             changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(default, tuple) and default and all(isinstance(x, tuple) and len(x) == 3 for x in default):
+            # (name, head dim, number) triples: NAME#DIM=NUMBER,...; "none": the empty tuple
+            triples = [] if value == "none" else [part.rpartition("=") for part in value.split(",")]
+            if any(not name or "#" not in name or not number for name, _, number in triples):
+                raise SystemExit(f"--model {item!r}: expected {key}=NAME#DIM=NUMBER,... or {key}=none")
+            changes[key] = tuple((name.rpartition("#")[0], int(name.rpartition("#")[2]), float(number))
+                                 for name, _, number in triples)
         elif isinstance(default, tuple) and default and all(isinstance(x, tuple) for x in default):
             # (name, number) pairs: NAME=NUMBER,...; "none": the empty tuple
             pairs = [] if value == "none" else [part.rpartition("=") for part in value.split(",")]

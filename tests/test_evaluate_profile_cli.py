@@ -26,6 +26,10 @@ def test_model_settings_parse_to_their_fields_types_and_refuse_unknown_keys():
     assert evaluate_profile.model_with(["varlen_factor=none"]).varlen_factor == ()
     with pytest.raises(SystemExit, match="NAME=NUMBER"):
         evaluate_profile.model_with(["varlen_factor=x:a"])
+    windowed = evaluate_profile.model_with(["windowed_varlen_forward=x:a@M 1#64=1.2,x:a@M 1#256=1.1"])
+    assert windowed.windowed_varlen_forward == (("x:a@M 1", 64, 1.2), ("x:a@M 1", 256, 1.1))  # per head dim
+    with pytest.raises(SystemExit, match="NAME#DIM=NUMBER"):
+        evaluate_profile.model_with(["windowed_varlen_forward=x:a=1.2"])
     for bad in (["hostscale=0.9"], ["host_scale="], ["host_scale"]):
         with pytest.raises(SystemExit, match="CostModel field"):
             evaluate_profile.model_with(bad)
