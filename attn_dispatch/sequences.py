@@ -158,8 +158,8 @@ def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, ar
         if attention_mask is not None or not has_padding(mask_type) or \
                 not all(isinstance(t, torch.Tensor) for t in tensors):
             return compute()  # raises with the precise reason
-        context = ("thd", cu_q is None, cu_kv is None, cu_q_p is None, cu_kv_p is None, q.shape[0], k.shape[0],
-                   q.device, max_q, max_kv, pad_between_seqs)
+        context = ("thd", mask_type, cu_q is None, cu_kv is None, cu_q_p is None, cu_kv_p is None, q.shape[0],
+                   k.shape[0], q.device, max_q, max_kv, pad_between_seqs)  # the fills depend on the mask type
         return cached_on(tensors, context, compute)
     batch = q.shape[0] if fmt == "bshd" else q.shape[1]
     sq, skv = (q.shape[1], k.shape[1]) if fmt == "bshd" else (q.shape[0], k.shape[0])

@@ -410,3 +410,22 @@ def test_seventeenth_packed_grid_is_new_and_covers_grid_16s_misses():
     assert any(c.d == 256 and c.window and c.window[1] > 0 for c in grid)
     assert not any(_packed_17_coverage(_draw_packed(s, 12, SEVENTEENTH_PACKED))
                    for s in range(20293501, PACKED_17_SEED))
+
+
+def test_a_packs_fills_follow_each_modules_mask_on_the_same_cu_seqlens():
+    """The sequence facts are cached on the cu_seqlens tensors; the fills depend on the mask type, so a causal
+    module reading the tensors a padding module read first gets its own (causal) fill."""
+    import torch
+
+    from attn_dispatch import DotProductAttention
+    from attn_dispatch.params import packed_fills
+
+    cu = torch.tensor([0, 128, 384], dtype=torch.int32)
+    q, k, v = (torch.randn(384, 4, 64) for _ in range(3))
+    fills = {}
+    for mask in ("padding", "padding_causal"):
+        module = DotProductAttention(4, 64, qkv_format="thd", attn_mask_type=mask).eval()
+        explained = module.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=256, max_seqlen_kv=256)
+        fills[mask] = explained.params["packed_fill"]
+        assert fills[mask] == packed_fills((128, 256), (128, 256), 256, 256, mask)[0]
+    assert fills["padding"] != fills["padding_causal"]
