@@ -197,19 +197,8 @@ def model_with(settings: list[str]) -> CostModel:
         default = getattr(COST_MODEL, key)
         if isinstance(default, bool):
             changes[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(default, tuple) and default and all(isinstance(x, tuple) and len(x) == 3 for x in default):
-            # (name, head dim, number) triples: NAME#DIM=NUMBER,...; "none": the empty tuple
-            triples = [] if value == "none" else [part.rpartition("=") for part in value.split(",")]
-            if any(not name or "#" not in name or not number for name, _, number in triples):
-                raise SystemExit(f"--model {item!r}: expected {key}=NAME#DIM=NUMBER,... or {key}=none")
-            changes[key] = tuple((name.rpartition("#")[0], int(name.rpartition("#")[2]), float(number))
-                                 for name, _, number in triples)
         elif isinstance(default, tuple) and default and all(isinstance(x, tuple) for x in default):
-            # (name, number) pairs: NAME=NUMBER,...; "none": the empty tuple
-            pairs = [] if value == "none" else [part.rpartition("=") for part in value.split(",")]
-            if any(not name or not number for name, _, number in pairs):
-                raise SystemExit(f"--model {item!r}: expected {key}=NAME=NUMBER,... or {key}=none")
-            changes[key] = tuple((name, float(number)) for name, _, number in pairs)
+            changes[key] = _named_numbers(item, key, value, per_dim=len(default[0]) == 3)
         elif isinstance(default, tuple) and all(isinstance(x, str) for x in default):
             changes[key] = () if value == "none" else tuple(value.split(","))  # names; "none": the empty tuple
         elif isinstance(default, tuple):
@@ -217,6 +206,20 @@ def model_with(settings: list[str]) -> CostModel:
         else:
             changes[key] = type(default)(value)
     return dataclasses.replace(COST_MODEL, **changes)
+
+
+def _named_numbers(item: str, key: str, value: str, *, per_dim: bool) -> tuple:
+    """A CostModel table from --model: (name, number) pairs as NAME=NUMBER,..., or with per_dim (name, head dim,
+    number) triples as NAME#DIM=NUMBER,...; "none": the empty table."""
+    form = "NAME#DIM=NUMBER" if per_dim else "NAME=NUMBER"
+    found = []
+    for part in [] if value == "none" else value.split(","):
+        name, _, number = part.rpartition("=")
+        name, _, dim = name.rpartition("#") if per_dim else (name, "", "")
+        if not name or not number or (per_dim and not dim.isdigit()):
+            raise SystemExit(f"--model {item!r}: expected {key}={form},... or {key}=none")
+        found.append((name, int(dim), float(number)) if per_dim else (name, float(number)))
+    return tuple(found)
 
 
 def summary_line(profile: Profile, paths: list[str]) -> str:
