@@ -61,7 +61,7 @@ from attn_dispatch import DotProductAttention, Platform, selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
 from attn_dispatch.decision import NoBackendAvailableError
 from attn_dispatch.policy.timing import TimerSettings, attention_flops, time_interleaved
-from host_probe import measured_launch_us  # benchmarks/: a diagnostic of the run's host
+from host_probe import cpu_model, measured_launch_us, python_us  # benchmarks/: a diagnostic of the run's host
 
 SETTINGS = TimerSettings(warmup=2, reps=12, max_reps=200, target_ms=40.0, warm_ms=40.0)  # --timer call
 BLOCK_MS = 3.0  # --timer block: one sample's block of calls (calls over 2 ms: one call per sample)
@@ -413,7 +413,8 @@ def environment() -> dict:
             "python": py_platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "platform": Platform.detect().describe(), "launch_us": measured_launch_us()}
+            "platform": Platform.detect().describe(), "launch_us": measured_launch_us(),
+            "cpu": cpu_model(), "python_us": python_us()}
     from importlib import metadata
 
     for name, dist in (("cudnn_frontend", "nvidia-cudnn-frontend"), ("flash_attn_4", "flash-attn-4"),

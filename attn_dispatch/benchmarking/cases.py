@@ -509,6 +509,10 @@ PACKED_16_SEED = 20293463
 # token budgets 21.5k and 32k, up to 64 sequences from 21 tokens, windows 272-3072. The seed is the first from
 # 20293501 whose draw covers what _packed_17_coverage asks.
 PACKED_17_SEED = 20293655
+# eval-blind-packed-18: drawn after grid 17 became fit data, to check it. Other ranges again: longest lengths 736-15104,
+# token budgets 21k and 33.25k, up to 64 sequences from 19 tokens, windows 288-3200. The seed is the first from
+# 20293701 whose draw covers what _packed_18_coverage asks.
+PACKED_18_SEED = 20294315
 
 
 @dataclass(frozen=True)
@@ -629,6 +633,12 @@ SEVENTEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 1
                                   patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                                   kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                                   windows=(272, 512, 1024, 1856, 3072), prefix="pf")
+EIGHTEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12, 16, 28, 40, 48),
+                                 longest=(736, 1408, 2304, 3648, 5504, 7680, 11136, 15104), budgets=(20992, 33280),
+                                 max_sequences=64, shortest=19,
+                                 patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                                 kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                                 windows=(288, 544, 1056, 1920, 3200), prefix="pg")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -824,6 +834,15 @@ def _packed_17_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 256 and c.window and c.window[1] > 0 for c in shapes))
 
 
+def _packed_18_coverage(shapes: list[Case]) -> bool:
+    """_packed_3_coverage, and the kinds grid 17's full-stack misses were: a d96 pack without a mask or window of 32
+    sequences or more (cuDNN picked, flash-attn-4's forward 1.32x faster) and a d64 causal-window pack under a window
+    of at most 640 (flash-attn-4 picked, cuDNN's forward 1.26x faster)."""
+    return (_packed_3_coverage(shapes)
+            and any(c.d == 96 and c.mask == "padding" and not c.window and c.b >= 32 for c in shapes)
+            and any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 640 for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -838,7 +857,7 @@ PACKED_GRIDS = {f"eval-blind-packed-{n}": (seed, family) for n, seed, family in 
     (11, PACKED_11_SEED, ELEVENTH_PACKED), (12, PACKED_12_SEED, TWELFTH_PACKED),
     (13, PACKED_13_SEED, THIRTEENTH_PACKED), (14, PACKED_14_SEED, FOURTEENTH_PACKED),
     (15, PACKED_15_SEED, FIFTEENTH_PACKED), (16, PACKED_16_SEED, SIXTEENTH_PACKED),
-    (17, PACKED_17_SEED, SEVENTEENTH_PACKED))}
+    (17, PACKED_17_SEED, SEVENTEENTH_PACKED), (18, PACKED_18_SEED, EIGHTEENTH_PACKED))}
 
 
 def smoke_cases() -> list[Case]:
