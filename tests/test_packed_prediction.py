@@ -423,6 +423,17 @@ def test_eighteenth_packed_grid_is_new_and_covers_grid_17s_misses():
                    for s in range(20293701, PACKED_18_SEED))
 
 
+def test_nineteenth_packed_grid_is_new_and_covers_grid_18s_misses():
+    from attn_dispatch.benchmarking.cases import NINETEENTH_PACKED, PACKED_19_SEED, _packed_19_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-19")
+    assert _packed_19_coverage(_draw_packed(PACKED_19_SEED, 12, NINETEENTH_PACKED))
+    assert any(c.d == 128 and c.window and c.window[1] > 0 and c.h >= 4 * c.hkv for c in grid)
+    assert any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 640 for c in grid)
+    assert not any(_packed_19_coverage(_draw_packed(s, 12, NINETEENTH_PACKED))
+                   for s in range(20294401, PACKED_19_SEED))
+
+
 def test_a_packs_fills_follow_each_modules_mask_on_the_same_cu_seqlens():
     """The sequence facts are cached on the cu_seqlens tensors; the fills depend on the mask type, so a causal
     module reading the tensors a padding module read first gets its own (causal) fill."""

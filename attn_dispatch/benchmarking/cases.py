@@ -513,6 +513,10 @@ PACKED_17_SEED = 20293655
 # token budgets 21k and 33.25k, up to 64 sequences from 19 tokens, windows 288-3200. The seed is the first from
 # 20293701 whose draw covers what _packed_18_coverage asks.
 PACKED_18_SEED = 20294315
+# eval-blind-packed-19: drawn after grid 18 became fit data, to check it. Other ranges again: longest lengths 672-14848,
+# token budgets 21.5k and 32.5k, up to 64 sequences from 22 tokens, windows 304-2944. The seed is the first from
+# 20294401 whose draw covers what _packed_19_coverage asks.
+PACKED_19_SEED = 20295004
 
 
 @dataclass(frozen=True)
@@ -639,6 +643,12 @@ EIGHTEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 12
                                  patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
                                  kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
                                  windows=(288, 544, 1056, 1920, 3200), prefix="pg")
+NINETEENTH_PACKED = PackedFamily(head_dims=(64, 96, 128, 192, 256), heads=(8, 16, 20, 24, 36, 56),
+                                 longest=(672, 1472, 2368, 3584, 5632, 7552, 10880, 14848), budgets=(21504, 32512),
+                                 max_sequences=64, shortest=22,
+                                 patterns=("ragged", "one-long", "bimodal", "uniform", "near"),
+                                 kinds=("causal", "plain", "causal-window", "two-sided", "causal", "plain"),
+                                 windows=(304, 576, 1120, 1984, 2944), prefix="ph")
 
 
 def _draw_packed(seed: int, count: int, family: PackedFamily = FIRST_PACKED) -> list[Case]:
@@ -843,6 +853,15 @@ def _packed_18_coverage(shapes: list[Case]) -> bool:
             and any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 640 for c in shapes))
 
 
+def _packed_19_coverage(shapes: list[Case]) -> bool:
+    """_packed_3_coverage, and the kind grid 18's stock miss was: a d128 two-sided-window pack with 4 or more query
+    heads a key-value head (FA2 picked, flex's forward 1.25x faster); and the kind its full-stack worst row was: a
+    d64 causal-window pack under a window of at most 640 (flash-attn-4 picked, cuDNN's forward 1.04x faster)."""
+    return (_packed_3_coverage(shapes)
+            and any(c.d == 128 and c.window and c.window[1] > 0 and c.h >= 4 * c.hkv for c in shapes)
+            and any(c.d == 64 and c.window and c.window[1] == 0 and c.window[0] <= 640 for c in shapes))
+
+
 def eval_packed_cases(seed: int = PACKED_SEEDS[0]) -> list[Case]:
     """12 packed shapes of fixed lengths, each in training and inference (24 rows)."""
     return _both(_draw_packed(seed, 12))
@@ -857,7 +876,8 @@ PACKED_GRIDS = {f"eval-blind-packed-{n}": (seed, family) for n, seed, family in 
     (11, PACKED_11_SEED, ELEVENTH_PACKED), (12, PACKED_12_SEED, TWELFTH_PACKED),
     (13, PACKED_13_SEED, THIRTEENTH_PACKED), (14, PACKED_14_SEED, FOURTEENTH_PACKED),
     (15, PACKED_15_SEED, FIFTEENTH_PACKED), (16, PACKED_16_SEED, SIXTEENTH_PACKED),
-    (17, PACKED_17_SEED, SEVENTEENTH_PACKED), (18, PACKED_18_SEED, EIGHTEENTH_PACKED))}
+    (17, PACKED_17_SEED, SEVENTEENTH_PACKED), (18, PACKED_18_SEED, EIGHTEENTH_PACKED),
+    (19, PACKED_19_SEED, NINETEENTH_PACKED))}
 
 
 def smoke_cases() -> list[Case]:
