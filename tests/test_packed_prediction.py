@@ -158,6 +158,14 @@ def test_fit_windows_grid_is_dense_windowed_and_new():
     assert not others & {_shape(c) for c in grid}
 
 
+def test_fit_unmasked_grid_fills_the_dense_profiles_d96_and_d192_unmasked_gap_with_new_calls():
+    grid = CASE_GRIDS["fit-unmasked"]()
+    assert len(grid) == 12 and all(c.fmt == "bshd" and c.mask == "no_mask" and c.s >= 2048 for c in grid)
+    assert {c.d for c in grid} == {96, 192} and any(c.hkv and c.hkv < c.h for c in grid)
+    others = {_shape(c) for name, cases in CASE_GRIDS.items() if name != "fit-unmasked" for c in cases()}
+    assert not others & {_shape(c) for c in grid}
+
+
 def _assert_new_grid(name: str) -> list[Case]:
     """24 rows, half training, each a call no other grid holds."""
     grid = CASE_GRIDS[name]()

@@ -418,6 +418,18 @@ def _fit_windows_coverage(cases: list[Case]) -> bool:
                     for d in (64, 256)))
 
 
+def fit_unmasked_cases() -> list[Case]:
+    """Dense unmasked calls at head dims 96 and 192/128 over 2k-16k tokens, where the profile held none (its d96
+    unmasked calls were all encoders of at most 1024 tokens, where flash-attn-4 is host-bound): a packed call's GPU
+    time is read off its dense twin's, and packed d96 unmasked training read flash-attn-4 at half its measured rate.
+    6 shapes of 32k tokens, each in training and inference (12 rows)."""
+    shapes = [Case(b=16, s=2048, h=16, hkv=8, d=96, mask="no_mask"), Case(b=8, s=4096, h=24, d=96, mask="no_mask"),
+              Case(b=4, s=8192, h=16, hkv=4, d=96, mask="no_mask"), Case(b=2, s=16384, h=16, d=96, mask="no_mask"),
+              Case(b=8, s=4096, h=16, d=192, dv=128, mask="no_mask"),
+              Case(b=2, s=16384, h=16, hkv=4, d=192, dv=128, mask="no_mask")]
+    return _both([Case(**{**c.to_dict(), "name": f"fu{i}"}) for i, c in enumerate(shapes)])
+
+
 def fit_thd_cases() -> list[Case]:
     """Every packed (thd) call of the grids the profile is built from, measured again after the thd host path
     changed (each engine's host time per packed call fell by 0.1-0.5 ms, by different amounts); a run
@@ -892,6 +904,7 @@ CASE_GRIDS = {"fit": fit_cases, "eval": eval_cases, "smoke": smoke_cases, "fit-e
               "fit-thd": fit_thd_cases,
               **{name: (lambda n=name: fit_drawn_cases(n)) for name in FIT_DRAWN_SEEDS}, "fit-dense": fit_dense_cases,
               "eval-blind-packed": eval_packed_cases, "fit-windows": fit_windows_cases,
+              "fit-unmasked": fit_unmasked_cases,
               **{name: (lambda s=seed, f=family: _both(_draw_packed(s, 12, f)))
                  for name, (seed, family) in PACKED_GRIDS.items()},
               "eval-windows": lambda: fit_windows_cases(EVAL_WINDOWS_SEED, "ew")}
