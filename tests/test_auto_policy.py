@@ -741,3 +741,41 @@ def test_flex_on_dense_calls_is_predicted_relative_to_the_others_never_from_a_ra
     # fewer measured calls than relative_k: no prediction, so the rated provider is picked
     profile = Profile(json.loads((synthetic_profile(tmp_path, rows[:2]) / "sm90.json").read_text()))
     assert flex not in profile.predict(p, among=[fa2, flex]).times_ms
+
+
+def test_flex_is_read_relative_to_the_others_on_windowed_dense_calls_alone(tmp_path):
+    # the same measured ratio on unmasked and causal calls predicts nothing: there the tiled engines run the same
+    # kernels without a mask function, and far-off measured calls would read flex faster than them
+    flex, fa2 = "flex_attention:torch", "flash_attn_2:torch"
+    for mask, window in (("no_mask", (-1, -1)), ("causal", (-1, -1)), ("causal", (256, 0))):
+        base = dict(attn_mask_type=mask, window_size=window, head_dim_qk=64, head_dim_v=64)
+        rows = [(dict(base, max_seqlen_q=s), {fa2: 0.1 * s / 1024, flex: 0.08 * s / 1024}) for s in (1024, 2048, 4096)]
+        profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+        found = profile.predict(AttentionParams(**dict(base, max_seqlen_q=8192)), among=[fa2, flex])
+        assert (flex in found.times_ms) == (window != (-1, -1)), (mask, window)
+        assert fa2 in found.times_ms
+
+
+def test_an_unsplit_gpu_bound_step_gives_a_gpu_rate_and_a_short_one_does_not():
+    # split entries read 'x:a' at one rate; the call's nearest entry, measured without a split, ran it twice as fast
+    def entry(label: str, s: int, ms: float, split: bool) -> dict:
+        params = AttentionParams(max_seqlen_q=s, batch_size=4, attn_mask_type="causal")
+        kind, log2, fmt = features(params)
+        found = {"label": label, "machine": 0, "kind": list(kind), "log2": log2, "fmt": fmt,
+                 "work": profile_work(params), "times_ms": {"x:a": ms}}
+        if split:
+            found.update(host_ms={"x:a": 0.05}, gpu_ms={"x:a": ms})
+        return found
+
+    def predicted(unsplit_ms: float, bound_ms: float) -> float:
+        entries = [entry(f"split{s}", s, 2.0 * (s / 1024) ** 2, True) for s in (1024, 2048)]
+        entries.append(entry("unsplit", 8192, unsplit_ms, False))
+        data = {"arch": "sm90", "machines": ["test GPU"], "entries": entries}
+        profile = Profile(data, model=dataclasses.replace(COST_MODEL, unsplit_gpu_bound_ms=bound_ms, k=1))
+        return profile.predict(AttentionParams(max_seqlen_q=8192, batch_size=4, attn_mask_type="causal"),
+                               machine="test GPU").times_ms["x:a"]
+
+    split_only = predicted(64.0, 0.0)
+    assert 110.0 < split_only < 135.0  # the split entries' rate: about 2 ms at 1024 tokens times the work's 64x
+    assert predicted(64.0, 5.0) == pytest.approx(64.0, rel=0.02)  # its own measured step, GPU-bound
+    assert predicted(4.0, 5.0) == pytest.approx(split_only)  # a step under the bound may be partly host: not read

@@ -229,8 +229,9 @@ class PlainProfile:
             return plain_amount(provider, e["work"], e["work_unwindowed"], m)
         hosts, rates, fallback = {}, {}, {}
         # Providers split in some entry of the kind, where a neighbour holds a split of them: host = median of the
-        # host_k nearest such neighbours' host times x host_scale; rates from the k nearest such neighbours, one
-        # under min_rate_gpu_ms of GPU time and of less work than the call only a fallback.
+        # host_k nearest such neighbours' host times x host_scale; rates from the k nearest such neighbours and
+        # unsplit ones of at least unsplit_gpu_bound_ms, one under min_rate_gpu_ms of GPU time and of less work than
+        # the call only a fallback.
         split = set()
         for provider in split_in_kind if m.use_split else ():
             with_split = ((dist, of_kind[i]) for dist, _, i in near if provider in of_kind[i]["gpu_ms"])
@@ -241,8 +242,13 @@ class PlainProfile:
             nearest = [e["host_ms"][provider] for _, e in nearest_split]
             hosts[provider] = statistics.median(nearest) * m.host_scale
             found = rates[provider] = []
-            for dist, e in itertools.chain(nearest_split, with_split):
-                gpu = e["gpu_ms"][provider]
+            for dist, e in ((dist, of_kind[i]) for dist, _, i in near):
+                gpu = e["gpu_ms"].get(provider)
+                if gpu is None:  # an unsplit step gives its time as GPU time where it is GPU-bound
+                    step = e["times"].get(provider, 0.0)
+                    if not m.unsplit_gpu_bound_ms or step < m.unsplit_gpu_bound_ms:
+                        continue
+                    gpu = step
                 shift = self.shift(provider, params, machine, e["machine"])
                 if gpu < m.min_rate_gpu_ms and amount_of(provider) > done(e, provider):
                     fallback.setdefault(provider, (dist, math.log(done(e, provider) / gpu) - shift))
@@ -292,8 +298,10 @@ def calls() -> list[AttentionParams]:
 
 
 @pytest.mark.parametrize("model", [COST_MODEL, CostModel(k=3), CostModel(tile=0, split_windows=False, min_own=5),
-                                   CostModel(use_split=False), CostModel(host_k=4, host_scale=1.3, split_combine=3.0)],
-                         ids=["shipped-model", "k3", "untiled-unsplit", "step-times-only", "other-split"])
+                                   CostModel(use_split=False), CostModel(host_k=4, host_scale=1.3, split_combine=3.0),
+                                   CostModel(unsplit_gpu_bound_ms=0.0)],
+                         ids=["shipped-model", "k3", "untiled-unsplit", "step-times-only", "other-split",
+                              "split-rates-only"])
 def test_predictions_equal_the_plain_walk_bit_for_bit(shipped, calls, model):
     fast, plain = Profile(shipped, model=model), PlainProfile(shipped, model)
     assert len(calls) > 500 and {features(p)[0] for p in calls} >= {e["kind"] for e in plain.entries}

@@ -55,6 +55,13 @@ class CostModel:
     # A split neighbour whose GPU time is under this (ms; fixed launch latency dominates it) gives no rate to a call
     # of more work than its own.
     min_rate_gpu_ms: float = 0.1
+    # An entry that did not split a provider's step still gives a GPU rate where its step took at least this (ms):
+    # the host enqueues ahead of a GPU-bound step, so the step is its GPU time. Dense unmasked d96 calls of 2k-16k
+    # tokens were measured without a split; the split entries alone read a packed d96 unmasked training step's
+    # flash-attn-4 time off a d80 encoder, at 1.9x its measured time. With each packed grid left out in turn: 0 (split
+    # entries alone) 1.0112, 62 rows over 1.05; 4, 5 and 7 ms 1.0105, 60; 2 ms 1.0134, 66 (short steps are partly
+    # host); 10 ms as 0.
+    unsplit_gpu_bound_ms: float = 5.0
     # Providers whose backward computes every key tile under a two-sided window (right bound > 0): their training
     # work is the forward's windowed tiles plus the backward's unwindowed ones. cuDNN 9.19's GPU rate over the windowed
     # work fell with the window's cover, over this work it held (25 two-sided training calls of the split fit).
@@ -112,6 +119,11 @@ class CostModel:
     # block structure make them, more than any work count follows. Rated off one dense window grid, flex was picked on
     # a held-out grid's full-stack windowed calls at up to 1.66x the fastest.
     relative_only: tuple[str, ...] = ("flex_attention:torch", "flex_attention:flash_attn_4")
+    # The dense kinds of call whose measured relative_only times a dense call reads: windowed ones, where flex is an
+    # engine a call may need. On unmasked and causal calls the tiled engines run the same kernels without a mask
+    # function; there flex's times, measured at 2k-16k tokens, read it 0.8x cuDNN's time on 256-token encoders
+    # and moved 93 shipped picks to it.
+    relative_dense_kinds: tuple[str, ...] = ("window", "window two-sided")
 
 
 COST_MODEL = CostModel()

@@ -229,7 +229,8 @@ class Profile:
         self._dense_relative: dict[tuple, list[Entry]] = {}
         for e in map(self._entry, data["entries"]):
             if any(p in e.times_ms for p in model.relative_only):
-                self._dense_relative.setdefault(e.kind, []).append(e)
+                if e.kind[1] in model.relative_dense_kinds:
+                    self._dense_relative.setdefault(e.kind, []).append(e)
                 e = replace(e, **{name: {p: t for p, t in getattr(e, name).items() if p not in model.relative_only}
                                   for name in ("times_ms", "host_ms", "gpu_ms")})
             if e.times_ms:
@@ -515,7 +516,10 @@ class Profile:
             e = entries[i]
             gpu = e.gpu_ms.get(provider)
             if gpu is None:
-                continue
+                step = e.times_ms.get(provider, 0.0)
+                if not self.model.unsplit_gpu_bound_ms or step < self.model.unsplit_gpu_bound_ms:
+                    continue
+                gpu = step
             done = e.work_of(provider, self.model)
             shift = shifts.get(e.machine, 0.0)
             if gpu < self.model.min_rate_gpu_ms and amount > done:
