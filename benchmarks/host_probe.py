@@ -6,7 +6,8 @@ A step's host time differs by machine: on the H100 leases that measured the held
 a Python loop, the least mean over a few short loops) did not follow that factor over three leases, so the policy
 does not scale its predictions by it; the runs record it to compare with. They also record the host's CPU model and
 the time of a fixed piece of pure Python (flash-attn-4's and cudnn-frontend's launches are mostly Python; FA2's
-are C++), to see whether a lease's host factor follows either.
+are C++). Over three H200 leases neither told a lease apart: the CPU model read the same generic name on each, and
+the Python timing (3 loops then) 755-1648 us by process, 1648 and 857 in two processes of one lease.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def python_us(loops: int = LOOPS) -> float:
+def python_us(loops: int = 10) -> float:
     """Least microseconds over `loops` runs of a fixed piece of pure Python shaped like a launch's host work
     (keyword calls, dict and attribute lookups, a tuple key hashed), 1000 iterations each."""
     class Args:
