@@ -18,6 +18,7 @@ import time
 
 CALLS = 16   # launches per loop (a per-launch mean: 24 read the same)
 LOOPS = 3
+PYTHON_LOOPS = 10  # the Python timing's least of 3 read 755-1648 us by process on one machine type
 
 
 def launch_us(device=None, calls: int = CALLS, loops: int = LOOPS) -> float:
@@ -65,7 +66,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def python_us(loops: int = 10) -> float:
+def python_us(loops: int = PYTHON_LOOPS) -> float:
     """Least microseconds over `loops` runs of a fixed piece of pure Python shaped like a launch's host work
     (keyword calls, dict and attribute lookups, a tuple key hashed), 1000 iterations each."""
     class Args:

@@ -56,11 +56,10 @@ class CostModel:
     # of more work than its own.
     min_rate_gpu_ms: float = 0.1
     # An entry that did not split a provider's step still gives a GPU rate where its step took at least this (ms):
-    # the host enqueues ahead of a GPU-bound step, so the step is its GPU time. Dense unmasked d96 calls of 2k-16k
-    # tokens were measured without a split; the split entries alone read a packed d96 unmasked training step's
-    # flash-attn-4 time off a d80 encoder, at 1.9x its measured time. With each packed grid left out in turn: 0 (split
-    # entries alone) 1.0112, 62 rows over 1.05; 4, 5 and 7 ms 1.0105, 60; 2 ms 1.0134, 66 (short steps are partly
-    # host); 10 ms as 0.
+    # the host enqueues ahead of a GPU-bound step, so the step is its GPU time. Without it, calls measured without a
+    # split inform nothing the split entries cover (a packed d96 unmasked training step read flash-attn-4 off a d80
+    # encoder at 1.9x its measured time). Chosen by leaving each packed grid out in turn: 4-7 ms scored alike, 2 ms
+    # worse (short steps are partly host); benchmarks/results/README.md gives the scores.
     unsplit_gpu_bound_ms: float = 5.0
     # Providers whose backward computes every key tile under a two-sided window (right bound > 0): their training
     # work is the forward's windowed tiles plus the backward's unwindowed ones. cuDNN 9.19's GPU rate over the windowed
