@@ -442,6 +442,19 @@ def test_nineteenth_packed_grid_is_new_and_covers_grid_18s_misses():
                    for s in range(20294401, PACKED_19_SEED))
 
 
+def test_twentieth_packed_grid_is_new_and_covers_grid_19s_misses():
+    from attn_dispatch.benchmarking.cases import PACKED_20_SEED, TWENTIETH_PACKED, _packed_20_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-20")
+    assert _packed_20_coverage(_draw_packed(PACKED_20_SEED, 12, TWENTIETH_PACKED))
+    assert any(c.d == 96 and c.mask == "padding" and not c.window and c.b >= 16 and c.s >= 2048 for c in grid)
+    assert any(c.d == 192 and c.mask == "padding_causal" and not c.window for c in grid)
+    assert any(c.d == 128 and c.mask == "padding_causal" and not c.window and c.b >= 16 and c.s >= 4096
+               for c in grid)
+    assert not any(_packed_20_coverage(_draw_packed(s, 12, TWENTIETH_PACKED))
+                   for s in range(20295101, PACKED_20_SEED))
+
+
 def test_a_packs_fills_follow_each_modules_mask_on_the_same_cu_seqlens():
     """The sequence facts are cached on the cu_seqlens tensors; the fills depend on the mask type, so a causal
     module reading the tensors a padding module read first gets its own (causal) fill."""
