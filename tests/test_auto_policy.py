@@ -756,6 +756,39 @@ def test_flex_is_read_relative_to_the_others_on_windowed_dense_calls_alone(tmp_p
         assert fa2 in found.times_ms
 
 
+def test_flex_read_relative_to_an_engine_that_skips_no_window_tile_follows_their_work_ratio(tmp_path):
+    # cuDNN's backward under a two-sided window computes every tile, flex's skips the band's outside: on a longer
+    # call under the same window flex's share of cuDNN's time shrinks with the work, not with the nearest ratio
+    flex, cudnn = "flex_attention:torch", "cudnn_fused:frontend"
+    base = dict(attn_mask_type="no_mask", window_size=(128, 128), is_training=True, head_dim_qk=64, head_dim_v=64)
+
+    def works(s: int) -> tuple[float, float]:
+        p = AttentionParams(**dict(base, max_seqlen_q=s, max_seqlen_kv=s))
+        windowed, unwindowed = profile_work(p), unwindowed_work(p)
+        return provider_work(flex, windowed, unwindowed), provider_work(cudnn, windowed, unwindowed)
+
+    rows = [(dict(base, max_seqlen_q=s, max_seqlen_kv=s), {cudnn: 1e-9 * works(s)[1], flex: 1e-8 * works(s)[0]})
+            for s in (1024, 2048, 4096)]
+    profile = Profile(json.loads((synthetic_profile(tmp_path, rows) / "sm90.json").read_text()))
+    found = profile.predict(AttentionParams(**dict(base, max_seqlen_q=16384, max_seqlen_kv=16384)),
+                            among=[cudnn, flex])
+    flex_work, cudnn_work = works(16384)
+    assert flex_work < 0.05 * cudnn_work
+    assert found.times_ms[flex] == pytest.approx(found.times_ms[cudnn] * 10.0 * flex_work / cudnn_work, rel=1e-4)
+    assert found.best([cudnn, flex]) == flex  # the nearest calls' ratios alone read flex slower (1.2-4x)
+    assert all(r[flex] > r[cudnn] for _, r in rows)
+
+
+def test_a_re_measure_of_one_provider_alone_joins_the_calls_times():
+    # a run that timed flex alone (settled on its dynamic compile) shares no provider with the others of the call
+    packed = AttentionParams(qkv_format="thd", attn_mask_type="padding", max_seqlen_q=2048).to_dict()
+    row = lambda times, **kw: {"label": "p", "params": packed, "times_ms": times, **kw}  # noqa: E731
+    full = {"machine": "m", "rows": [row({"x:cudnn": 1.0, "flex:t": 3.0})]}
+    settled = {"machine": "m", "rows": [row({"flex:t": 2.0}, flex_settled_dynamic=["flex:t"])]}
+    data = build([full, settled], arch="sm90", stack={}, date="")
+    assert data["entries"][0]["times_ms"] == {"x:cudnn": 1.0, "flex:t": 2.0}
+
+
 def test_an_unsplit_gpu_bound_step_gives_a_gpu_rate_and_a_short_one_does_not():
     # split entries read 'x:a' at one rate; the call's nearest entry, measured without a split, ran it twice as fast
     def entry(label: str, s: int, ms: float, split: bool) -> dict:

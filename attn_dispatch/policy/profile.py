@@ -326,11 +326,12 @@ class Profile:
         off): on the relative_k nearest entries of the call's kind and head dims that timed it (a packed call: the
         profile's packed entries; a dense one: its dense entries that timed a relative_only provider) (the rate
         model's distance; the machine's own first among equals) that timed it and some of the predicted providers of
-        `among`, its time over each of those there (the geometric mean), moved to the call's mean sequence length
-        (relative_slope, with model.relative_length_slope; at most to the longest mean length of those entries), x
-        that provider's predicted time here; averaged in log, weighted 1 / (distance + 0.25) as the rate model weights
-        its neighbours; on a packed call x model.relative_packed_margin. Fewer than relative_k such entries: none.
-        leave_out leaves the call's own shape out (of the slope's fit too)."""
+        `among`, its time over each of those there x their work ratio here over there (the geometric mean; the work
+        ratio differs from 1 where one of them skips no window tile in its backward: provider_work), moved to the
+        call's mean sequence length (relative_slope, with model.relative_length_slope; at most to the longest mean
+        length of those entries), x that provider's predicted time here; averaged in log, weighted 1 / (distance +
+        0.25) as the rate model weights its neighbours; on a packed call x model.relative_packed_margin. Fewer than
+        relative_k such entries: none. leave_out leaves the call's own shape out (of the slope's fit too)."""
         m = self.model
         references = [p for p in among if p in predicted]
         missing = [p for p in among if p not in predicted]
@@ -350,6 +351,8 @@ class Profile:
         measured = [e.log2["mean_length"] for *_, e in near if "mean_length" in e.log2]
         if measured:  # never moved past the longest mean length measured
             length = min(length, max(measured))
+        windowed = work(params, m)
+        unwindowed = unwindowed_work(params, m) if two_sided_training(params) else windowed
         out = {}
         for provider in missing:
             used = [(dist, e) for dist, _, _, e in near
@@ -361,8 +364,11 @@ class Profile:
                 shared = [r for r in references if r in e.times_ms]
                 moved = [self.relative_slope(provider, r, skip) * (length - e.log2["mean_length"])
                          if m.relative_length_slope and "mean_length" in e.log2 else 0.0 for r in shared]
-                logs.append(sum(math.log(predicted[r] * e.times_ms[provider] / e.times_ms[r]) + shift
-                                for r, shift in zip(shared, moved)) / len(shared))
+                here_over_there = [provider_work(provider, windowed, unwindowed, m)
+                                   / provider_work(r, windowed, unwindowed, m)
+                                   / (e.work_of(provider, m) / e.work_of(r, m)) for r in shared]
+                logs.append(sum(math.log(predicted[r] * e.times_ms[provider] / e.times_ms[r] * works) + shift
+                                for r, shift, works in zip(shared, moved, here_over_there)) / len(shared))
                 weights.append(1.0 / (dist + 0.25))
             ms = math.exp(sum(w * lg for w, lg in zip(weights, logs)) / sum(weights))
             ms *= self.relative_margin(params)

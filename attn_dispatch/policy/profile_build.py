@@ -22,16 +22,15 @@ def _provider_times(row: dict) -> dict[str, float]:
 def combine_runs(runs: list[dict[str, float]]) -> dict[str, float]:
     """One call's provider times from several runs (other stacks' too: a stock-torch run times torch's providers
     only): each run is scaled onto the one with the most providers by the median ratio over the providers both
-    timed (two runs' clocks differ by a few percent), then each provider's time is the median over the runs."""
+    timed (two runs' clocks differ by a few percent), then each provider's time is the median over the runs. A run
+    that shares no provider with it (a re-measure of one provider alone) is taken unscaled, not dropped."""
     reference = max(runs, key=len)
     scaled = [reference]
     for run in runs:
         if run is reference:
             continue
         shared = [p for p in run if p in reference]
-        if not shared:
-            continue
-        scale = statistics.median(reference[p] / run[p] for p in shared)
+        scale = statistics.median(reference[p] / run[p] for p in shared) if shared else 1.0
         scaled.append({p: t * scale for p, t in run.items()})
     providers = sorted({p for run in scaled for p in run})
     return {p: statistics.median(run[p] for run in scaled if p in run) for p in providers}
@@ -259,6 +258,8 @@ def packed_entries(runs: list[dict], machines: list[str], model: CostModel = COS
                         "log2": {k: round(v, 4) for k, v in log2.items()}, "fmt": fmt, "work": work(params, model),
                         "times_ms": {k: float(f"{v:.5g}") for k, v in times.items()
                                      if v <= EAGER_FALLBACK * fastest}})
+        if two_sided_training(params):
+            entries[-1]["work_unwindowed"] = unwindowed_work(params, model)
     return entries
 
 
