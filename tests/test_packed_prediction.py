@@ -455,6 +455,16 @@ def test_twentieth_packed_grid_is_new_and_covers_grid_19s_misses():
                    for s in range(20295101, PACKED_20_SEED))
 
 
+def test_twenty_first_packed_grid_is_new_and_covers_grid_20s_miss():
+    from attn_dispatch.benchmarking.cases import PACKED_21_SEED, TWENTY_FIRST_PACKED, _packed_21_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-21")
+    assert _packed_21_coverage(_draw_packed(PACKED_21_SEED, 12, TWENTY_FIRST_PACKED))
+    assert any(c.d == 192 and c.window and c.window[1] > 0 and 4 * c.window[0] <= c.s for c in grid)
+    assert not any(_packed_21_coverage(_draw_packed(s, 12, TWENTY_FIRST_PACKED))
+                   for s in range(20296501, PACKED_21_SEED))
+
+
 def test_a_packs_fills_follow_each_modules_mask_on_the_same_cu_seqlens():
     """The sequence facts are cached on the cu_seqlens tensors; the fills depend on the mask type, so a causal
     module reading the tensors a padding module read first gets its own (causal) fill."""
