@@ -182,6 +182,7 @@ def build_params(spec: ModuleSpec, fmt: str, mask_type: str, window: tuple[int, 
         return_max_logit=spec.return_max_logit, is_training=training, deterministic=spec.deterministic,
         cp_size=1, cp_comm_type=spec.cp_comm_type, pad_between_seqs=seq.pad_between_seqs,
         seqlens_differ=seq.lengths_differ, packed_fill=seq.fill, packed_token_fill=seq.token_fill,
+        packed_window_fill=seq.window_fill,
         device_type="cuda" if q.device.type == "cuda" else q.device.type, softcap=spec.softcap,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
     )

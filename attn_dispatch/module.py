@@ -452,7 +452,7 @@ class DotProductAttention(torch.nn.Module):
             validation.check_ranks(fmt, q, k, v)
             entry = inputs.Entry(fmt, mask_type, window, dynamic=fmt == "thd" or has_padding(mask_type))
         if entry.dynamic or entry.seq is None:
-            seq = sequences.sequence_info(entry.fmt, entry.mask_type, q, k, args)
+            seq = sequences.sequence_info(entry.fmt, entry.mask_type, q, k, args, entry.window)
         else:
             seq = entry.seq
         seq_key = seq.plan_key()

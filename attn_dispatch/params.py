@@ -133,6 +133,8 @@ class AttentionParams:
     # every step reuses its decisions. None: not known (the profile then assumes its measured packs' spread).
     packed_fill: float | None = None
     packed_token_fill: float | None = None
+    # likewise under the call's window (None without one): a band's tiles, a short sequence's own causal half
+    packed_window_fill: float | None = None
     inference_kv_cache: bool = False  # attends a KV cache (InferenceParams): q is the step's new tokens
     kv_cache_paged: bool = False      # the cache is a page pool with a page table
     kv_page_size: int | None = None   # tokens per page (paged) or per row (contiguous: max_sequence_length)
@@ -186,7 +188,7 @@ class AttentionParams:
             raise ValueError("kv_cache_paged / kv_page_size describe a KV cache: set inference_kv_cache=True")
         if self.kv_page_size is not None:
             _positive("kv_page_size", self.kv_page_size)
-        for name in ("packed_fill", "packed_token_fill"):
+        for name in ("packed_fill", "packed_token_fill", "packed_window_fill"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not 0.0 < value <= 1.0):
@@ -298,7 +300,8 @@ class AttentionParams:
             extras.append(("paged" if self.kv_cache_paged else "contiguous") + " kv-cache"
                           + (f"(page={self.kv_page_size})" if self.kv_page_size else ""))
         if self.packed_fill is not None:
-            extras.append(f"packed-fill={self.packed_fill:.3g}/tokens={self.packed_token_fill or 1.0:.3g}")
+            extras.append(f"packed-fill={self.packed_fill:.3g}/tokens={self.packed_token_fill or 1.0:.3g}"
+                          + (f"/windowed={self.packed_window_fill:.3g}" if self.packed_window_fill else ""))
         extras.append("training" if self.is_training else "inference")
         return f"{self.dtype} {self.qkv_format} {shape} {dims} {self.device_type} " + " ".join(extras)
 
@@ -336,9 +339,12 @@ def packed_fill_bucket(fraction: float) -> float:
     return 2.0 ** (-steps / 4.0)
 
 
-def score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int) -> int:
-    """Score tiles a tiled kernel visits for one sequence of n_q queries and n_kv keys under the mask (no window)."""
+def score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int,
+                window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> int:
+    """Score tiles a tiled kernel visits for one sequence of n_q queries and n_kv keys under the mask and window."""
     rows, cols = -(-n_q // tile), -(-n_kv // tile)
+    if window != (UNBOUNDED, UNBOUNDED) and rows and cols:
+        return _windowed_score_tiles(n_q, n_kv, causal, bottom_right, tile, window)
     if not causal or rows == 0 or cols == 0:
         return rows * cols
     if n_q == n_kv:  # either alignment: the tiles on and below the diagonal
@@ -346,6 +352,22 @@ def score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int
     # query tile i sees key tiles up to (i * tile + tile - 1 + offset) // tile
     offset = n_kv - n_q if bottom_right else 0
     return sum(max(0, min(cols, (i * tile + tile - 1 + offset) // tile + 1)) for i in range(rows))
+
+
+def _windowed_score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int,
+                          window: tuple[int, int]) -> int:
+    """score_tiles under a window: query tile i's rows attend keys from its first row's left bound to its last
+    row's right bound; the window's diagonal is the bottom-right one unless the mask is top-left causal."""
+    left, right = window
+    offset = n_kv - n_q if bottom_right or not causal else 0
+    total = 0
+    for i in range(-(-n_q // tile)):
+        first, last = i * tile, min(i * tile + tile, n_q) - 1
+        low = 0 if left < 0 else max(0, first + offset - left)
+        high = n_kv - 1 if right < 0 and not causal else min(n_kv - 1, last + offset + (0 if causal else right))
+        if low <= high:
+            total += high // tile - low // tile + 1
+    return total
 
 
 def packed_fills(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int, mask_type: str,
@@ -357,3 +379,14 @@ def packed_fills(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q:
     own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile) for n_q, n_kv in zip(lengths_q, lengths_kv))
     tokens = sum(lengths_q) / (batch * max_q)
     return packed_fill_bucket(own / full if full else 1.0), packed_fill_bucket(tokens if tokens > 0 else 1.0)
+
+
+def packed_window_fill(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int,
+                       mask_type: str, window: tuple[int, int], tile: int = PACKED_TILE) -> float | None:
+    """AttentionParams.packed_window_fill of a packed call, bucketed; None without a window."""
+    if tuple(window) == (UNBOUNDED, UNBOUNDED):
+        return None
+    causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
+    full = len(lengths_q) * score_tiles(max_q, max_kv, causal, bottom_right, tile, window)
+    own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile, window) for n_q, n_kv in zip(lengths_q, lengths_kv))
+    return packed_fill_bucket(own / full if full else 1.0)

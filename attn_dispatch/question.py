@@ -179,7 +179,7 @@ def describe_plain(module: torch.nn.Module, q, k, v, args: CallArgs, fp8: tuple 
     keys and explain() answers. fp8: (region, output in FP8) inside fp8_autocast."""
     fmt, mask_type, window = validation.resolve_call(module, args)
     validation.check_ranks(fmt, q, k, v)
-    seq = sequences.sequence_info(fmt, mask_type, q, k, args)
+    seq = sequences.sequence_info(fmt, mask_type, q, k, args, window)
     return plan_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, args, module.training, fp8), seq
 
 

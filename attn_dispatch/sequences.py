@@ -9,7 +9,7 @@ import torch
 
 from .backends.base import PackedFacts
 from .call_args import CallArgs
-from .params import SeqLengths, has_padding, keyless_rows, packed_fills
+from .params import SeqLengths, has_padding, keyless_rows, packed_fills, packed_window_fill
 from .tensor_cache import cached_on, known_values, same_values
 from .validation import positive_int, show_values
 
@@ -37,14 +37,16 @@ class SeqInfo:
     min_kv_minus_q: int = 0
     queries_without_keys: bool = False
     facts: dict = field(default_factory=dict)  # (mask type, window) -> PackedFacts, made once (packed_facts)
-    # thd: AttentionParams.packed_fill and packed_token_fill (bucketed), from the lengths read above; None elsewhere
+    # thd: AttentionParams.packed_fill, packed_token_fill and packed_window_fill (bucketed), from the lengths read
+    # above; None elsewhere
     fill: float | None = None
     token_fill: float | None = None
+    window_fill: float | None = None
 
     def plan_key(self) -> tuple:
         """The sequence facts a decision reads (build_params puts exactly these into AttentionParams)."""
         return self.batch, self.max_q, self.max_kv, self.pad_between_seqs, self.lengths_differ, self.fill, \
-            self.token_fill
+            self.token_fill, self.window_fill
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,8 +145,10 @@ def _padding_mask_to_cu(name: str, mask: Any, batch: int, seqlen: int, device: t
     return cached_on((mask,), ("padding", batch, seqlen), compute)
 
 
-def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, args: CallArgs) -> SeqInfo:
-    """The call's sequence facts from its lengths (cu_seqlens, max_seqlen, a padding attention_mask)."""
+def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, args: CallArgs,
+                  window: tuple[int, int] = (-1, -1)) -> SeqInfo:
+    """The call's sequence facts from its lengths (cu_seqlens, max_seqlen, a padding attention_mask); a packed
+    call's fills count its tiles under the mask and the window."""
     attention_mask, pad_between_seqs = args.attention_mask, args.pad_between_seqs
     cu_q, cu_kv, cu_q_p, cu_kv_p = args.cu_seqlens_q, args.cu_seqlens_kv, args.cu_seqlens_q_padded, \
         args.cu_seqlens_kv_padded
@@ -153,13 +157,13 @@ def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, ar
         tensors = tuple(t for t in (cu_q, cu_kv, cu_q_p, cu_kv_p) if t is not None)
 
         def compute() -> SeqInfo:
-            return _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
+            return _thd_info(mask_type, window, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
                              pad_between_seqs)
         if attention_mask is not None or not has_padding(mask_type) or \
                 not all(isinstance(t, torch.Tensor) for t in tensors):
             return compute()  # raises with the precise reason
-        context = ("thd", mask_type, cu_q is None, cu_kv is None, cu_q_p is None, cu_kv_p is None, q.shape[0],
-                   k.shape[0], q.device, max_q, max_kv, pad_between_seqs)  # the fills depend on the mask type
+        context = ("thd", mask_type, window, cu_q is None, cu_kv is None, cu_q_p is None, cu_kv_p is None,
+                   q.shape[0], k.shape[0], q.device, max_q, max_kv, pad_between_seqs)  # the fills: mask and window
         return cached_on(tensors, context, compute)
     batch = q.shape[0] if fmt == "bshd" else q.shape[1]
     sq, skv = (q.shape[1], k.shape[1]) if fmt == "bshd" else (q.shape[0], k.shape[0])
@@ -203,7 +207,7 @@ def sequence_info(fmt: str, mask_type: str, q: torch.Tensor, k: torch.Tensor, ar
     return SeqInfo(cu_q, cu_kv, None, None, sq, skv, batch, False, _lengths_differ(cu_q, cu_kv))
 
 
-def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
+def _thd_info(mask_type, window, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max_q, max_kv,
               pad_between_seqs) -> SeqInfo:
     if not has_padding(mask_type):
         raise ValueError(f"attn_mask_type={mask_type!r} with qkv_format='thd': packed sequences need a padding "
@@ -236,12 +240,13 @@ def _thd_info(mask_type, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_kv_p, max
     with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
     # what the profile predicts a packed call's work from; computed here, once per cu_seqlens tensor and version
     fill, token_fill = packed_fills(tuple(lens_q), tuple(lens_kv), limits[0], limits[1], mask_type)
+    window_fill = packed_window_fill(tuple(lens_q), tuple(lens_kv), limits[0], limits[1], mask_type, window)
     return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs),
                    _lengths_differ(cu_q, cu_kv), end_q=None if gaps else sum(lens_q),
                    end_kv=None if gaps else sum(lens_kv),
                    min_kv_minus_q=min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
                    queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries),
-                   lengths=(tuple(lens_q), tuple(lens_kv)), fill=fill, token_fill=token_fill)
+                   lengths=(tuple(lens_q), tuple(lens_kv)), fill=fill, token_fill=token_fill, window_fill=window_fill)
 
 
 def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:

@@ -29,11 +29,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attn_dispatch.params import AttentionParams, packed_fills  # noqa: E402
+from attn_dispatch.params import AttentionParams  # noqa: E402
 from attn_dispatch.benchmarking.results import read_results  # noqa: E402
 from attn_dispatch.policy.cost_model import COST_MODEL, CostModel  # noqa: E402
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile  # noqa: E402
-from attn_dispatch.policy.profile_build import build, pooled_calls  # noqa: E402
+from attn_dispatch.policy.profile_build import build, fills_of, pooled_calls  # noqa: E402
 from build_profile import load_runs  # noqa: E402
 
 # torch's own providers: what a stock `pip install torch` has
@@ -52,9 +52,7 @@ def call_of(params: dict, case: dict | None = None) -> AttentionParams:
     lengths = tuple((case or {}).get("seqlens") or ())
     if not lengths:
         return AttentionParams(**params)
-    fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
-                                params["attn_mask_type"])
-    return AttentionParams(**{**params, "packed_fill": fill, "packed_token_fill": tokens})
+    return AttentionParams(**{**params, **fills_of(params, lengths)})
 
 
 def score(profile: Profile, label: str, params: dict, all_times: dict[str, float], machine: str, *, leave_out: bool,

@@ -223,7 +223,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from attn_dispatch.call_args import CallArgs  # noqa: E402
-from attn_dispatch.params import AttentionParams, packed_fill_bucket, packed_fills, score_tiles  # noqa: E402
+from attn_dispatch.params import (AttentionParams, packed_fill_bucket, packed_fills, packed_window_fill,  # noqa: E402
+                                  score_tiles)
 from attn_dispatch.policy.cost_model import CostModel, measured_pack_fills, packed_share, work  # noqa: E402
 from attn_dispatch.sequences import sequence_info  # noqa: E402
 
@@ -239,6 +240,40 @@ def brute_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int
 @given(st.integers(0, 40), st.integers(0, 40), st.booleans(), st.booleans(), st.sampled_from([1, 4, 8]))
 def test_score_tiles_counts_the_tiles_that_hold_an_attended_pair(n_q, n_kv, causal, bottom_right, tile):
     assert score_tiles(n_q, n_kv, causal, bottom_right, tile) == brute_tiles(n_q, n_kv, causal, bottom_right, tile)
+
+
+def brute_window_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool, tile: int,
+                       window: tuple[int, int]) -> int:
+    """brute_tiles under a window (left, right; -1 unbounded), aligned bottom right unless top-left causal."""
+    offset = n_kv - n_q if bottom_right or not causal else 0
+    left, right = window
+    right = 0 if causal else right
+    seen = {(i // tile, j // tile) for i in range(n_q) for j in range(n_kv)
+            if (left < 0 or j >= i + offset - left) and (right < 0 or j <= i + offset + right)}
+    return len(seen)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.booleans(), st.booleans(), st.sampled_from([1, 4, 8]),
+       st.integers(-1, 20), st.integers(-1, 20))
+def test_windowed_score_tiles_count_the_tiles_that_hold_an_attended_pair(n_q, n_kv, causal, bottom_right, tile,
+                                                                          left, right):
+    window = (left, 0 if causal else right)
+    assert score_tiles(n_q, n_kv, causal, bottom_right, tile, window) == \
+        brute_window_tiles(n_q, n_kv, causal, bottom_right, tile, window)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=6), st.sampled_from(["padding", "padding_causal"]),
+       st.integers(0, 30))
+def test_the_window_fill_is_the_bucketed_share_of_the_longest_ones_windowed_tiles(lengths, mask, left):
+    causal, longest = mask == "padding_causal", max(lengths)
+    window = (left, 0 if causal else left)
+    found = packed_window_fill(tuple(lengths), tuple(lengths), longest, longest, mask, window, tile=8)
+    own = sum(brute_window_tiles(n, n, causal, False, 8, window) for n in lengths)
+    exact = own / (len(lengths) * brute_window_tiles(longest, longest, causal, False, 8, window))
+    assert abs(math.log2(found) - math.log2(exact)) <= 0.125 + 1e-12
+    assert packed_window_fill(tuple(lengths), tuple(lengths), longest, longest, mask, (-1, -1)) is None
 
 
 @settings(max_examples=40, deadline=None)
@@ -261,10 +296,25 @@ def test_the_bucket_is_a_quarter_octave_and_stable_inside_it():
     assert packed_fill_bucket(0.26) == packed_fill_bucket(0.24) == 0.25
 
 
-def thd_info(lengths: list[int], mask: str = "padding_causal"):
+def thd_info(lengths: list[int], mask: str = "padding_causal", window: tuple[int, int] = (-1, -1)):
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
     q = torch.zeros(int(cu[-1]), 2, 8)
-    return sequence_info("thd", mask, q, q, CallArgs(cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    return sequence_info("thd", mask, q, q, CallArgs(cu_seqlens_q=cu, cu_seqlens_kv=cu), window)
+
+
+def test_a_windowed_pack_keys_its_plan_on_its_window_fill_and_its_work_follows_it():
+    # one long sequence among short ones under a causal window: the short ones cost their own causal half, far under
+    # the longest's band per token, which the token fill alone would charge them
+    lengths = [3968] + [23 + 7 * i for i in range(63)]
+    plain, windowed = thd_info(lengths), thd_info(lengths, window=(640, 0))
+    assert plain.window_fill is None and plain.plan_key() != windowed.plan_key()
+    assert windowed.window_fill == packed_window_fill(*windowed.lengths, 3968, 3968, "padding_causal", (640, 0))
+    assert (windowed.fill, windowed.token_fill) == (plain.fill, plain.token_fill)
+    call = thd(batch_size=64, max_seqlen_q=3968, window_size=(640, 0), packed_fill=windowed.fill,
+               packed_token_fill=windowed.token_fill, packed_window_fill=windowed.window_fill)
+    assert packed_share(call) == windowed.window_fill
+    assert windowed.window_fill < 0.7 * packed_share(call.replace(packed_window_fill=None))
+    assert work(call) == pytest.approx(windowed.window_fill * work(call, CostModel(packed_lengths=False)), rel=1e-12)
 
 
 def test_a_packed_call_reads_its_fills_from_its_lengths_and_keys_its_plan_on_the_buckets():

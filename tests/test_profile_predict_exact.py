@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from attn_dispatch import AttentionParams
-from attn_dispatch.params import packed_fills
+from attn_dispatch.params import packed_fills, packed_window_fill
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
 from attn_dispatch.policy.cost_model import COST_MODEL, CostModel, features, measured_pack_fills, tiled_pairs
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile
@@ -27,7 +27,9 @@ def params_of(case: Case) -> AttentionParams:
     fills = {}
     if case.seqlens:  # a packed case's own lengths, as the module reads them
         fill, tokens = packed_fills(case.seqlens, case.seqlens, case.s, case.skv, case.mask)
-        fills = dict(packed_fill=fill, packed_token_fill=tokens)
+        windowed = packed_window_fill(case.seqlens, case.seqlens, case.s, case.skv, case.mask,
+                                      case.window or (-1, -1))
+        fills = dict(packed_fill=fill, packed_token_fill=tokens, packed_window_fill=windowed)
     return AttentionParams(**fills, dtype="bfloat16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
                            num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
                            max_seqlen_kv=case.skv, attn_mask_type=case.mask, window_size=case.window,
@@ -52,7 +54,10 @@ def plain_work(p: AttentionParams, model: CostModel) -> float:
     nominal = flops * tiled_pairs(p, model.tile) / max(1, attended_pairs(p)) if model.tile else flops
     if p.qkv_format != "thd" or not model.packed_lengths:
         return nominal
-    # a pack's share of the full-length work: its fills, or the measured packs' expected ones
+    # a pack's share of the full-length work: its fills (under a window, its window fill), or the measured packs'
+    # expected ones
+    if p.has_sliding_window and p.packed_window_fill is not None:
+        return nominal * p.packed_window_fill
     fill, tokens = p.packed_fill, p.packed_token_fill
     if fill is None or tokens is None:
         fill, tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
@@ -174,7 +179,8 @@ class PlainProfile:
                       "padding_causal_bottom_right": "causal_bottom_right"}
         twin = replace(params, qkv_format="bshd", attn_mask_type=dense_mask.get(params.attn_mask_type,
                                                                                 params.attn_mask_type),
-                       packed_fill=None, packed_token_fill=None, pad_between_seqs=False, seqlens_differ=False)
+                       packed_fill=None, packed_token_fill=None, packed_window_fill=None, pad_between_seqs=False,
+                       seqlens_differ=False)
         t_hosts, t_gpus, t_split, t_shown, _, _ = self.parts(twin, machine, False)
         unwindowed = replace(params, window_size=(-1, 0) if params.is_causal else (-1, -1))
         h_hosts, _, h_split, h_shown, own, own_entries = self.parts(

@@ -67,7 +67,7 @@ def describe(module, q, k, v, args: CallArgs, fp8: tuple | None = None) -> Descr
                for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")},
             max_seqlen_q=None if args.max_seqlen_q is None else max(1, args.max_seqlen_q // cp_size),
             max_seqlen_kv=None if args.max_seqlen_kv is None else max(1, args.max_seqlen_kv // cp_size))
-    seq = sequences.sequence_info(fmt, mask_type, q, k, local)
+    seq = sequences.sequence_info(fmt, mask_type, q, k, local, window)
     params = inputs.build_params(module._spec_now(), fmt, mask_type, window, q, k, v, seq, local, module.training)
     a2a_size = dist.get_world_size(module.cp_group[0]) if module.cp_comm_type == "a2a+p2p" else None
     params = params.replace(cp_size=cp_size, cp_comm_type=module.cp_comm_type, cp_a2a_size=a2a_size)

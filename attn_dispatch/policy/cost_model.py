@@ -65,8 +65,8 @@ class CostModel:
     # work is the forward's windowed tiles plus the backward's unwindowed ones. cuDNN 9.19's GPU rate over the windowed
     # work fell with the window's cover, over this work it held (25 two-sided training calls of the split fit).
     unwindowed_backward: tuple[str, ...] = ("cudnn_fused:frontend",)
-    # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; under a window at most
-    # packed_token_fill of the longest's band), in proportion: a power of the fill over-predicted the first packed
+    # A packed (thd) call's work counts its own sequences (AttentionParams.packed_fill; under a window
+    # packed_window_fill), in proportion: a power of the fill over-predicted the first packed
     # grid's steps by 5-21%. Without known lengths, the measured packs' expected fill.
     packed_lengths: bool = True
     # A packed call's GPU time is its dense twin's (dense_twin: the dense rates cover every head dim and window) x its
@@ -199,9 +199,12 @@ def _nominal_work(p: AttentionParams, model: CostModel) -> float:
 
 
 def packed_share(p: AttentionParams, model: CostModel = COST_MODEL) -> float:
-    """The share of a packed call's full-length work its own sequences make: packed_fill, and under a window at
-    most packed_token_fill of the windowed work (a band costs per token what the longest's does, or less). Without
-    known lengths, the expected fills of the packs the profile measured (measured_pack_fills)."""
+    """The share of a packed call's full-length work its own sequences make: packed_fill, and under a window
+    packed_window_fill (its tiles under the window); where that is not known, at most packed_token_fill of the
+    windowed work (a band costs per token what the longest's does, or less). Without known lengths, the expected
+    fills of the packs the profile measured (measured_pack_fills)."""
+    if p.has_sliding_window and p.packed_window_fill is not None:
+        return p.packed_window_fill
     fill, tokens = p.packed_fill, p.packed_token_fill
     if fill is None or tokens is None:
         fill, tokens = measured_pack_fills(p.batch_size, p.max_seqlen_q, p.max_seqlen_kv, p.attn_mask_type,
@@ -252,7 +255,8 @@ def dense_twin(p: AttentionParams) -> AttentionParams:
     """A packed call as a dense one: batch_size sequences of the longest length, the same mask (without padding),
     window, heads and dims."""
     return p.replace(qkv_format="bshd", attn_mask_type=_DENSE_MASK.get(p.attn_mask_type, p.attn_mask_type),
-                     packed_fill=None, packed_token_fill=None, pad_between_seqs=False, seqlens_differ=False)
+                     packed_fill=None, packed_token_fill=None, packed_window_fill=None, pad_between_seqs=False,
+                     seqlens_differ=False)
 
 
 def without_window(p: AttentionParams) -> AttentionParams:

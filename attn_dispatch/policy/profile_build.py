@@ -10,7 +10,7 @@ import math
 import statistics
 from typing import Any
 
-from ..params import AttentionParams, packed_fills
+from ..params import AttentionParams, packed_fills, packed_window_fill
 from .cost_model import (COST_MODEL, CostModel, features, modifiers, packed_mean_length, two_sided_training,
                          unwindowed_work, work)
 
@@ -263,16 +263,26 @@ def packed_entries(runs: list[dict], machines: list[str], model: CostModel = COS
     return entries
 
 
+def fills_of(params: dict, lengths: tuple[int, ...]) -> dict[str, float | None]:
+    """A packed call's fills (AttentionParams.packed_fill, packed_token_fill, packed_window_fill) from its own
+    lengths, as the module reads them from cu_seqlens."""
+    fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
+                                params["attn_mask_type"])
+    window = tuple(params.get("window_size") or (-1, -1))
+    return {"packed_fill": fill, "packed_token_fill": tokens,
+            "packed_window_fill": packed_window_fill(lengths, lengths, params["max_seqlen_q"],
+                                                     params["max_seqlen_kv"], params["attn_mask_type"], window)}
+
+
 def _with_fills(run: dict) -> dict:
     """The run with each packed row's fills in its parameters, read from its case's lengths where the row has none
-    (the first packed grid's rows were recorded before calls carried them)."""
+    (rows recorded before calls carried them)."""
     rows = []
     for row in run["rows"]:
         params, lengths = row["params"], tuple((row.get("case") or {}).get("seqlens") or ())
-        if params.get("qkv_format") == "thd" and params.get("packed_token_fill") is None and lengths:
-            fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
-                                        params["attn_mask_type"])
-            row = {**row, "params": {**params, "packed_fill": fill, "packed_token_fill": tokens}}
+        if params.get("qkv_format") == "thd" and lengths:
+            params = {**params, **fills_of(params, lengths)}
+            row = {**row, "params": params}
         rows.append(row)
     return {**run, "rows": rows}
 
