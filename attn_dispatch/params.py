@@ -359,6 +359,8 @@ def _windowed_score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool,
     """score_tiles under a window: query tile i's rows attend keys from its first row's left bound to its last
     row's right bound; the window's diagonal is the bottom-right one unless the mask is top-left causal."""
     left, right = window
+    if n_q == n_kv:  # a packed sequence's own keys: in closed form (a pack's lengths change every step)
+        return _band_tiles(-(-n_q // tile), tile, left, 0 if causal else right)
     offset = n_kv - n_q if bottom_right or not causal else 0
     total = 0
     for i in range(-(-n_q // tile)):
@@ -368,6 +370,17 @@ def _windowed_score_tiles(n_q: int, n_kv: int, causal: bool, bottom_right: bool,
         if low <= high:
             total += high // tile - low // tile + 1
     return total
+
+
+def _band_tiles(rows: int, tile: int, left: int, right: int) -> int:
+    """Tiles of a square rows x rows grid that query tile i reaches under the band [-left, +right] (-1 unbounded)
+    about the diagonal: key tiles max(0, i - behind) to min(rows - 1, i + ahead)."""
+    ahead = rows - 1 if right < 0 else (tile - 1 + right) // tile
+    behind = rows if left < 0 else -(-left // tile)
+    clipped = max(0, rows - ahead)  # query tiles whose reach ahead stays inside the grid
+    reach = clipped * (clipped - 1) // 2 + clipped * ahead + (rows - clipped) * (rows - 1)
+    before = max(0, rows - 1 - behind)
+    return reach - before * (before + 1) // 2 + rows
 
 
 def packed_fills(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int, mask_type: str,
@@ -388,5 +401,10 @@ def packed_window_fill(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], 
         return None
     causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
     full = len(lengths_q) * score_tiles(max_q, max_kv, causal, bottom_right, tile, window)
-    own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile, window) for n_q, n_kv in zip(lengths_q, lengths_kv))
+    if lengths_q == lengths_kv:  # self-attention: the closed form alone (once per cu_seqlens, every step)
+        left, right = window[0], 0 if causal else window[1]
+        own = sum(_band_tiles(-(-n // tile), tile, left, right) for n in lengths_q if n)
+    else:
+        own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile, window)
+                  for n_q, n_kv in zip(lengths_q, lengths_kv))
     return packed_fill_bucket(own / full if full else 1.0)
