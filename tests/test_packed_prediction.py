@@ -516,6 +516,16 @@ def test_twenty_first_packed_grid_is_new_and_covers_grid_20s_miss():
                    for s in range(20296501, PACKED_21_SEED))
 
 
+def test_twenty_second_packed_grid_is_new_and_covers_grid_21s_miss():
+    from attn_dispatch.benchmarking.cases import PACKED_22_SEED, TWENTY_SECOND_PACKED, _packed_22_coverage
+
+    grid = _assert_new_grid("eval-blind-packed-22")
+    assert _packed_22_coverage(_draw_packed(PACKED_22_SEED, 12, TWENTY_SECOND_PACKED))
+    assert any(c.window and c.window[1] == 0 and c.b >= 48 and c.s >= 2 * c.window[0] for c in grid)
+    assert not any(_packed_22_coverage(_draw_packed(s, 12, TWENTY_SECOND_PACKED))
+                   for s in range(20296601, PACKED_22_SEED))
+
+
 def test_a_packs_fills_follow_each_modules_mask_on_the_same_cu_seqlens():
     """The sequence facts are cached on the cu_seqlens tensors; the fills depend on the mask type, so a causal
     module reading the tensors a padding module read first gets its own (causal) fill."""
