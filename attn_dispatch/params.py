@@ -396,10 +396,11 @@ def packed_fills(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q:
 
 def packed_window_fill(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int,
                        mask_type: str, window: tuple[int, int], tile: int = PACKED_TILE) -> float | None:
-    """AttentionParams.packed_window_fill of a packed call, bucketed; None without a window."""
-    if tuple(window) == (UNBOUNDED, UNBOUNDED):
-        return None
+    """AttentionParams.packed_window_fill of a packed call, bucketed; None without a window narrower than the mask
+    type alone gives (as AttentionParams.has_sliding_window)."""
     causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
+    if tuple(window) == ((UNBOUNDED, 0) if causal else (UNBOUNDED, UNBOUNDED)) or tuple(window) == (-1, -1):
+        return None
     full = len(lengths_q) * score_tiles(max_q, max_kv, causal, bottom_right, tile, window)
     if lengths_q == lengths_kv:  # self-attention: the closed form alone (once per cu_seqlens, every step)
         left, right = window[0], 0 if causal else window[1]

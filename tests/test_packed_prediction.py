@@ -543,3 +543,22 @@ def test_a_packs_fills_follow_each_modules_mask_on_the_same_cu_seqlens():
         fills[mask] = explained.params["packed_fill"]
         assert fills[mask] == packed_fills((128, 256), (128, 256), 256, 256, mask)[0]
     assert fills["padding"] != fills["padding_causal"]
+
+
+def test_a_windowed_modules_question_carries_its_window_fill_and_a_plain_ones_on_the_same_tensors_none():
+    import torch
+
+    from attn_dispatch import DotProductAttention
+
+    cu = torch.tensor([0, 96, 1120], dtype=torch.int32)
+    q, k, v = (torch.randn(1120, 4, 64) for _ in range(3))
+    found = {}
+    for window in ((128, 0), None):
+        module = DotProductAttention(4, 64, qkv_format="thd", attn_mask_type="padding_causal",
+                                     window_size=window).eval()
+        found[window] = module.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1024,
+                                       max_seqlen_kv=1024).params
+    assert found[(128, 0)]["packed_window_fill"] == packed_window_fill((96, 1024), (96, 1024), 1024, 1024,
+                                                                       "padding_causal", (128, 0))
+    assert found[None]["packed_window_fill"] is None
+    assert found[(128, 0)]["packed_fill"] == found[None]["packed_fill"]
