@@ -27,8 +27,8 @@ H the median host time of the host_k nearest split entries (one host's noise ave
 host time is ~1.7x cuDNN's there, where the least step times put it at 1.15x), and t = (H^4 + G^4)^(1/4): a
 steady loop of one module costs a little more than the larger of the two where they are close.
 A packed (thd) call is predicted from its dense twin (every sequence as long as the longest, the same mask and
-window): G is the twin's GPU time x the pack's share of the work (packed_fill) x the engine's varlen factor, and H
-is the packed calls' host time (Profile.parts; CostModel.packed_twin says why).
+window): G is the twin's GPU time x the pack's share of the work (packed_fill; packed_window_fill under a window)
+x the engine's varlen factor, and H is the packed calls' host time (Profile.parts; CostModel.packed_twin says why).
 A provider no profile-source run timed on a plain call (FlexAttention's) has no rate; on a packed call it is
 predicted relative to the providers the decision compares, from the profile's `packed` entries (the packed fit grids,
 every provider forced): its time over theirs on the nearest measured packed calls of the same kind and head dims, x
