@@ -248,7 +248,8 @@ class AttentionParams:
         left, right = (UNBOUNDED if side >= reach else side for side in self.window_size)
         if (left, right) == self.window_size:
             return self
-        return self.replace(window_size=(left, right))
+        dropped = self.replace(window_size=(left, right))
+        return dropped if dropped.has_sliding_window else dropped.replace(packed_window_fill=None)
 
     @property
     def a2a_size(self) -> int:
@@ -399,13 +400,9 @@ def packed_window_fill(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], 
     """AttentionParams.packed_window_fill of a packed call, bucketed; None without a window narrower than the mask
     type alone gives (as AttentionParams.has_sliding_window)."""
     causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
-    if tuple(window) == ((UNBOUNDED, 0) if causal else (UNBOUNDED, UNBOUNDED)) or tuple(window) == (-1, -1):
+    left, right = window
+    if left == UNBOUNDED and (right == UNBOUNDED or (causal and right == 0)):
         return None
     full = len(lengths_q) * score_tiles(max_q, max_kv, causal, bottom_right, tile, window)
-    if lengths_q == lengths_kv:  # self-attention: the closed form alone (once per cu_seqlens, every step)
-        left, right = window[0], 0 if causal else window[1]
-        own = sum(_band_tiles(-(-n // tile), tile, left, right) for n in lengths_q if n)
-    else:
-        own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile, window)
-                  for n_q, n_kv in zip(lengths_q, lengths_kv))
+    own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile, window) for n_q, n_kv in zip(lengths_q, lengths_kv))
     return packed_fill_bucket(own / full if full else 1.0)

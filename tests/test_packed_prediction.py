@@ -553,7 +553,7 @@ def test_a_windowed_modules_question_carries_its_window_fill_and_a_plain_ones_on
     cu = torch.tensor([0, 96, 1120], dtype=torch.int32)
     q, k, v = (torch.randn(1120, 4, 64) for _ in range(3))
     found = {}
-    for window in ((128, 0), None):
+    for window in ((128, 0), None, (4096, 0)):  # the last masks nothing at these lengths: dropped, fill and all
         module = DotProductAttention(4, 64, qkv_format="thd", attn_mask_type="padding_causal",
                                      window_size=window).eval()
         found[window] = module.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1024,
@@ -561,4 +561,5 @@ def test_a_windowed_modules_question_carries_its_window_fill_and_a_plain_ones_on
     assert found[(128, 0)]["packed_window_fill"] == packed_window_fill((96, 1024), (96, 1024), 1024, 1024,
                                                                        "padding_causal", (128, 0))
     assert found[None]["packed_window_fill"] is None
+    assert found[(4096, 0)]["packed_window_fill"] is None and tuple(found[(4096, 0)]["window_size"]) == (-1, 0)
     assert found[(128, 0)]["packed_fill"] == found[None]["packed_fill"]
