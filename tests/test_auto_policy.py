@@ -777,6 +777,9 @@ def test_flex_read_relative_to_an_engine_that_skips_no_window_tile_follows_their
     assert found.times_ms[flex] == pytest.approx(found.times_ms[cudnn] * 10.0 * flex_work / cudnn_work, rel=1e-4)
     assert found.best([cudnn, flex]) == flex  # the nearest calls' ratios alone read flex slower (1.2-4x)
     assert all(r[flex] > r[cudnn] for _, r in rows)
+    choice = AutoPolicy(directory=tmp_path).choose(AttentionParams(**dict(base, max_seqlen_q=16384,
+                                                                          max_seqlen_kv=16384)), H100, [cudnn, flex])
+    assert choice.chosen == flex and f"x their work ratio here over there ({cudnn}" in choice.reason
 
 
 def test_a_re_measure_of_one_provider_alone_joins_the_calls_times():

@@ -13,7 +13,7 @@ from ..params import AttentionParams, SeqLengths
 from ..platform import Platform
 from . import decode, modified
 from .base import Choice
-from .cost_model import modifiers
+from .cost_model import modifiers, two_sided_training
 from .order import without_last_resort
 from .profile import PROFILE_DIR, Prediction, Profile, arch_of, profile_for
 
@@ -66,11 +66,15 @@ class AutoPolicy:
                   f"{_source(profile, prediction, platform)}, nearest measured calls: "
                   f"{'; '.join(prediction.neighbours)}")
         margin = profile.relative_margin(params)
+        untiled = [p for p in estimates if p in profile.model.unwindowed_backward] if two_sided_training(params) else []
         for provider, calls in prediction.relative.items():
             reason += (f"; {provider} has no rate in the profile: its time is the others' predicted here x its "
                        "time over theirs on the nearest measured calls of this kind and head dims "
-                       f"({'; '.join(calls)})" + (f", x {margin:g} (a pack picks it only where it reads clearly "
-                                                  "faster)" if margin != 1.0 else ""))
+                       f"({'; '.join(calls)})"
+                       + (f", x their work ratio here over there ({', '.join(untiled)}: every key tile in a two-sided "
+                          "window's backward)" if untiled else "")
+                       + (f", x {margin:g} (a pack picks it only where it reads clearly faster)"
+                          if margin != 1.0 else ""))
         if unknown:
             reason += f"; not in the profile: {', '.join(unknown)}"
         drift = _stack_drift(profile, platform)
