@@ -44,3 +44,21 @@ def test_explain_reads_an_idle_window_as_the_module_does(capsys):
     assert idle["params"]["window_size"] == [-1, 0] and "masks nothing" in idle["notes"][0]
     assert main(args + ["--window", "2046,0"]) == 0  # the last row loses its first key
     assert json.loads(capsys.readouterr().out)["params"]["window_size"] == [2046, 0]
+
+
+def test_explain_takes_a_packed_batchs_lengths_and_reads_its_fills_as_the_module_does(capsys):
+    from attn_dispatch.params import packed_fills, packed_window_fill
+
+    lengths = (3968, 23, 40, 80, 120, 200, 300, 450, 25, 60)
+    args = ["explain", "--platform", "h200-cudnn9", "--format", "thd", "--mask", "padding_causal", "--window",
+            "640,0", "--heads", "8", "--kv-heads", "1", "--head-dim", "96", "--inference", "--json",
+            "--seqlens", ",".join(map(str, lengths))]
+    assert main(args) == 0
+    params = json.loads(capsys.readouterr().out)["params"]
+    assert params["batch_size"] == len(lengths) and params["max_seqlen_q"] == 3968
+    fill, tokens = packed_fills(lengths, lengths, 3968, 3968, "padding_causal")
+    windowed = packed_window_fill(lengths, lengths, 3968, 3968, "padding_causal", (640, 0))
+    assert (params["packed_fill"], params["packed_token_fill"], params["packed_window_fill"]) == (fill, tokens, windowed)
+    for bad, named in ((["--format", "bshd"], "--format thd"), (["--batch", "3"], "--batch 3"),
+                       (["--seqlen", "1000"], "--seqlen 1000")):
+        assert main(args + bad) == 2 and named in capsys.readouterr().err

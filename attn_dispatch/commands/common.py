@@ -29,8 +29,8 @@ def add_call_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("the attention call")
     g.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32, fp64 (default bf16)")
     g.add_argument("--format", dest="qkv_format", default="bshd", choices=QKV_FORMATS)
-    g.add_argument("--batch", type=int, default=2)
-    g.add_argument("--seqlen", type=int, default=4096, help="max sequence length of q")
+    g.add_argument("--batch", type=int, default=None, help="sequences (default 2)")
+    g.add_argument("--seqlen", type=int, default=None, help="max sequence length of q (default 4096)")
     g.add_argument("--seqlen-kv", type=int, default=None, help="max sequence length of k/v (default: --seqlen)")
     g.add_argument("--heads", type=int, default=16)
     g.add_argument("--kv-heads", type=int, default=None, help="GQA/MQA: number of k/v heads")
@@ -57,9 +57,10 @@ def params_from(args: argparse.Namespace, platform: Platform) -> AttentionParams
     if args.bias in ("pre_scale_bias", "post_scale_bias") and bias_shape is None:
         bias_shape = "1hss"
     return AttentionParams(
-        dtype=args.dtype, qkv_format=args.qkv_format, batch_size=args.batch, num_heads=args.heads,
-        num_gqa_groups=args.kv_heads, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v,
-        max_seqlen_q=args.seqlen, max_seqlen_kv=args.seqlen_kv, attn_mask_type=args.mask,
+        dtype=args.dtype, qkv_format=args.qkv_format, batch_size=2 if args.batch is None else args.batch,
+        num_heads=args.heads, num_gqa_groups=args.kv_heads, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v,
+        max_seqlen_q=4096 if args.seqlen is None else args.seqlen, max_seqlen_kv=args.seqlen_kv,
+        attn_mask_type=args.mask,
         window_size=args.window, bias_type=args.bias, bias_shape=bias_shape, dropout=args.dropout,
         softmax_type=args.softmax_type, is_training=not args.inference, deterministic=args.deterministic,
         fp8=args.fp8, cp_size=args.cp_size, cp_comm_type=args.cp_comm,
