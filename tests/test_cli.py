@@ -58,7 +58,8 @@ def test_explain_takes_a_packed_batchs_lengths_and_reads_its_fills_as_the_module
     assert params["batch_size"] == len(lengths) and params["max_seqlen_q"] == 3968
     fill, tokens = packed_fills(lengths, lengths, 3968, 3968, "padding_causal")
     windowed = packed_window_fill(lengths, lengths, 3968, 3968, "padding_causal", (640, 0))
-    assert (params["packed_fill"], params["packed_token_fill"], params["packed_window_fill"]) == (fill, tokens, windowed)
+    found = (params["packed_fill"], params["packed_token_fill"], params["packed_window_fill"])
+    assert found == (fill, tokens, windowed)
     for bad, named in ((["--format", "bshd"], "--format thd"), (["--batch", "3"], "--batch 3"),
                        (["--seqlen", "1000"], "--seqlen 1000")):
         assert main(args + bad) == 2 and named in capsys.readouterr().err
