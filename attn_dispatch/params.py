@@ -73,6 +73,11 @@ def has_padding(mask_type: str) -> bool:
     return mask_type.startswith("padding")
 
 
+def plain_window(mask_type: str) -> tuple[int, int]:
+    """The window the mask type alone gives: (-1, 0) causal, (-1, -1) otherwise."""
+    return (UNBOUNDED, 0) if is_causal(mask_type) else (UNBOUNDED, UNBOUNDED)
+
+
 def normalize_window(window_size: tuple[int, int] | None, mask_type: str) -> tuple[int, int]:
     """Transformer Engine's convention: (left, right), -1 unbounded; causal forces right = 0."""
     if window_size is None:
@@ -233,8 +238,7 @@ class AttentionParams:
     @property
     def has_sliding_window(self) -> bool:
         """A window narrower than the mask type alone gives ((-1, 0) is plain causal)."""
-        plain = (UNBOUNDED, 0) if self.is_causal else (UNBOUNDED, UNBOUNDED)
-        return self.window_size != plain
+        return self.window_size != plain_window(self.attn_mask_type)
 
     def without_idle_window(self) -> "AttentionParams":
         """This call with each window side that masks nothing at its lengths made unbounded, or self. A side of
@@ -396,13 +400,22 @@ def packed_fills(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q:
 
 
 def packed_window_fill(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int,
-                       mask_type: str, window: tuple[int, int], tile: int = PACKED_TILE) -> float | None:
+                       mask_type: str, window: tuple[int, int] | None, tile: int = PACKED_TILE) -> float | None:
     """AttentionParams.packed_window_fill of a packed call, bucketed; None without a window narrower than the mask
     type alone gives (as AttentionParams.has_sliding_window)."""
-    causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
-    left, right = window
-    if left == UNBOUNDED and (right == UNBOUNDED or (causal and right == 0)):
+    window = normalize_window(window, mask_type)
+    if window == plain_window(mask_type):
         return None
+    causal, bottom_right = is_causal(mask_type), is_bottom_right(mask_type)
     full = len(lengths_q) * score_tiles(max_q, max_kv, causal, bottom_right, tile, window)
     own = sum(score_tiles(n_q, n_kv, causal, bottom_right, tile, window) for n_q, n_kv in zip(lengths_q, lengths_kv))
     return packed_fill_bucket(own / full if full else 1.0)
+
+
+def packed_fields(lengths_q: tuple[int, ...], lengths_kv: tuple[int, ...], max_q: int, max_kv: int, mask_type: str,
+                  window: tuple[int, int] | None) -> dict[str, float | None]:
+    """AttentionParams' packed_fill, packed_token_fill and packed_window_fill of a packed call of these lengths: what
+    the module reads from its cu_seqlens."""
+    fill, tokens = packed_fills(lengths_q, lengths_kv, max_q, max_kv, mask_type)
+    return {"packed_fill": fill, "packed_token_fill": tokens,
+            "packed_window_fill": packed_window_fill(lengths_q, lengths_kv, max_q, max_kv, mask_type, window)}

@@ -9,7 +9,7 @@ import torch
 
 from .backends.base import PackedFacts
 from .call_args import CallArgs
-from .params import SeqLengths, has_padding, keyless_rows, packed_fills, packed_window_fill
+from .params import SeqLengths, has_padding, keyless_rows, packed_fields
 from .tensor_cache import cached_on, known_values, same_values
 from .validation import positive_int, show_values
 
@@ -239,14 +239,14 @@ def _thd_info(mask_type, window, q, k, attention_mask, cu_q, cu_kv, cu_q_p, cu_k
         pad_between_seqs = gaps
     with_queries = [(n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv) if n_q > 0]
     # what the profile predicts a packed call's work from; computed here, once per cu_seqlens tensor and version
-    fill, token_fill = packed_fills(tuple(lens_q), tuple(lens_kv), limits[0], limits[1], mask_type)
-    window_fill = packed_window_fill(tuple(lens_q), tuple(lens_kv), limits[0], limits[1], mask_type, window)
+    fills = packed_fields(tuple(lens_q), tuple(lens_kv), limits[0], limits[1], mask_type, window)
     return SeqInfo(cu_q, cu_kv, cu_q_p, cu_kv_p, limits[0], limits[1], batch, bool(pad_between_seqs),
                    _lengths_differ(cu_q, cu_kv), end_q=None if gaps else sum(lens_q),
                    end_kv=None if gaps else sum(lens_kv),
                    min_kv_minus_q=min((n_kv - n_q for n_q, n_kv in with_queries), default=0),
                    queries_without_keys=any(n_kv == 0 for _, n_kv in with_queries),
-                   lengths=(tuple(lens_q), tuple(lens_kv)), fill=fill, token_fill=token_fill, window_fill=window_fill)
+                   lengths=(tuple(lens_q), tuple(lens_kv)), fill=fills["packed_fill"],
+                   token_fill=fills["packed_token_fill"], window_fill=fills["packed_window_fill"])
 
 
 def _lengths_differ(cu_q: torch.Tensor, cu_kv: torch.Tensor) -> bool:

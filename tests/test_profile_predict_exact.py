@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from attn_dispatch import AttentionParams
-from attn_dispatch.params import packed_fills, packed_window_fill
+from attn_dispatch.params import packed_fields
 from attn_dispatch.benchmarking.cases import CASE_GRIDS, Case
 from attn_dispatch.policy.cost_model import COST_MODEL, CostModel, features, measured_pack_fills, tiled_pairs
 from attn_dispatch.policy.profile import PROFILE_DIR, Profile
@@ -26,10 +26,7 @@ MACHINES = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H800", None)
 def params_of(case: Case) -> AttentionParams:
     fills = {}
     if case.seqlens:  # a packed case's own lengths, as the module reads them
-        fill, tokens = packed_fills(case.seqlens, case.seqlens, case.s, case.skv, case.mask)
-        windowed = packed_window_fill(case.seqlens, case.seqlens, case.s, case.skv, case.mask,
-                                      case.window or (-1, -1))
-        fills = dict(packed_fill=fill, packed_token_fill=tokens, packed_window_fill=windowed)
+        fills = packed_fields(case.seqlens, case.seqlens, case.s, case.skv, case.mask, case.window)
     return AttentionParams(**fills, dtype="bfloat16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
                            num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
                            max_seqlen_kv=case.skv, attn_mask_type=case.mask, window_size=case.window,

@@ -15,7 +15,7 @@ import pytest
 
 from attn_dispatch import selection
 from attn_dispatch.benchmarking.cases import CASE_GRIDS
-from attn_dispatch.params import AttentionParams, normalize_window, packed_fills, packed_window_fill
+from attn_dispatch.params import AttentionParams, normalize_window, packed_fields
 from attn_dispatch.platform import Platform
 
 RECORDED = pathlib.Path(__file__).parent / "data" / "shipped_picks.json.gz"
@@ -25,10 +25,7 @@ def params_of(case) -> AttentionParams:
     """The call's params as the module builds them (a packed case with its own lengths carries their fills)."""
     fills = {}
     if case.seqlens:
-        fill, tokens = packed_fills(case.seqlens, case.seqlens, case.s, case.skv, case.mask)
-        windowed = packed_window_fill(case.seqlens, case.seqlens, case.s, case.skv, case.mask,
-                                      normalize_window(case.window, case.mask) or (-1, -1))
-        fills = dict(packed_fill=fill, packed_token_fill=tokens, packed_window_fill=windowed)
+        fills = packed_fields(case.seqlens, case.seqlens, case.s, case.skv, case.mask, case.window)
     return AttentionParams(**fills, dtype="bf16", qkv_format=case.fmt, batch_size=case.b, num_heads=case.h,
                            num_gqa_groups=case.hkv, head_dim_qk=case.d, head_dim_v=case.dv, max_seqlen_q=case.s,
                            max_seqlen_kv=case.skv, attn_mask_type=case.mask,

@@ -8,9 +8,8 @@ import argparse
 from ..context_parallel.efficiency import explain_lines as cp_efficiency_lines, rates_for as cp_rates_for
 from ..env import EnvFlags
 from ..inputs import plain_params
-from ..params import AttentionParams
+from ..params import AttentionParams, packed_fields
 from ..platform import Platform
-from ..policy.profile_build import fills_of
 from ..question import fp8_notes
 from ..selection import explain
 from .common import add_call_arguments, add_platform_argument, params_from, platform_from
@@ -49,8 +48,10 @@ def packed_call(args: argparse.Namespace, platform: Platform) -> AttentionParams
         if value is not None and value < max(lengths):
             raise ValueError(f"{flag} {value} is shorter than the longest of --seqlens ({max(lengths)})")
     seqlen = max(lengths) if args.seqlen is None else args.seqlen
-    params = params_from(argparse.Namespace(**{**vars(args), "batch": len(lengths), "seqlen": seqlen}), platform)
-    return params.replace(**fills_of(params.to_dict(), lengths))
+    params = params_from(args, platform).replace(batch_size=len(lengths), max_seqlen_q=seqlen,
+                                                 max_seqlen_kv=args.seqlen_kv or seqlen)
+    return params.replace(**packed_fields(lengths, lengths, params.max_seqlen_q, params.max_seqlen_kv,
+                                          params.attn_mask_type, params.window_size))
 
 
 def run(args: argparse.Namespace) -> int:

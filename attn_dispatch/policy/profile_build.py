@@ -10,7 +10,7 @@ import math
 import statistics
 from typing import Any
 
-from ..params import AttentionParams, packed_fills, packed_window_fill
+from ..params import AttentionParams, packed_fields
 from .cost_model import (COST_MODEL, CostModel, features, modifiers, packed_mean_length, two_sided_training,
                          unwindowed_work, work)
 
@@ -264,14 +264,9 @@ def packed_entries(runs: list[dict], machines: list[str], model: CostModel = COS
 
 
 def fills_of(params: dict, lengths: tuple[int, ...]) -> dict[str, float | None]:
-    """A packed call's fills (AttentionParams.packed_fill, packed_token_fill, packed_window_fill) from its own
-    lengths, as the module reads them from cu_seqlens."""
-    fill, tokens = packed_fills(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"],
-                                params["attn_mask_type"])
-    window = tuple(params.get("window_size") or (-1, -1))
-    return {"packed_fill": fill, "packed_token_fill": tokens,
-            "packed_window_fill": packed_window_fill(lengths, lengths, params["max_seqlen_q"],
-                                                     params["max_seqlen_kv"], params["attn_mask_type"], window)}
+    """A recorded packed row's fills (packed_fields) from its case's lengths, keys as many as queries."""
+    return packed_fields(lengths, lengths, params["max_seqlen_q"], params["max_seqlen_kv"], params["attn_mask_type"],
+                         tuple(params.get("window_size") or (-1, -1)))
 
 
 def _with_fills(run: dict) -> dict:
